@@ -1,0 +1,174 @@
+"""`pdserve` command line. Every subcommand's engine flags are defined and turned into an
+`EngineConfig` here, in one place."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--model-path", default=None, help="HF model directory (default: the built-in tiny model)"
+    )
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        help="bytes of KV cache (default: sized from --gpu-memory-utilization)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.85,
+        help="fraction of GPU memory for weights, activations and KV cache",
+    )
+    g.add_argument("--max-running-requests", type=int, default=256)
+    g.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=8192,
+        help="prefill tokens per step; longer prompts are split (<= 0: never split)",
+    )
+    g.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=16384,
+        help="prefill tokens per step when chunking is off",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length (default: the model's max_position_embeddings)",
+    )
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from pdserve.engine.config import EngineConfig
+
+    model_path = args.model_path
+    if model_path is None:
+        from pdserve.engine.tiny_model import default_model_dir
+
+        model_path = str(default_model_dir())
+    return EngineConfig(
+        model_path=model_path,
+        dtype=args.dtype,
+        device=args.device,
+        page_size=args.page_size,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pdserve.engine.errors import InvalidRequestError
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_new_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.sampling_seed,
+            stop=tuple(args.stop or ()),
+            ignore_eos=args.ignore_eos,
+        )
+    except InvalidSamplingParams as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    llm = LLM.from_config(engine_config_from_args(args))
+    try:
+        outputs = llm.generate(list(args.prompt), params, use_tqdm=False)
+    except InvalidRequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for output in outputs:
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "prompt": output.prompt,
+                        "text": output.text,
+                        "token_ids": output.token_ids,
+                        "finish_reason": output.finish_reason,
+                    }
+                )
+            )
+        else:
+            print(f"{output.prompt!r} -> {output.text!r} ({output.finish_reason})")
+    return 0
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from pdserve.engine.tiny_model import make_tiny_model
+
+    path = make_tiny_model(
+        args.out_dir,
+        args.arch,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        intermediate_size=args.intermediate_size,
+        seed=args.seed,
+    )
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline generation for one or more prompts")
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for several")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    tiny = sub.add_parser("make-tiny-model", help="write a small seeded random model directory")
+    tiny.add_argument("out_dir")
+    tiny.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
+    tiny.add_argument("--hidden-size", type=int, default=64)
+    tiny.add_argument("--num-layers", type=int, default=2)
+    tiny.add_argument("--num-heads", type=int, default=4)
+    tiny.add_argument("--num-kv-heads", type=int, default=2)
+    tiny.add_argument("--intermediate-size", type=int, default=128)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_make_tiny_model)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""Attention backends behind one interface, and the per-step metadata they read."""
+
+from pdserve.engine.attention.backend import AttentionBackend
+from pdserve.engine.attention.context import AttentionContext
+from pdserve.engine.attention.torch_ref import TorchReferenceBackend
+
+__all__ = ["AttentionBackend", "AttentionContext", "TorchReferenceBackend"]

@@ -1,0 +1,68 @@
+"""Engine configuration: one frozen dataclass, validated on construction.
+
+Role configs (serve, prefill, decode) will *have* an EngineConfig; the CLI builds it in one
+place (`pdserve.cli`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one engine instance.
+
+    kv_cache_memory: bytes for the KV pool; None sizes it from `gpu_memory_utilization` of
+    the GPU's memory (minus weights and activations) or, on CPU, to hold `max_running_requests`
+    full-length sequences capped at `cpu_kv_cache_cap` bytes.
+    chunked_prefill_size: prefill tokens per step; a longer prompt is split into chunks.
+    0 or negative disables splitting (prompts then go whole, `max_prefill_tokens` per step).
+    """
+
+    model_path: str
+    dtype: str = "auto"
+    device: str = "auto"
+    page_size: int = 16
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.85
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 8192
+    max_prefill_tokens: int = 16384
+    max_model_len: int | None = None
+    seed: int = 0
+    cpu_kv_cache_cap: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def prefill_token_budget(self) -> int:
+        """Prompt tokens computed per step across all requests."""
+        return (
+            self.chunked_prefill_size if self.chunked_prefill_size > 0 else self.max_prefill_tokens
+        )
+
+    @property
+    def split_prompts(self) -> bool:
+        return self.chunked_prefill_size > 0

@@ -1,0 +1,190 @@
+"""Incremental detokenization with stop strings, for streaming output.
+
+Decoding every generated id at each step costs O(n) per token. Instead each step decodes only a
+small window of recent ids (the prefix/read offset technique vLLM and TGI use):
+
+    ids: [ ... | prefix_offset ..... read_offset | read_offset ..... end ]
+                 already emitted, kept as context   not yet emitted
+
+`decode(ids[prefix:read])` is text already emitted; `decode(ids[prefix:])` is that text plus the
+new text. Decoding new ids after a little context keeps the tokenizer's leading-space rules
+(sentencepiece's "▁" at the start of a sequence) right, so the first window is seeded with the
+last few prompt ids. If the new text ends in U+FFFD, the last id stopped inside a multi-byte
+UTF-8 character: nothing is emitted and the window grows until the character completes.
+
+Stop strings are searched in the new text plus the `max(len(stop)) - 1` characters before it, so
+a stop string split across tokens is still found. Streaming (`take_new_text`) holds back any
+trailing text that could still grow into a stop string, so a client never sees part of one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+# NOTE: prompt ids that seed the first window: enough for any tokenizer's leading-space rule
+# to see a preceding token, few enough to keep each decode cheap.
+PROMPT_CONTEXT_TOKENS = 5
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class TokenDecoder(Protocol):
+    """The part of a Hugging Face tokenizer that detokenization needs."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ..., **kwargs) -> str: ...
+
+
+class InvalidStopString(ValueError):
+    """A stop string cannot be used (it is empty, so it would match everywhere)."""
+
+
+class DetokenizerFinished(RuntimeError):
+    """Tokens were appended after `finish()`: the request already ended."""
+
+
+def decode_text(
+    tokenizer: TokenDecoder, token_ids: Sequence[int], *, skip_special_tokens: bool = True
+) -> str:
+    """Decode a whole sequence at once, exactly as the incremental path joins it up.
+
+    Space clean-up (" ." -> ".") is off: it depends on text not yet generated, so the
+    incremental path cannot apply it, and a non-streaming response must read the same.
+    """
+    return tokenizer.decode(
+        list(token_ids),
+        skip_special_tokens=skip_special_tokens,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+class IncrementalDetokenizer:
+    """Turns one request's generated ids into text a few at a time, and applies stop strings.
+
+    `append` the ids sampled each step; `text` is all complete text so far; `take_new_text`
+    returns the streamable increment; `stopped_by` names the stop string once one matched,
+    after which appends are ignored. Call `finish` when the request ends for another reason
+    (EOS, length, abort) to release whatever streaming held back.
+
+    When several stop strings match in the same text, the one that completes first wins (ties:
+    the one that starts first), which is what a character-by-character scan would see; the
+    result does not depend on how the text was split into tokens.
+    """
+
+    def __init__(
+        self,
+        tokenizer: TokenDecoder,
+        prompt_token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: tuple[str, ...] = (),
+        include_stop_str_in_output: bool = False,
+    ):
+        if any(not s for s in stop):
+            raise InvalidStopString(f"stop strings must be non-empty, got {stop!r}")
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stop = tuple(stop)
+        self._include_stop = include_stop_str_in_output
+        self._max_stop_len = max((len(s) for s in self._stop), default=0)
+        self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._text = ""
+        self._returned = 0  # characters of _text already handed out by take_new_text
+        self._stopped_by: str | None = None
+        self._finished = False
+
+    @property
+    def text(self) -> str:
+        """All output text so far: complete characters only, truncated at a stop string."""
+        return self._text
+
+    @property
+    def stopped_by(self) -> str | None:
+        """The stop string that matched, or None."""
+        return self._stopped_by
+
+    @property
+    def finished(self) -> bool:
+        """True once `finish()` was called."""
+        return self._finished
+
+    def append(self, token_ids: Sequence[int]) -> None:
+        """Feed ids generated this step (one, or several with speculative decoding)."""
+        if self._finished:
+            raise DetokenizerFinished("append() after finish(): the request already ended")
+        if self._stopped_by is not None or not token_ids:
+            return
+        self._ids.extend(token_ids)
+        self._add_text(self._decode_pending(flush=False))
+
+    def take_new_text(self) -> str:
+        """Text not returned by earlier calls, less any tail that may begin a stop string."""
+        end = len(self._text)
+        if not self._finished and self._stopped_by is None:
+            end -= self._stop_prefix_len()
+        # NOTE: end >= _returned always: text that reached a client was no stop-string prefix
+        # then, so no later match or held-back tail can begin before it.
+        chunk = self._text[self._returned : end]
+        self._returned = end
+        return chunk
+
+    def finish(self) -> None:
+        """End the request: decode any ids still pending and stop holding text back.
+
+        Ids that end inside a character are decoded as they are (with U+FFFD), as a whole-text
+        decode would. Calling it twice is harmless.
+        """
+        if self._finished:
+            return
+        if self._stopped_by is None:
+            self._add_text(self._decode_pending(flush=True))
+        self._finished = True
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return decode_text(
+            self._tokenizer, token_ids, skip_special_tokens=self._skip_special_tokens
+        )
+
+    def _decode_pending(self, *, flush: bool) -> str:
+        """New text of the ids past read_offset; "" while they end inside a character."""
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        complete = len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT_CHAR)
+        if not (complete or flush):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return full_text[len(prefix_text) :]
+
+    def _add_text(self, new_text: str) -> None:
+        if not new_text:
+            return
+        # A match ending in older text would have stopped us already, so only matches that end
+        # in new_text are possible; they start at most max_stop_len - 1 characters before it.
+        search_from = max(0, len(self._text) - self._max_stop_len + 1)
+        self._text += new_text
+        if self._stop:
+            self._apply_stop(search_from)
+
+    def _apply_stop(self, search_from: int) -> None:
+        best: tuple[int, int, str] | None = None  # (end, start, stop string)
+        for stop in self._stop:
+            start = self._text.find(stop, search_from)
+            if start != -1 and (best is None or (start + len(stop), start) < best[:2]):
+                best = (start + len(stop), start, stop)
+        if best is None:
+            return
+        end, start, stop = best
+        self._stopped_by = stop
+        self._text = self._text[: end if self._include_stop else start]
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        for length in range(min(self._max_stop_len - 1, len(self._text)), 0, -1):
+            tail = self._text[-length:]
+            if any(len(s) > length and s.startswith(tail) for s in self._stop):
+                return length
+        return 0

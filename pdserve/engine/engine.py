@@ -1,0 +1,213 @@
+"""The engine: requests in, tokens out, one `step()` at a time.
+
+It owns the model, the KV pool, the scheduler and the sampler. `step()` schedules, runs the
+batch, and turns sampled tokens into outputs (stop checks, detokenization, page release). It is
+single-threaded; callers add and abort requests between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import AutoTokenizer
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.loader import build_kv_pool, load_model, resolve_device, resolve_dtype
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.page_allocator import PageAllocator
+from pdserve.engine.request import FinishReason, Request
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model_path)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
+        torch.manual_seed(config.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.model = load_model(
+            config.model_path, self.model_config, self.device, self.dtype, self.max_model_len
+        )
+        self.eos_token_ids = self._eos_token_ids()
+        self.sampler = Sampler(self.eos_token_ids)
+        self.kv_pool: KVPool = build_kv_pool(
+            config, self.model_config, self.model, self.device, self.dtype, self.max_model_len
+        )
+        self.allocator = PageAllocator(self.kv_pool.num_pages)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                page_size=config.page_size,
+                max_running_requests=config.max_running_requests,
+                prefill_token_budget=config.prefill_token_budget,
+                split_prompts=config.split_prompts,
+            ),
+            self.allocator,
+        )
+        self.runner = ModelRunner(self.model, self.kv_pool, self.sampler, self.device)
+        self.requests: dict[str, Request] = {}
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV pages of %d tokens, max_model_len %d",
+            self.model_config.architecture,
+            self.device,
+            self.dtype,
+            self.kv_pool.num_pages,
+            config.page_size,
+            self.max_model_len,
+        )
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams
+    ) -> Request:
+        """Validate and queue a request; raises InvalidRequestError (or a subclass) if it can
+        never be served."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        token_ids = self.tokenize(prompt)
+        self._check_fits(token_ids, params)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            max_total_tokens=min(len(token_ids) + params.max_new_tokens, self.max_model_len),
+        )
+        if params.seed is not None:
+            request.generator = self.sampler.make_generator(params.seed, self.device)
+        request.detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            token_ids = [int(t) for t in prompt]
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param="prompt"
+                )
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return token_ids
+
+    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(token_ids)} tokens; this model's maximum context length "
+                f"is {self.max_model_len} tokens, including at least one generated token",
+                param="prompt",
+            )
+        # NOTE: no capacity check per request: start-up guarantees the KV pool holds one
+        # max_model_len sequence, so every accepted request fits once others finish.
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a queued or running request and free its pages now. False if unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.finish(request, FinishReason.ABORT)
+        request.detokenizer.finish()
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run, post-process. Returns an output for every request that produced
+        tokens this step (and for every request that finished)."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampled, result = self.runner.run(batch)
+        return self._process(batch, sampled, result)
+
+    def _process(self, batch: ScheduledBatch, sampled: list[int], result) -> list[RequestOutput]:
+        for request, count in zip(batch.requests, batch.num_new_tokens, strict=True):
+            request.num_computed_tokens += count
+        outputs = []
+        now = time.monotonic()
+        for j, index in enumerate(sampled):
+            request = batch.requests[index]
+            token = result.token_ids[j]
+            request.append_token(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if result.logprobs[j] is not None:
+                request.logprobs.append(result.logprobs[j])
+                if result.top_logprobs[j] is not None:
+                    request.top_logprobs.append(result.top_logprobs[j])
+            request.detokenizer.append([token])
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+                request.detokenizer.finish()
+                self.requests.pop(request.request_id, None)
+            outputs.append(self._output(request, [token]))
+        return outputs
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        p = request.sampling_params
+        detok = request.detokenizer
+        if request.num_output_tokens >= p.min_new_tokens:
+            if token in self.eos_token_ids and not p.ignore_eos:
+                return FinishReason.STOP
+            if token in p.stop_token_ids:
+                request.stop_reason = token
+                return FinishReason.STOP
+            if detok.stopped_by is not None:
+                request.stop_reason = detok.stopped_by
+                return FinishReason.STOP
+        if request.num_tokens >= request.max_total_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
+        want_logprobs = request.sampling_params.logprobs is not None
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=request.output_token_ids,
+            text=request.detokenizer.text,
+            new_token_ids=new_tokens,
+            new_text=request.detokenizer.take_new_text(),
+            finished=request.finished,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            stop_reason=request.stop_reason,
+            error=request.error,
+            logprobs=list(request.logprobs) if want_logprobs else None,
+            top_logprobs=list(request.top_logprobs) if request.sampling_params.logprobs else None,
+        )

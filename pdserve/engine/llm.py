@@ -1,0 +1,86 @@
+"""Offline generation: `LLM(model_path).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Batch generation on one device. Keyword arguments are `EngineConfig` fields."""
+
+    def __init__(self, model_path: str | None = None, **engine_options):
+        if model_path is None:
+            from pdserve.engine.tiny_model import default_model_dir
+
+            model_path = str(default_model_dir())
+        self._start(EngineConfig(model_path=str(model_path), **engine_options))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.engine = Engine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for all prompts at once (continuous batching); outputs in prompt order.
+
+        A prompt is a string or a list of token ids. `sampling_params` is one for all prompts
+        or one per prompt. An invalid prompt raises before anything is queued.
+        """
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        for prompt, params in zip(prompts, sampling_params, strict=True):
+            self.engine._check_fits(self.engine.tokenize(prompt), params)
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        for request_id, prompt, params in zip(ids, prompts, sampling_params, strict=True):
+            self.engine.add_request(request_id, prompt, params)
+        show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
+        bar = tqdm(total=len(prompts), desc="Generating", disable=not show)
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for output in self.engine.step():
+                if output.finished:
+                    final[output.request_id] = output
+                    bar.update(1)
+        bar.close()
+        results = [final[i] for i in ids]
+        for prompt, output in zip(prompts, results, strict=True):
+            if isinstance(prompt, str):
+                output.prompt = prompt
+        return results
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # a single prompt given as token ids
+    return prompts

@@ -1,0 +1,146 @@
+"""Start-up: pick device and dtype, build and load the model, size the KV pool."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+
+from pdserve.engine.attention import AttentionContext, TorchReferenceBackend
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.dtypes import parse_dtype
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models import CausalLM, model_class
+from pdserve.engine.page_allocator import pages_needed
+from pdserve.engine.weights import iterate_weights
+
+logger = logging.getLogger(__name__)
+
+
+class KVCacheTooSmallError(RuntimeError):
+    """The memory left for the KV cache cannot hold even one full-length sequence."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} requested but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, model_config: ModelConfig) -> torch.dtype:
+    """'auto' is float32 on CPU, and on GPU the checkpoint's half type (bfloat16 if none)."""
+    if name != "auto":
+        return parse_dtype(name)
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if model_config.torch_dtype == "float16" else torch.bfloat16
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    model_path: str,
+    model_config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+) -> CausalLM:
+    cls = model_class(model_config.architecture)
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(model_config, TorchReferenceBackend(), max_positions)
+    model.load_weights(iterate_weights(model_path, device))
+    return model.eval()
+
+
+def build_kv_pool(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    model: CausalLM,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+) -> KVPool:
+    page_bytes = KVPool.bytes_per_page(
+        model_config.num_layers,
+        config.page_size,
+        model_config.num_kv_heads,
+        model_config.head_dim,
+        dtype,
+    )
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+    elif device.type == "cuda":
+        budget = _gpu_kv_budget(config, model_config, model, device, dtype, max_model_len)
+    else:
+        full = config.max_running_requests * pages_needed(max_model_len, config.page_size)
+        budget = min(full * page_bytes, config.cpu_kv_cache_cap)
+    num_pages = budget // page_bytes
+    if num_pages * config.page_size < max_model_len:
+        raise KVCacheTooSmallError(
+            f"{budget / 2**20:.1f} MiB of KV cache holds {num_pages * config.page_size} tokens, "
+            f"less than one sequence of max_model_len={max_model_len}; give it more memory "
+            "(--kv-cache-memory / --gpu-memory-utilization) or lower --max-model-len"
+        )
+    return KVPool(
+        num_layers=model_config.num_layers,
+        num_pages=num_pages,
+        page_size=config.page_size,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        dtype=dtype,
+        device=device,
+    )
+
+
+def _gpu_kv_budget(config, model_config, model, device, dtype, max_model_len) -> int:
+    """What is left of `gpu_memory_utilization` x total memory after the weights and the peak
+    activations of the largest prefill step (measured with one dummy forward pass)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    tokens = min(config.prefill_token_budget, max_model_len)
+    probe = KVPool(
+        num_layers=model_config.num_layers,
+        num_pages=pages_needed(tokens, config.page_size),
+        page_size=config.page_size,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        dtype=dtype,
+        device=device,
+    )
+    ctx = AttentionContext.build(
+        page_size=config.page_size,
+        pages=[list(range(probe.num_pages))],
+        num_computed=[0],
+        query_lens=[tokens],
+        device=device,
+    )
+    ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+    with torch.inference_mode():
+        hidden = model(ids, ctx.positions, probe, ctx)
+        model.compute_logits(hidden[-config.max_running_requests :])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - probe.nbytes
+    del probe, ctx, hidden
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget = int(total * config.gpu_memory_utilization) - peak
+    logger.info(
+        "GPU memory: total %.1f GiB, weights+activations peak %.1f GiB, KV budget %.1f GiB",
+        total / 2**30,
+        peak / 2**30,
+        budget / 2**30,
+    )
+    return max(budget, 0)

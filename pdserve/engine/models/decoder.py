@@ -1,0 +1,155 @@
+"""The decoder-only transformer behind Llama, Mistral, Qwen2 and Qwen3.
+
+The four architectures are one network; their differences (q/k/v bias, per-head q/k norm,
+head_dim, sliding window, tied embeddings, RoPE scaling) are fields of `ModelConfig`. Module
+names mirror the HF checkpoints, so loading maps names one to one except for the fused q/k/v
+and gate/up projections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pdserve.engine.attention import AttentionBackend, AttentionContext
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.layers import (
+    Attention,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    rope_inverse_frequencies,
+)
+
+# checkpoint projection -> (fused module, index of its slice)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class MissingWeightsError(ValueError):
+    """The checkpoint lacks tensors the model needs."""
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, layer: int, config: ModelConfig, rotary, backend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(
+            layer=layer,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            qkv_bias=config.qkv_bias,
+            qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
+            sliding_window=config.sliding_window,
+            rotary=rotary,
+            backend=backend,
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, h, positions, kv_pool, ctx):
+        h = h + self.self_attn(self.input_layernorm(h), positions, kv_pool, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        inv_freq, scaling = rope_inverse_frequencies(
+            config.hf_config, config.rope_parameters, config.head_dim
+        )
+        self.rotary = RotaryEmbedding(inv_freq, scaling, max_positions)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(i, config, self.rotary, backend) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_pool, ctx):
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(h, positions, kv_pool, ctx)
+        return self.norm(h)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, backend, max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_pool: KVPool,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
+        """Hidden states `[T, hidden]` of the flattened batch."""
+        return self.model(input_ids, positions, kv_pool, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in; raise if any parameter stayed unset."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            target, part = self._param_for(name)
+            if target not in params:
+                raise MissingWeightsError(f"checkpoint tensor {name!r} has no place in the model")
+            param = params[target]
+            dest = param if part is None else param.narrow(0, *self._slice_of(target, part))
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise MissingWeightsError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(f"{target}:{part}")
+        expected = set()
+        for target in params:
+            if target.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+                expected.update(f"{target}:{i}" for i in range(3))
+            elif target.endswith("gate_up_proj.weight"):
+                expected.update(f"{target}:{i}" for i in range(2))
+            elif not (target == "lm_head.weight" and self.config.tie_word_embeddings):
+                expected.add(f"{target}:None")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise MissingWeightsError(
+                f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}"
+            )
+
+    @staticmethod
+    def _param_for(name: str) -> tuple[str, int | None]:
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in _FUSED:
+            fused, index = _FUSED[parts[-2]]
+            return ".".join([*parts[:-2], fused, parts[-1]]), index
+        return name, None
+
+    def _slice_of(self, target: str, part: int) -> tuple[int, int]:
+        c = self.config
+        if "qkv_proj" in target:
+            q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            return [(0, q), (q, kv), (q + kv, kv)][part]
+        return (part * c.intermediate_size, c.intermediate_size)

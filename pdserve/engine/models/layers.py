@@ -1,0 +1,137 @@
+"""Building blocks shared by every decoder model: norm, rotary embedding, attention, MLP.
+
+Numerics follow transformers' implementations (norm in float32 then cast back; rotary tables
+computed in float32 and cast to the activation dtype) so greedy outputs match it token for token.
+Q/K/V and gate/up projections are fused into one matmul each; the weight loader fills the
+fused weights from the checkpoint's separate tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.attention import AttentionBackend, AttentionContext
+from pdserve.engine.kv_pool import KVPool
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inverse_frequencies(
+    hf_config: dict[str, Any], rope_parameters: dict[str, Any], head_dim: int
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for the config's RoPE type.
+
+    The default type is computed here; scaled types (llama3, linear, yarn, ...) come from
+    transformers' own implementations so they cannot drift from the reference.
+    """
+    rope_type = rope_parameters["rope_type"]
+    if rope_type == "default":
+        base = float(rope_parameters["rope_theta"])
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (base**exponents), 1.0
+    if rope_type == "dynamic":
+        raise ValueError("dynamic NTK RoPE depends on the sequence length and is not supported")
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unknown rope_type {rope_type!r}; known: {sorted(ROPE_INIT_FUNCTIONS)}")
+    fields = dict(hf_config)
+    hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int):
+        super().__init__()
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", angles.cos() * scaling, persistent=False)
+        self.register_buffer("sin", angles.sin() * scaling, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        *,
+        layer: int,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool,
+        qk_norm_eps: float | None,
+        sliding_window: int | None,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+    ):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
+        # Qwen3 normalizes each head of q and k before the rotary embedding.
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.sliding_window = sliding_window
+        self.scale = head_dim**-0.5
+        # NOTE: plain attributes, not submodules: shared by every layer, no weights.
+        self.__dict__["rotary"] = rotary
+        self.__dict__["backend"] = backend
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_pool: KVPool, ctx: AttentionContext
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(
+            self.layer, q, k, v, kv_pool, ctx, scale=self.scale, sliding_window=self.sliding_window
+        )
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

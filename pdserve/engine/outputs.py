@@ -1,0 +1,26 @@
+"""What the engine reports about a request after a step. Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: cumulative text and tokens, plus what is new since the
+    previous output (for streaming). `finish_reason` is "stop", "length" or "abort" once
+    `finished`; `stop_reason` is the stop token id or stop string that matched, if any."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt: str | None = None

@@ -1,0 +1,129 @@
+"""Turns next-token logits into tokens, one row per request, each with its own settings.
+
+Order of operations (vLLM's): suppress stop tokens before `min_new_tokens`; penalties
+(repetition over prompt + output, HF style; frequency and presence over the output, OpenAI
+style); greedy rows take the argmax; sampled rows divide by temperature, keep the top-k, the
+top-p nucleus and tokens with at least min_p times the top probability, then draw. A request
+with a seed draws from its own generator, so its tokens do not depend on what else is batched
+with it. Reported logprobs are those of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.request import Request
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: tuple[int, ...]):
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def make_generator(self, seed: int, device: torch.device) -> torch.Generator:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        return generator
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        """`logits` is `[len(requests), vocab]` float32; it is modified in place."""
+        params = [r.sampling_params for r in requests]
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+        self._suppress_stop_tokens(logits, requests)
+        for row, request in enumerate(requests):
+            if request.sampling_params.uses_penalties:
+                _apply_penalties(logits[row], request)
+
+        tokens = logits.argmax(dim=-1)
+        sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sample_rows:
+            probs = _filtered_probs(logits[sample_rows], [params[i] for i in sample_rows])
+            tokens[sample_rows] = self._draw(probs, [requests[i] for i in sample_rows])
+
+        token_ids = tokens.tolist()
+        logprobs: list[float | None] = [None] * len(requests)
+        top: list[dict[int, float] | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            chosen = torch.tensor([token_ids[i] for i in logprob_rows], device=logits.device)
+            chosen_lp = raw_logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+            for j, row in enumerate(logprob_rows):
+                logprobs[row] = chosen_lp[j]
+                n = params[row].logprobs
+                if n:
+                    values, ids = raw_logprobs[j].topk(n)
+                    top[row] = dict(zip(ids.tolist(), values.tolist(), strict=True))
+        return SampleResult(token_ids, logprobs, top)
+
+    def _suppress_stop_tokens(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        for row, request in enumerate(requests):
+            p = request.sampling_params
+            if request.num_output_tokens >= p.min_new_tokens:
+                continue
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+            if banned:
+                logits[row, banned] = float("-inf")
+
+    @staticmethod
+    def _draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        drawn = torch.empty(len(requests), dtype=torch.int64, device=probs.device)
+        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+        if unseeded:
+            drawn[unseeded] = torch.multinomial(probs[unseeded], 1)[:, 0]
+        for i, request in enumerate(requests):
+            if request.generator is not None:
+                drawn[i] = torch.multinomial(probs[i], 1, generator=request.generator)[0]
+        return drawn
+
+
+def _apply_penalties(row_logits: torch.Tensor, request: Request) -> None:
+    p = request.sampling_params
+    device = row_logits.device
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.int64, device=device)
+        values = row_logits[seen]
+        row_logits[seen] = torch.where(
+            values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+        )
+    if (p.frequency_penalty or p.presence_penalty) and request.num_output_tokens:
+        output = torch.tensor(request.output_token_ids, dtype=torch.int64, device=device)
+        counts = torch.bincount(output, minlength=row_logits.shape[0])[: row_logits.shape[0]]
+        row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p, renormalized."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits / temperature[:, None]
+    vocab = logits.shape[-1]
+    top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device)
+        k = torch.tensor(top_k, device=device)
+        sorted_logits.masked_fill_(ranks[None, :] >= k[:, None], float("-inf"))
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # NOTE: drop a token once the mass strictly before it already reaches top_p; the most
+        # likely token is always kept.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        p = torch.tensor(top_p, device=device)
+        sorted_logits.masked_fill_(mass_before >= p[:, None], float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    if bool((min_p > 0).any()):
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs

@@ -1,0 +1,156 @@
+"""Continuous batching with chunked prefill over a paged KV cache. Torch-free.
+
+Each step the scheduler decides, per request, how many of its not-yet-computed tokens to run:
+running requests first (one token each when decoding, the next chunk when a long prompt is
+being prefilled), then waiting requests in arrival order while the prefill token budget,
+`max_running_requests` and free pages allow. When a running request needs a page and none is
+free, the most recently admitted request is preempted: its pages are freed and it goes back to
+the front of the queue to be recomputed later (its generated tokens are kept).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.page_allocator import PageAllocator, pages_needed
+from pdserve.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """The work of one step: `num_new_tokens[i]` tokens of `requests[i]`, from its
+    `num_computed_tokens` on. A request samples a token when its chunk reaches its end."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        self.requests.append(request)
+        self.num_new_tokens.append(num_new_tokens)
+
+    def samples(self, index: int) -> bool:
+        request = self.requests[index]
+        return request.num_computed_tokens + self.num_new_tokens[index] == request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int
+    max_running_requests: int
+    prefill_token_budget: int
+    split_prompts: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator):
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.prefill_token_budget
+        scheduled: set[int] = set()
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            remaining = request.num_tokens - request.num_computed_tokens
+            # NOTE: a decode step is one token and never counts against the prefill budget.
+            count = remaining if remaining == 1 else self._chunk(remaining, budget, bool(batch))
+            if count == 0 or not self._reserve(request, count, scheduled):
+                continue
+            if remaining > 1:
+                budget -= count
+            batch.add(request, count)
+            scheduled.add(id(request))
+        self._admit_waiting(batch, budget)
+        return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and len(self.running) < self.config.max_running_requests:
+            request = self.waiting[0]
+            remaining = request.num_tokens - request.num_computed_tokens
+            count = self._chunk(remaining, budget, bool(batch))
+            if count == 0:
+                return
+            needed = self._pages_for(request, count)
+            # Keep one free page per running request so admitted work can keep decoding
+            # without immediately preempting someone.
+            if needed + len(self.running) > self.allocator.num_free and self.running:
+                return
+            if not self.allocator.can_allocate(needed):
+                return
+            request.pages.extend(self.allocator.allocate(needed))
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            batch.add(request, count)
+            budget -= count
+
+    def _chunk(self, remaining: int, budget: int, batch_has_work: bool) -> int:
+        """Prompt tokens to run now: all that fit the budget, split only when allowed."""
+        if remaining <= budget:
+            return remaining
+        if self.config.split_prompts:
+            return max(budget, 0)
+        # Unsplittable prompts larger than the budget still run, alone in their step.
+        return 0 if batch_has_work else remaining
+
+    def _pages_for(self, request: Request, count: int) -> int:
+        total = pages_needed(request.num_computed_tokens + count, self.config.page_size)
+        return max(total - len(request.pages), 0)
+
+    def _reserve(self, request: Request, count: int, scheduled: set[int]) -> bool:
+        """Give `request` pages for `count` more tokens, preempting the newest running
+        requests not yet scheduled this step. False if the request had to preempt itself."""
+        needed = self._pages_for(request, count)
+        while not self.allocator.can_allocate(needed):
+            victim = self._pick_victim(scheduled)
+            self._preempt(victim)
+            if victim is request:
+                return False
+        request.pages.extend(self.allocator.allocate(needed))
+        return True
+
+    def _pick_victim(self, scheduled: set[int]) -> Request:
+        for request in reversed(self.running):
+            if id(request) not in scheduled:
+                return request
+        raise RuntimeError("KV cache exhausted by requests already scheduled this step")
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release_pages(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request (running or waiting) and free its pages at once."""
+        if request.finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._release_pages(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    def _release_pages(self, request: Request) -> None:
+        if request.pages:
+            self.allocator.free(request.pages)
+            request.pages = []

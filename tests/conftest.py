@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny seeded models (one per architecture) and the transformers reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory):
+    """Callable arch -> directory of a seeded tiny model, built once per session."""
+    from pdserve.engine.tiny_model import make_tiny_model
+
+    cache: dict[str, str] = {}
+
+    def get(arch: str = "llama") -> str:
+        if arch not in cache:
+            cache[arch] = str(make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch))
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """Callable (model_dir, prompt_ids, n, device, dtype) -> transformers' greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    models: dict[tuple, torch.nn.Module] = {}
+
+    def generate(model_dir, prompt_ids, n, device="cpu", dtype=torch.float32):
+        key = (model_dir, device, dtype)
+        if key not in models:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+            # Generate exactly n tokens, like the engine with ignore_eos.
+            model.generation_config.eos_token_id = None
+            models[key] = model
+        model = models[key]
+        ids = torch.tensor([prompt_ids], device=device)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        return out[0, len(prompt_ids) :].tolist()
+
+    return generate
+
+
+def random_prompts(lengths, vocab_size, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]

@@ -1,0 +1,75 @@
+"""The engine on CUDA: float32 exactness against transformers, bfloat16 agreement, memory
+sizing from the GPU's free memory. Skipped without a GPU; run on the device machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from tests.conftest import ARCHS, random_prompts
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = (1, 7, 16, 33, 90, 300)
+KV_BYTES = 256 << 20
+
+
+def greedy(n):
+    return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_float32_greedy_equals_transformers(arch, tiny_model_dirs, hf_greedy):
+    model_dir = tiny_model_dirs(arch)
+    llm = LLM(model_dir, device="cuda", dtype="float32", kv_cache_memory=KV_BYTES)
+    prompts = random_prompts(LENGTHS, 1000, seed=1)
+    outputs = llm.generate(prompts, greedy(32))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected = hf_greedy(model_dir, prompt, 32, device="cuda", dtype=torch.float32)
+        assert output.token_ids == expected, f"prompt length {len(prompt)}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bfloat16_greedy_agrees_with_transformers(arch, tiny_model_dirs, hf_greedy):
+    model_dir = tiny_model_dirs(arch)
+    llm = LLM(model_dir, device="cuda", dtype="bfloat16", kv_cache_memory=KV_BYTES)
+    prompts = random_prompts((3, 11, 25, 40, 64, 80, 120, 200), 1000, seed=4)
+    outputs = llm.generate(prompts, greedy(8))
+    matches = 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected = hf_greedy(model_dir, prompt, 8, device="cuda", dtype=torch.bfloat16)
+        assert output.token_ids[0] == expected[0], f"first token, prompt length {len(prompt)}"
+        matches += output.token_ids == expected
+    print(f"{arch}: bf16 8-token agreement {matches}/{len(prompts)}")
+    assert matches >= len(prompts) - 1
+
+
+def test_chunked_prefill_and_page_size_on_gpu(tiny_model_dirs):
+    model_dir = tiny_model_dirs("qwen3")
+    prompts = random_prompts((5, 64, 150), 1000, seed=5)
+
+    def tokens(**options):
+        llm = LLM(model_dir, device="cuda", dtype="float32", kv_cache_memory=KV_BYTES, **options)
+        return [o.token_ids for o in llm.generate(prompts, greedy(16))]
+
+    reference = tokens(chunked_prefill_size=0)
+    assert tokens(chunked_prefill_size=16) == reference
+    assert tokens(page_size=1) == reference
+    assert tokens(page_size=64) == reference
+
+
+def test_seeded_sampling_reproduces_on_gpu(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs("llama"), device="cuda", kv_cache_memory=KV_BYTES)
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=11)
+    alone = llm.generate(["Hello there"], params)[0].token_ids
+    batched = llm.generate(["x", "Hello there", "y z"], params)[1].token_ids
+    assert alone == batched
+
+
+def test_kv_pool_sized_from_gpu_memory(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs("llama"), device="cuda", gpu_memory_utilization=0.1)
+    total = torch.cuda.get_device_properties(0).total_memory
+    pool = llm.engine.kv_pool
+    assert 0.03 * total < pool.nbytes < 0.1 * total
+    assert llm.generate(["Hi"], greedy(4))[0].token_ids
