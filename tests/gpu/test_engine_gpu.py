@@ -32,17 +32,32 @@ def test_float32_greedy_equals_transformers(arch, tiny_model_dirs, hf_greedy):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bfloat16_greedy_agrees_with_transformers(arch, tiny_model_dirs, hf_greedy):
+    """bf16 rounding differs between any two implementations, so greedy paths may part at a
+    near-tie. Check they are equal, or part only where the float32 model itself sees the two
+    candidate tokens within a small logit gap."""
+    from transformers import AutoModelForCausalLM
+
     model_dir = tiny_model_dirs(arch)
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", kv_cache_memory=KV_BYTES)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
     prompts = random_prompts((3, 11, 25, 40, 64, 80, 120, 200), 1000, seed=4)
     outputs = llm.generate(prompts, greedy(8))
-    matches = 0
+    matches, gaps = 0, []
     for prompt, output in zip(prompts, outputs, strict=True):
         expected = hf_greedy(model_dir, prompt, 8, device="cuda", dtype=torch.bfloat16)
-        assert output.token_ids[0] == expected[0], f"first token, prompt length {len(prompt)}"
-        matches += output.token_ids == expected
-    print(f"{arch}: bf16 8-token agreement {matches}/{len(prompts)}")
-    assert matches >= len(prompts) - 1
+        if output.token_ids == expected:
+            matches += 1
+            continue
+        part = next(
+            i for i, (a, b) in enumerate(zip(output.token_ids, expected, strict=True)) if a != b
+        )
+        prefix = torch.tensor([prompt + expected[:part]], device="cuda")
+        with torch.no_grad():
+            logits = reference(prefix).logits[0, -1]
+        gaps.append(abs(float(logits[expected[part]] - logits[output.token_ids[part]])))
+    print(f"{arch}: bf16 8-token agreement {matches}/{len(prompts)}, fp32 gaps where parted {gaps}")
+    assert matches >= len(prompts) // 2
+    assert all(gap < 0.1 for gap in gaps), gaps
 
 
 def test_chunked_prefill_and_page_size_on_gpu(tiny_model_dirs):

@@ -61,7 +61,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int):
         super().__init__()
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
+        # NOTE: scaled RoPE types compute inv_freq on the CPU; follow the positions' device
+        # (the model is built under a `torch.device` context).
+        freqs = torch.outer(positions, inv_freq.to(positions.device))
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", angles.cos() * scaling, persistent=False)
         self.register_buffer("sin", angles.sin() * scaling, persistent=False)
