@@ -152,8 +152,10 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset :])
-        complete = len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT_CHAR)
-        if not (complete or flush):
+        # NOTE: ids that decode to nothing (skipped special tokens, ids the tokenizer does not
+        # know) still advance the window; only a trailing partial character keeps ids pending,
+        # so the window stays a few ids wide whatever the model emits.
+        if full_text.endswith(REPLACEMENT_CHAR) and not flush:
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)

@@ -173,6 +173,17 @@ def test_each_step_decodes_a_small_window(tokenizer):
     assert det.text == tokenizer.decode(ids)
 
 
+def test_ids_that_decode_to_nothing_keep_the_window_small(tokenizer):
+    spy = WindowSpy(tokenizer)
+    eos = tokenizer.convert_tokens_to_ids("<eos>")
+    det = IncrementalDetokenizer(spy, encode(tokenizer, PROMPT))
+    for _ in range(200):
+        det.append([eos])  # skipped special token: no text
+    det.append(encode(tokenizer, " hello"))
+    assert det.text == " hello"
+    assert spy.longest <= PROMPT_CONTEXT_TOKENS + 2
+
+
 def test_finish_decodes_a_trailing_partial_character_as_whole_decode_would(tokenizer):
     ids = encode(tokenizer, "ok 🎉")[:-1]
     det = make(tokenizer)

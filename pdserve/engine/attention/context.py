@@ -50,9 +50,7 @@ class AttentionContext:
         num_seqs = len(query_lens)
         kv_lens = [c + q for c, q in zip(num_computed, query_lens, strict=True)]
         max_pages = max((len(p) for p in pages), default=1) or 1
-        table = torch.zeros((num_seqs, max_pages), dtype=torch.int64)
-        for i, seq_pages in enumerate(pages):
-            table[i, : len(seq_pages)] = torch.tensor(seq_pages, dtype=torch.int64)
+        table = torch.tensor([p + [0] * (max_pages - len(p)) for p in pages], dtype=torch.int64)
         query_starts = [0] * num_seqs
         for i in range(1, num_seqs):
             query_starts[i] = query_starts[i - 1] + query_lens[i - 1]
