@@ -82,3 +82,26 @@ def test_preemption_under_memory_pressure_gives_same_tokens(qwen3_case):
     assert [r.output_token_ids for r in requests] == reference
     assert sum(r.num_preemptions for r in requests) > 0
     assert tight.engine.allocator.num_used == 0
+
+
+def test_mistral_sliding_window_equals_transformers(tmp_path, hf_greedy):
+    from pdserve.engine.tiny_model import make_tiny_model
+
+    model_dir = str(make_tiny_model(tmp_path / "mistral-sw", "mistral", sliding_window=12))
+    llm = LLM(model_dir, device="cpu")
+    assert llm.engine.model_config.sliding_window == 12
+    prompts = random_prompts((5, 30, 47), 1000, seed=6)
+    outputs = llm.generate(prompts, GREEDY_32)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.token_ids == hf_greedy(model_dir, prompt, 32), f"prompt length {len(prompt)}"
+
+
+def test_bfloat16_on_cpu_follows_transformers(tiny_model_dirs, hf_greedy):
+    import torch
+
+    model_dir = tiny_model_dirs("qwen2")
+    llm = LLM(model_dir, device="cpu", dtype="bfloat16")
+    prompts = random_prompts((4, 20, 60), 1000, seed=7)
+    outputs = llm.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0))
+    firsts = [hf_greedy(model_dir, p, 1, dtype=torch.bfloat16)[0] for p in prompts]
+    assert [o.token_ids[0] for o in outputs] == firsts
