@@ -133,6 +133,53 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    g.add_argument("--port", type=int, default=30000)
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name the API reports and accepts (default: the model path)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (/health and /metrics stay open)",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="waiting requests beyond this are refused with 429",
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pdserve.server.app import build_app
+
+    config = engine_config_from_args(args)
+    server_args = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
+    server_args["model_path"] = config.model_path
+    app = build_app(
+        config,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+        server_args=server_args,
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -150,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="colocated worker: OpenAI + SGLang-native HTTP API")
+    add_server_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
 
     tiny = sub.add_parser("make-tiny-model", help="write a small seeded random model directory")
     tiny.add_argument("out_dir")

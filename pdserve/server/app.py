@@ -1,0 +1,91 @@
+"""The worker's HTTP app: OpenAI + SGLang-native routes, health, metrics, API key, errors.
+
+The engine runs in its own process (`engine_process`); this process only parses, tokenizes,
+streams and counts. `/health` and `/metrics` stay open when an API key is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from transformers import AutoTokenizer
+
+from pdserve.engine.config import EngineConfig
+from pdserve.server import native_api, openai_api
+from pdserve.server.engine_client import EngineClient, EngineClientConfig
+from pdserve.server.errors import APIError, api_error_handler, validation_error_handler
+from pdserve.server.generation import ServerState
+from pdserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = {"/health", "/metrics"}
+
+
+def build_app(
+    engine_config: EngineConfig,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_queued_requests: int = 1024,
+    server_args: dict[str, Any] | None = None,
+    client_options: EngineClientConfig | None = None,
+) -> FastAPI:
+    name = served_model_name or engine_config.model_path
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client = EngineClient(engine_config, client_options)
+        ready = await client.start()
+        app.state.pdserve = ServerState(
+            client=client,
+            tokenizer=AutoTokenizer.from_pretrained(engine_config.model_path),
+            served_model_name=name,
+            max_model_len=ready.max_model_len,
+            metrics=ServerMetrics(name),
+            max_queued_requests=max_queued_requests,
+            api_key=api_key,
+            server_args=dict(server_args or {}),
+        )
+        logger.info("serving %s (%s on %s)", name, ready.architecture, ready.device)
+        try:
+            yield
+        finally:
+            await client.shutdown()
+
+    app = FastAPI(title="pdserve", lifespan=lifespan)
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        key = request.app.state.pdserve.api_key
+        if key and request.url.path not in OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return APIError(
+                    401, "invalid or missing API key", code="invalid_api_key"
+                ).response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        healthy = request.app.state.pdserve.client.healthy
+        return Response(status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        state: ServerState = request.app.state.pdserve
+        body = state.metrics.render(state.client.stats)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.include_router(openai_api.router)
+    app.include_router(native_api.router)
+    return app

@@ -1,0 +1,217 @@
+"""The front end's handle on its engine process: start it, submit, stream, abort, watch health.
+
+Requests go out on a PUSH socket (plain, with a send timeout, so an abort can be sent from any
+`finally:` even while a task is being cancelled); outputs come back on an asyncio PULL socket
+and a reader task routes them to per-request queues. If the engine dies or stops sending
+(no step output or heartbeat for `engine_timeout_s`), every pending request fails at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pdserve.engine.config import EngineConfig
+from pdserve.protocol.codec import ProtocolError, decode, encode
+from pdserve.protocol.engine_messages import (
+    AbortRequest,
+    EngineFailed,
+    EngineReady,
+    EngineStats,
+    GenerateRequest,
+    Shutdown,
+    StepOutputs,
+    TokenOutput,
+)
+from pdserve.server.engine_process import run_engine_process
+
+logger = logging.getLogger(__name__)
+
+SEND_TIMEOUT_MS = 2000
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine process is not running or stopped answering."""
+
+
+@dataclass
+class EngineClientConfig:
+    start_timeout_s: float = 900.0
+    engine_timeout_s: float = 60.0
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, options: EngineClientConfig | None = None):
+        self.config = config
+        self.options = options or EngineClientConfig()
+        self.ready: EngineReady | None = None
+        self.stats = EngineStats(0, 0, 0, 0)
+        self.failure: str | None = None
+        self._queues: dict[str, asyncio.Queue[TokenOutput]] = {}
+        self._last_message = time.monotonic()
+        self._scratch = tempfile.TemporaryDirectory(prefix="pdserve-ipc-")
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._reader: asyncio.Task | None = None
+
+    # ---- life cycle ------------------------------------------------------------------
+
+    async def start(self) -> EngineReady:
+        requests_addr = f"ipc://{os.path.join(self._scratch.name, 'requests')}"
+        outputs_addr = f"ipc://{os.path.join(self._scratch.name, 'outputs')}"
+        self._sync_context = zmq.Context()
+        self._push = self._sync_context.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.bind(requests_addr)
+        self._async_context = zmq.asyncio.Context()
+        self._pull = self._async_context.socket(zmq.PULL)
+        self._pull.bind(outputs_addr)
+        spawn = multiprocessing.get_context("spawn")
+        self._process = spawn.Process(
+            target=run_engine_process,
+            args=(self.config, requests_addr, outputs_addr),
+            name="pdserve-engine",
+            daemon=True,
+        )
+        self._process.start()
+        deadline = time.monotonic() + self.options.start_timeout_s
+        while self.ready is None:
+            if not self._process.is_alive():
+                raise EngineUnavailable(
+                    f"engine process exited with code {self._process.exitcode} while starting"
+                )
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(
+                    f"engine not ready after {self.options.start_timeout_s:.0f} s"
+                )
+            if await self._pull.poll(timeout=200):
+                msg = decode(await self._pull.recv(), (EngineReady, EngineFailed, EngineStats))
+                if isinstance(msg, EngineFailed):
+                    raise EngineUnavailable(f"engine failed to start: {msg.reason}")
+                if isinstance(msg, EngineReady):
+                    self.ready = msg
+        self._last_message = time.monotonic()
+        self._reader = asyncio.create_task(self._read_outputs(), name="engine-output-reader")
+        return self.ready
+
+    async def shutdown(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        if self._process is not None and self._process.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                self._push.send(encode(Shutdown("front end stopping")))
+            await asyncio.to_thread(self._process.join, 10)
+            if self._process.is_alive():
+                self._process.kill()
+                await asyncio.to_thread(self._process.join, 5)
+        self._fail_all("server shutting down")
+        for socket in (self._push, self._pull):
+            socket.close(0)
+        self._sync_context.term()
+        self._async_context.term()
+        self._scratch.cleanup()
+
+    @property
+    def healthy(self) -> bool:
+        return (
+            self.failure is None
+            and self._process is not None
+            and self._process.is_alive()
+            and time.monotonic() - self._last_message < self.options.engine_timeout_s
+        )
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    # ---- requests --------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: dict[str, Any]
+    ) -> AsyncIterator[TokenOutput]:
+        """Yield the request's outputs until it finishes. Leaving early (client gone, task
+        cancelled) aborts it in the engine, which frees its pages."""
+        if not self.healthy:
+            raise EngineUnavailable(self.failure or "the engine is not running")
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            self._send(GenerateRequest(request_id, prompt_token_ids, sampling))
+            while not finished:
+                output = await queue.get()
+                finished = output.finished
+                yield output
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with contextlib.suppress(EngineUnavailable):
+            self._send(AbortRequest(request_id))
+
+    def _send(self, msg) -> None:
+        try:
+            self._push.send(encode(msg))
+        except zmq.Again:
+            self._mark_failed("engine not accepting requests (send timed out)")
+            raise EngineUnavailable(self.failure) from None
+
+    # ---- outputs ---------------------------------------------------------------------
+
+    async def _read_outputs(self) -> None:
+        while True:
+            if not await self._pull.poll(timeout=1000):
+                self._check_alive()
+                continue
+            data = await self._pull.recv()
+            self._last_message = time.monotonic()
+            try:
+                msg = decode(data, (StepOutputs, EngineStats, EngineFailed))
+            except ProtocolError as e:
+                logger.error("dropped a malformed message from the engine: %s", e)
+                continue
+            if isinstance(msg, EngineFailed):
+                self._mark_failed(f"engine failed: {msg.reason}")
+            elif isinstance(msg, EngineStats):
+                self.stats = msg
+            else:
+                self.stats = msg.stats
+                for output in msg.outputs:
+                    queue = self._queues.get(output.request_id)
+                    if queue is not None:
+                        queue.put_nowait(output)
+
+    def _check_alive(self) -> None:
+        if self._process is not None and not self._process.is_alive():
+            self._mark_failed(f"engine process exited with code {self._process.exitcode}")
+        elif time.monotonic() - self._last_message > self.options.engine_timeout_s:
+            self._mark_failed(f"engine silent for over {self.options.engine_timeout_s:.0f} s")
+
+    def _mark_failed(self, reason: str) -> None:
+        if self.failure is None:
+            logger.error("%s", reason)
+            self.failure = reason
+        self._fail_all(reason)
+
+    def _fail_all(self, reason: str) -> None:
+        for request_id, queue in list(self._queues.items()):
+            queue.put_nowait(
+                TokenOutput(request_id, [], "", True, 0, 0, finish_reason="abort", error=reason)
+            )

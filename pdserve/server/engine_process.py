@@ -1,0 +1,174 @@
+"""The engine process: `Engine.step()` in a loop, fed and drained over ZMQ by the front end.
+
+It is a separate process so HTTP parsing, tokenization and streaming never take time from the
+step loop. Each step sends one `StepOutputs` message; while idle it sends `EngineStats` every
+`HEARTBEAT_S` so the front end can tell a live engine from a hung one. A message the engine
+cannot decode is logged and dropped; it never stops the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+
+import zmq
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.outputs import RequestOutput
+from pdserve.protocol.codec import ProtocolError, decode, encode
+from pdserve.protocol.engine_messages import (
+    AbortRequest,
+    EngineFailed,
+    EngineReady,
+    EngineStats,
+    GenerateRequest,
+    Shutdown,
+    StepOutputs,
+    TokenOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5
+SEND_TIMEOUT_MS = 5000
+
+
+def run_engine_process(config: EngineConfig, requests_addr: str, outputs_addr: str) -> None:
+    """Process entry point: build the engine, announce it, serve until told to shut down."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s engine: %(message)s")
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(requests_addr)
+    outbox = context.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+    outbox.setsockopt(zmq.LINGER, 0)
+    outbox.connect(outputs_addr)
+    try:
+        from pdserve.engine.engine import Engine
+
+        engine = Engine(config)
+    except Exception as e:
+        outbox.send(encode(EngineFailed(f"{type(e).__name__}: {e}")))
+        raise
+    outbox.send(encode(_ready(engine)))
+    try:
+        EngineLoop(engine, inbox, outbox).run()
+    except Exception:
+        outbox.send(encode(EngineFailed(traceback.format_exc())))
+        raise
+    finally:
+        inbox.close(0)
+        outbox.close(0)
+        context.term()
+
+
+def _ready(engine) -> EngineReady:
+    return EngineReady(
+        model_path=engine.config.model_path,
+        architecture=engine.model_config.architecture,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.model_config.vocab_size,
+        kv_pages_total=engine.kv_pool.num_pages,
+        page_size=engine.config.page_size,
+        device=str(engine.device),
+        dtype=str(engine.dtype).removeprefix("torch."),
+    )
+
+
+class EngineLoop:
+    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket):
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.poller = zmq.Poller()
+        self.poller.register(inbox, zmq.POLLIN)
+        self.running = True
+        self.last_sent = 0.0
+
+    def run(self) -> None:
+        while self.running:
+            busy = self.engine.has_unfinished()
+            self._receive(timeout_ms=0 if busy else int(HEARTBEAT_S * 1000))
+            if self.engine.has_unfinished():
+                outputs = self.engine.step()
+                self._send(StepOutputs([_to_wire(o) for o in outputs], self._stats()))
+            elif time.monotonic() - self.last_sent >= HEARTBEAT_S:
+                self._send(self._stats())
+
+    def _receive(self, timeout_ms: int) -> None:
+        while self.poller.poll(timeout_ms):
+            timeout_ms = 0
+            data = self.inbox.recv()
+            try:
+                msg = decode(data, (GenerateRequest, AbortRequest, Shutdown))
+            except ProtocolError as e:
+                logger.warning("dropped a malformed message: %s", e)
+                continue
+            self._handle(msg)
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, Shutdown):
+            self.running = False
+        elif isinstance(msg, AbortRequest):
+            self.engine.abort_request(msg.request_id)
+        else:
+            self._add(msg)
+
+    def _add(self, msg: GenerateRequest) -> None:
+        from pdserve.engine.errors import InvalidRequestError
+        from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
+
+        try:
+            params = SamplingParams(**msg.sampling)
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params)
+        except (InvalidRequestError, InvalidSamplingParams, TypeError) as e:
+            failed = TokenOutput(
+                request_id=msg.request_id,
+                new_token_ids=[],
+                new_text="",
+                finished=True,
+                num_prompt_tokens=len(msg.prompt_token_ids),
+                num_output_tokens=0,
+                finish_reason="abort",
+                error=str(e),
+            )
+            self._send(StepOutputs([failed], self._stats()))
+
+    def _stats(self) -> EngineStats:
+        scheduler = self.engine.scheduler
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_pages_used=self.engine.allocator.num_used,
+            kv_pages_total=self.engine.allocator.num_pages,
+        )
+
+    def _send(self, msg) -> None:
+        try:
+            self.outbox.send(encode(msg))
+        except zmq.Again:
+            # The front end stopped reading for SEND_TIMEOUT_MS: it is gone or wedged.
+            logger.error("front end not receiving; shutting the engine down")
+            self.running = False
+        self.last_sent = time.monotonic()
+
+
+def _to_wire(output: RequestOutput) -> TokenOutput:
+    count = len(output.new_token_ids)
+    top = None
+    if output.top_logprobs is not None:
+        top = [[[t, lp] for t, lp in entry.items()] for entry in output.top_logprobs[-count:]]
+    return TokenOutput(
+        request_id=output.request_id,
+        new_token_ids=output.new_token_ids,
+        new_text=output.new_text,
+        finished=output.finished,
+        num_prompt_tokens=len(output.prompt_token_ids),
+        num_output_tokens=len(output.token_ids),
+        finish_reason=output.finish_reason,
+        stop_reason=output.stop_reason,
+        error=output.error,
+        new_logprobs=output.logprobs[-count:] if output.logprobs is not None else None,
+        new_top_logprobs=top,
+    )

@@ -1,0 +1,177 @@
+"""The request path every API shares: limits, prompt checks, sampling settings, running one
+or several engine requests, and metrics. API modules only translate bodies and responses."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from pdserve.protocol.engine_messages import TokenOutput
+from pdserve.server.engine_client import EngineClient, EngineUnavailable
+from pdserve.server.errors import APIError, bad_request
+from pdserve.server.metrics import ServerMetrics
+
+# SamplingParams field -> the name clients use for it.
+API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+@dataclass
+class ServerState:
+    client: EngineClient
+    tokenizer: Any
+    served_model_name: str
+    max_model_len: int
+    metrics: ServerMetrics
+    max_queued_requests: int
+    api_key: str | None = None
+    server_args: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.served_model_name:
+        raise APIError(
+            404,
+            f"the model `{model}` does not exist; this server serves `{state.served_model_name}`",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_capacity(state: ServerState, new_requests: int) -> None:
+    if not state.client.healthy:
+        raise APIError(503, f"engine unavailable: {state.client.failure or 'not running'}")
+    waiting = state.client.num_in_flight - state.client.stats.num_running
+    if waiting + new_requests > state.max_queued_requests:
+        raise APIError(
+            429,
+            f"the waiting queue is full ({state.max_queued_requests} requests); retry later",
+            code="rate_limit_exceeded",
+        )
+
+
+def check_prompt(state: ServerState, prompt_ids: list[int], max_tokens: int | None) -> int:
+    """Validate a tokenized prompt; return the max_tokens to use."""
+    if not prompt_ids:
+        raise bad_request("the prompt is empty", param="prompt")
+    vocab = state.client.ready.vocab_size
+    if any(not 0 <= t < vocab for t in prompt_ids):
+        raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
+    limit = state.max_model_len
+    if len(prompt_ids) >= limit:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {limit} tokens; the prompt has "
+            f"{len(prompt_ids)} tokens, leaving no room for output",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return limit - len(prompt_ids)
+    if len(prompt_ids) + max_tokens > limit:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {limit} tokens; you requested "
+            f"{len(prompt_ids) + max_tokens} ({len(prompt_ids)} in the prompt, {max_tokens} "
+            "to generate)",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def sampling_settings(**fields: Any) -> dict[str, Any]:
+    """Keep the fields that were set, check them with SamplingParams, return them as a map."""
+    settings = {k: v for k, v in fields.items() if v is not None}
+    try:
+        SamplingParams(**settings)
+    except InvalidSamplingParams as e:
+        name = API_NAMES.get(e.param, e.param)
+        raise bad_request(str(e).replace(e.param, name, 1), param=name) from None
+    except TypeError as e:
+        raise bad_request(str(e)) from None
+    if "stop" in settings:
+        settings["stop"] = list(settings["stop"])
+    return settings
+
+
+def seeds_for(sampling: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """n choices of one request: with a seed, choice i uses seed + i so they differ."""
+    seed = sampling.get("seed")
+    return [sampling if seed is None else {**sampling, "seed": seed + i} for i in range(n)]
+
+
+async def run_one(
+    state: ServerState, request_id: str, prompt_ids: list[int], sampling: dict[str, Any]
+) -> AsyncIterator[TokenOutput]:
+    """Stream one engine request's outputs, recording latency and token metrics."""
+    metrics = state.metrics
+    arrival = last = time.monotonic()
+    first = True
+    try:
+        async for output in state.client.generate(request_id, prompt_ids, sampling):
+            now = time.monotonic()
+            if output.error is not None:
+                if not state.client.healthy:
+                    raise APIError(503, f"engine unavailable: {output.error}")
+                raise APIError(500 if output.num_output_tokens else 400, output.error)
+            if output.new_token_ids:
+                if first:
+                    metrics.time_to_first_token.observe(now - arrival)
+                    metrics.prompt_tokens.inc(len(prompt_ids))
+                    first = False
+                else:
+                    metrics.inter_token_latency.observe(now - last)
+                metrics.generation_tokens.inc(len(output.new_token_ids))
+                last = now
+            if output.finished:
+                metrics.e2e_request_latency.observe(now - arrival)
+                metrics.request_finished(output.finish_reason or "abort")
+            yield output
+    except EngineUnavailable as e:
+        raise APIError(503, f"engine unavailable: {e}") from None
+
+
+async def run_many(
+    state: ServerState, jobs: list[tuple[str, list[int], dict[str, Any]]]
+) -> AsyncIterator[tuple[int, TokenOutput]]:
+    """Run several engine requests at once; yield (job index, output) as they come. Leaving
+    early cancels (and so aborts) every job still running."""
+    if len(jobs) == 1:
+        async for output in run_one(state, *jobs[0]):
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, job) -> None:
+        try:
+            async for output in run_one(state, *job):
+                queue.put_nowait((index, output))
+        except APIError as e:
+            queue.put_nowait((index, e))
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, APIError):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,86 @@
+"""Prometheus metrics with vLLM's names under a `pdserve:` prefix.
+
+Latencies are measured in the front end, where a client would see them; queue sizes and KV
+usage come from the engine's latest stats, read at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self._labels = labels
+
+        def gauge(name, doc):
+            return Gauge(f"pdserve:{name}", doc, list(labels), registry=self.registry).labels(
+                **labels
+            )
+
+        def counter(name, doc, extra=()):
+            metric = Counter(f"pdserve:{name}", doc, [*labels, *extra], registry=self.registry)
+            return metric if extra else metric.labels(**labels)
+
+        def histogram(name, doc):
+            return Histogram(
+                f"pdserve:{name}",
+                doc,
+                list(labels),
+                buckets=LATENCY_BUCKETS,
+                registry=self.registry,
+            ).labels(**labels)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV pages in use (0-1)")
+        self.kv_pages_used = gauge("kv_cache_pages_used", "KV pages in use")
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens processed")
+        self.generation_tokens = counter("generation_tokens_total", "Tokens generated")
+        self._success = counter(
+            "request_success_total", "Finished requests by finish reason", ("finished_reason",)
+        )
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time from request arrival to its first token"
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens"
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Time from request arrival to its last token"
+        )
+
+    def request_finished(self, finish_reason: str) -> None:
+        self._success.labels(**self._labels, finished_reason=finish_reason).inc()
+
+    def render(self, stats) -> bytes:
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_pages_used.set(stats.kv_pages_used)
+        total = stats.kv_pages_total or 1
+        self.kv_cache_usage.set(stats.kv_pages_used / total)
+        return generate_latest(self.registry)

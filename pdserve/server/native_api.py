@@ -1,0 +1,237 @@
+"""SGLang's native API, so its router and `bench_serving --backend sglang` work unchanged:
+POST /generate, GET /get_model_info, /get_server_info (and /model_info, /server_info),
+GET /health_generate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+import pdserve
+from pdserve.server.errors import APIError, bad_request
+from pdserve.server.generation import (
+    ServerState,
+    check_capacity,
+    check_prompt,
+    new_request_id,
+    run_many,
+    sampling_settings,
+)
+
+router = APIRouter()
+
+# SGLang sampling_params keys -> SamplingParams fields (same name unless listed).
+_SAMPLING_KEYS = {
+    "max_new_tokens",
+    "min_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "skip_special_tokens",
+    "seed",
+}
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+class GenerateBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | None = None
+    stream: bool = False
+    rid: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.pdserve
+
+
+@router.post("/generate")
+async def generate(body: GenerateBody, request: Request):
+    state = _state(request)
+    if (body.text is None) == (body.input_ids is None):
+        raise bad_request("give exactly one of text and input_ids", param="text")
+    single = isinstance(body.text, str) or (
+        body.input_ids is not None and all(isinstance(t, int) for t in body.input_ids)
+    )
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        prompts = [state.tokenizer.encode(t) for t in texts]
+    else:
+        prompts = [body.input_ids] if single else [list(p) for p in body.input_ids]
+    raw = dict(body.sampling_params or {})
+    # NOTE: like SGLang, keys this server does not use are ignored.
+    raw = {k: v for k, v in raw.items() if k in _SAMPLING_KEYS}
+    raw.setdefault("max_new_tokens", 128)
+    if isinstance(raw.get("stop"), str):
+        raw["stop"] = [raw["stop"]]
+    logprobs = body.top_logprobs_num if body.return_logprob else None
+    jobs = []
+    for i, prompt_ids in enumerate(prompts):
+        max_tokens = check_prompt(state, prompt_ids, raw["max_new_tokens"])
+        sampling = sampling_settings(**{**raw, "max_new_tokens": max_tokens}, logprobs=logprobs)
+        rid = body.rid if body.rid and single else f"{body.rid or new_request_id('gen')}-{i}"
+        jobs.append((rid, prompt_ids, sampling))
+    check_capacity(state, len(jobs))
+    if body.stream:
+        return StreamingResponse(_stream(state, jobs), media_type="text/event-stream")
+    task = asyncio.ensure_future(_collect(state, jobs))
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.1)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            break
+    results = await task
+    return JSONResponse(results[0] if single else results)
+
+
+def _result(job, state: dict, arrival: float) -> dict:
+    rid, prompt_ids, _ = job
+    finish = None
+    if state["finish_reason"] == "length":
+        finish = {"type": "length", "length": state["completion_tokens"]}
+    elif state["finish_reason"] == "stop":
+        finish = {"type": "stop", "matched": state["stop_reason"]}
+    elif state["finish_reason"] is not None:
+        finish = {"type": "abort", "message": state["error"]}
+    meta = {
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": state["completion_tokens"],
+        "cached_tokens": 0,
+        "e2e_latency": time.monotonic() - arrival,
+    }
+    if state["logprobs"] is not None:
+        meta["output_token_logprobs"] = [
+            [lp, t, None] for lp, t in zip(state["logprobs"], state["ids"], strict=True)
+        ]
+        meta["output_top_logprobs"] = [
+            [[v, int(i), None] for i, v in top] for top in state["top_logprobs"]
+        ]
+    return {"text": state["text"], "output_ids": list(state["ids"]), "meta_info": meta}
+
+
+def _new_states(jobs) -> list[dict]:
+    return [
+        {
+            "text": "",
+            "ids": [],
+            "finish_reason": None,
+            "stop_reason": None,
+            "error": None,
+            "completion_tokens": 0,
+            "logprobs": None,
+            "top_logprobs": [],
+        }
+        for _ in jobs
+    ]
+
+
+def _update(state: dict, output) -> None:
+    state["text"] += output.new_text
+    state["ids"].extend(output.new_token_ids)
+    state["completion_tokens"] = output.num_output_tokens
+    if output.new_logprobs is not None:
+        state["logprobs"] = (state["logprobs"] or []) + list(output.new_logprobs)
+        state["top_logprobs"].extend(output.new_top_logprobs or [[]] * len(output.new_token_ids))
+    if output.finished:
+        state["finish_reason"] = output.finish_reason
+        state["stop_reason"] = output.stop_reason
+        state["error"] = output.error
+
+
+async def _collect(server: ServerState, jobs) -> list[dict]:
+    arrival = time.monotonic()
+    states = _new_states(jobs)
+    async for index, output in run_many(server, jobs):
+        _update(states[index], output)
+    return [_result(job, s, arrival) for job, s in zip(jobs, states, strict=True)]
+
+
+async def _stream(server: ServerState, jobs):
+    arrival = time.monotonic()
+    states = _new_states(jobs)
+    try:
+        async for index, output in run_many(server, jobs):
+            _update(states[index], output)
+            result = _result(jobs[index], states[index], arrival)
+            result["index"] = index
+            yield f"data: {json.dumps(result)}\n\n"
+    except APIError as e:
+        yield e.sse()
+    yield "data: [DONE]\n\n"
+
+
+@router.get("/get_model_info")
+@router.get("/model_info")
+async def model_info(request: Request) -> dict:
+    state = _state(request)
+    return {
+        "model_path": state.client.ready.model_path,
+        "tokenizer_path": state.client.ready.model_path,
+        "served_model_name": state.served_model_name,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "architecture": state.client.ready.architecture,
+    }
+
+
+@router.get("/get_server_info")
+@router.get("/server_info")
+async def server_info(request: Request) -> dict:
+    state = _state(request)
+    ready = state.client.ready
+    stats = state.client.stats
+    return {
+        **state.server_args,
+        "version": pdserve.__version__,
+        "max_total_num_tokens": ready.kv_pages_total * ready.page_size,
+        "max_model_len": state.max_model_len,
+        "device": ready.device,
+        "dtype": ready.dtype,
+        "internal_states": [
+            {
+                "num_running": stats.num_running,
+                "num_waiting": stats.num_waiting,
+                "kv_pages_used": stats.kv_pages_used,
+                "kv_pages_total": stats.kv_pages_total,
+            }
+        ],
+    }
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """Healthy only if the engine can actually generate a token now."""
+    state = _state(request)
+    if not state.client.healthy:
+        return Response(status_code=503)
+    job = (new_request_id("health"), [0], {"max_new_tokens": 1, "temperature": 0.0})
+
+    async def one_token() -> None:
+        async for _ in run_many(state, [job]):
+            pass
+
+    try:
+        await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
+    except (TimeoutError, APIError):
+        return Response(status_code=503)
+    return Response(status_code=200)

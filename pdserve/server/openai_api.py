@@ -1,0 +1,307 @@
+"""OpenAI endpoints: /v1/completions, /v1/chat/completions, /v1/models.
+
+Streaming follows OpenAI's Server-Sent Events: (chat) a role delta first, content deltas, the
+finish_reason on each choice's last chunk, a usage chunk when `stream_options.include_usage`,
+then `data: [DONE]`. An error after the stream started is sent as an SSE error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve.protocol.engine_messages import TokenOutput
+from pdserve.server.errors import APIError, bad_request
+from pdserve.server.generation import (
+    ServerState,
+    check_capacity,
+    check_model,
+    check_prompt,
+    new_request_id,
+    run_many,
+    sampling_settings,
+    seeds_for,
+)
+from pdserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.pdserve
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    state = _state(request)
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": state.served_model_name,
+                "object": "model",
+                "created": int(state.started),
+                "owned_by": "pdserve",
+                "root": state.client.ready.model_path,
+                "max_model_len": state.max_model_len,
+            }
+        ],
+    }
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    state = _state(request)
+    check_model(state, body.model)
+    if body.echo:
+        raise bad_request("echo is not supported", param="echo")
+    prompts = _completion_prompts(state, body.prompt)
+    sampling_common = _common_sampling(body, logprobs=body.logprobs)
+    jobs = []
+    for prompt_ids in prompts:
+        max_tokens = check_prompt(state, prompt_ids, body.max_tokens)
+        sampling = sampling_settings(max_new_tokens=max_tokens, **sampling_common)
+        for choice_sampling in seeds_for(sampling, body.n):
+            jobs.append((new_request_id("cmpl"), prompt_ids, choice_sampling))
+    check_capacity(state, len(jobs))
+    view = _View("cmpl", "text_completion", state, body.logprobs is not None, chat=False)
+    return await _respond(request, state, jobs, view, body.stream, body.stream_options)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    state = _state(request)
+    check_model(state, body.model)
+    if not body.messages:
+        raise bad_request("messages must not be empty", param="messages")
+    prompt_ids = _chat_prompt(state, body)
+    top = body.top_logprobs
+    if top is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+    logprobs = (top or 0) if body.logprobs else None
+    requested = body.max_completion_tokens or body.max_tokens
+    max_tokens = check_prompt(state, prompt_ids, requested)
+    sampling = sampling_settings(max_new_tokens=max_tokens, **_common_sampling(body, logprobs))
+    jobs = [(new_request_id("chatcmpl"), prompt_ids, s) for s in seeds_for(sampling, body.n)]
+    check_capacity(state, len(jobs))
+    view = _View("chatcmpl", "chat.completion", state, body.logprobs, chat=True)
+    return await _respond(request, state, jobs, view, body.stream, body.stream_options)
+
+
+# ---- request translation ---------------------------------------------------------------
+
+
+def _common_sampling(body, logprobs: int | None) -> dict[str, Any]:
+    return {
+        "min_new_tokens": body.min_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "seed": body.seed,
+        "repetition_penalty": body.repetition_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty,
+        "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
+        "stop_token_ids": body.stop_token_ids,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+        "ignore_eos": body.ignore_eos,
+        "logprobs": logprobs,
+        "skip_special_tokens": body.skip_special_tokens,
+    }
+
+
+def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [state.tokenizer.encode(prompt)]
+    if not prompt:
+        raise bad_request("the prompt is empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [state.tokenizer.encode(p) for p in prompt]
+    return [list(p) for p in prompt]
+
+
+def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    messages = []
+    for message in body.messages:
+        content = message.content
+        if isinstance(content, list):
+            texts = [part.get("text") for part in content if part.get("type") == "text"]
+            if len(texts) != len(content):
+                raise bad_request("only text content parts are supported", param="messages")
+            content = "".join(t or "" for t in texts)
+        messages.append({"role": message.role, "content": content or ""})
+    try:
+        text = state.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+        )
+    except Exception as e:
+        raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
+    return state.tokenizer.encode(text, add_special_tokens=False)
+
+
+# ---- responses -------------------------------------------------------------------------
+
+
+class _View:
+    """How one endpoint names and shapes its responses."""
+
+    def __init__(self, prefix: str, obj: str, state: ServerState, logprobs: bool, chat: bool):
+        self.id = new_request_id(prefix)
+        self.object = obj
+        self.created = int(time.time())
+        self.model = state.served_model_name
+        self.tokenizer = state.tokenizer
+        self.logprobs = logprobs
+        self.chat = chat
+
+    def envelope(self, streaming: bool, choices: list, usage: dict | None = None) -> dict:
+        body = {
+            "id": self.id,
+            "object": self.object + (".chunk" if streaming and self.chat else ""),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def logprob_block(self, outputs: list[TokenOutput], text_start: int = 0) -> dict | None:
+        if not self.logprobs:
+            return None
+        ids = [t for o in outputs for t in o.new_token_ids]
+        lps = [lp for o in outputs for lp in (o.new_logprobs or [])]
+        tops = [top for o in outputs for top in (o.new_top_logprobs or [[]] * len(o.new_token_ids))]
+        tokens = [self.tokenizer.decode([t]) for t in ids]
+        if self.chat:
+            return {
+                "content": [
+                    {
+                        "token": token,
+                        "logprob": lp,
+                        "bytes": list(token.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": (s := self.tokenizer.decode([int(i)])),
+                                "logprob": v,
+                                "bytes": list(s.encode()),
+                            }
+                            for i, v in top
+                        ],
+                    }
+                    for token, lp, top in zip(tokens, lps, tops, strict=True)
+                ]
+            }
+        offsets, position = [], text_start
+        for token in tokens:
+            offsets.append(position)
+            position += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": lps,
+            "top_logprobs": [{self.tokenizer.decode([int(i)]): v for i, v in top} for top in tops],
+            "text_offset": offsets,
+        }
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+async def _respond(request, state, jobs, view: _View, stream: bool, stream_options):
+    if stream:
+        include_usage = bool(stream_options and stream_options.include_usage)
+        return StreamingResponse(
+            _stream(state, jobs, view, include_usage), media_type="text/event-stream"
+        )
+    task = asyncio.ensure_future(_collect(state, jobs, view))
+    # NOTE: a non-streaming client that goes away must still abort its request.
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.1)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            break
+    return JSONResponse(await task)
+
+
+async def _collect(state, jobs, view: _View) -> dict:
+    outputs: list[list[TokenOutput]] = [[] for _ in jobs]
+    async for index, output in run_many(state, jobs):
+        outputs[index].append(output)
+    choices = []
+    prompt_tokens = sum(len(ids) for i, (_, ids, _) in enumerate(jobs) if _is_first_choice(jobs, i))
+    completion_tokens = 0
+    for index, outs in enumerate(outputs):
+        text = "".join(o.new_text for o in outs)
+        last = outs[-1]
+        completion_tokens += last.num_output_tokens
+        choice: dict[str, Any] = {
+            "index": index,
+            "finish_reason": last.finish_reason,
+            "logprobs": view.logprob_block(outs),
+        }
+        if view.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if last.stop_reason is not None:
+            choice["stop_reason"] = last.stop_reason
+        choices.append(choice)
+    return view.envelope(False, choices, _usage(prompt_tokens, completion_tokens))
+
+
+def _is_first_choice(jobs, index: int) -> bool:
+    """Prompt tokens count once per prompt, not once per choice (n > 1)."""
+    return index == 0 or jobs[index][1] is not jobs[index - 1][1]
+
+
+async def _stream(state, jobs, view: _View, include_usage: bool) -> AsyncIterator[str]:
+    def event(body: dict) -> str:
+        return f"data: {json.dumps(body)}\n\n"
+
+    text_length = [0] * len(jobs)
+    completion_tokens = [0] * len(jobs)
+    try:
+        if view.chat:
+            for index in range(len(jobs)):
+                delta = {"role": "assistant", "content": ""}
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+                yield event(view.envelope(True, [choice]))
+        async for index, output in run_many(state, jobs):
+            completion_tokens[index] = output.num_output_tokens
+            if not (output.new_text or output.finished or (view.logprobs and output.new_token_ids)):
+                continue
+            choice: dict[str, Any] = {
+                "index": index,
+                "logprobs": view.logprob_block([output], text_length[index]),
+                "finish_reason": output.finish_reason if output.finished else None,
+            }
+            if view.chat:
+                choice["delta"] = {"content": output.new_text} if output.new_text else {}
+            else:
+                choice["text"] = output.new_text
+            if output.finished and output.stop_reason is not None:
+                choice["stop_reason"] = output.stop_reason
+            text_length[index] += len(output.new_text)
+            yield event(view.envelope(True, [choice]))
+        if include_usage:
+            prompt_tokens = sum(
+                len(ids) for i, (_, ids, _) in enumerate(jobs) if _is_first_choice(jobs, i)
+            )
+            yield event(view.envelope(True, [], _usage(prompt_tokens, sum(completion_tokens))))
+    except APIError as e:
+        yield e.sse()
+    yield "data: [DONE]\n\n"
