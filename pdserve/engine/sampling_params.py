@@ -96,6 +96,11 @@ class SamplingParams:
         )
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(
+            all(t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            f"must be non-negative token ids, got {list(self.stop_token_ids)}",
+        )
+        check(
             self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
             "logprobs",
             f"must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}",

@@ -116,7 +116,7 @@ async def run_one(
     """Stream one engine request's outputs, recording latency and token metrics."""
     metrics = state.metrics
     arrival = last = time.monotonic()
-    first = True
+    first, finished = True, False
     try:
         async for output in state.client.generate(request_id, prompt_ids, sampling):
             now = time.monotonic()
@@ -134,11 +134,15 @@ async def run_one(
                 metrics.generation_tokens.inc(len(output.new_token_ids))
                 last = now
             if output.finished:
+                finished = True
                 metrics.e2e_request_latency.observe(now - arrival)
                 metrics.request_finished(output.finish_reason or "abort")
             yield output
     except EngineUnavailable as e:
         raise APIError(503, f"engine unavailable: {e}") from None
+    finally:
+        if not finished:  # the caller left early: the engine request was aborted
+            metrics.request_finished("abort")
 
 
 async def run_many(

@@ -1,0 +1,108 @@
+"""The wire codec refuses malformed, oversize, unknown and mistyped messages."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from pdserve.protocol.codec import PROTOCOL_VERSION, ProtocolError, decode, encode
+from pdserve.protocol.engine_messages import (
+    AbortRequest,
+    EngineStats,
+    GenerateRequest,
+    StepOutputs,
+    TokenOutput,
+)
+
+
+def raw(tag, body, version=PROTOCOL_VERSION):
+    return msgpack.packb({"t": tag, "v": version, "b": body})
+
+
+def test_round_trip_with_nested_messages():
+    msg = StepOutputs(
+        [
+            TokenOutput(
+                "r",
+                [1, 2],
+                "hi",
+                True,
+                3,
+                2,
+                finish_reason="stop",
+                stop_reason="x",
+                new_logprobs=[-0.1, -0.2],
+                new_top_logprobs=[[[1, -0.1]], [[2, -0.2]]],
+            )
+        ],
+        EngineStats(1, 0, 5, 10),
+    )
+    assert decode(encode(msg)) == msg
+
+
+def test_expected_type_is_enforced():
+    with pytest.raises(ProtocolError, match="unexpected message type"):
+        decode(encode(AbortRequest("r")), GenerateRequest)
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"\xc1garbage", "undecodable"),
+        (msgpack.packb([1, 2, 3]), "exactly the keys"),
+        (
+            raw("generate", {"request_id": "r", "prompt_token_ids": [1], "sampling": {}}, 99),
+            "protocol version",
+        ),
+        (raw("no_such_type", {}), "unknown message type"),
+        (raw("abort", {}), "missing field"),
+        (raw("abort", {"request_id": "r", "extra": 1}), "unknown fields"),
+        (raw("abort", {"request_id": 5}), "expected str"),
+        (
+            raw("generate", {"request_id": "r", "prompt_token_ids": [1, "x"], "sampling": {}}),
+            "expected an integer",
+        ),
+        (
+            raw("generate", {"request_id": "r", "prompt_token_ids": [True], "sampling": {}}),
+            "expected an integer",
+        ),
+        (
+            raw(
+                "engine_stats",
+                {"num_running": 1.5, "num_waiting": 0, "kv_pages_used": 0, "kv_pages_total": 1},
+            ),
+            "expected an integer",
+        ),
+    ],
+)
+def test_malformed_messages_are_refused(data, match):
+    with pytest.raises(ProtocolError, match=match):
+        decode(data)
+
+
+def test_oversize_array_is_refused_before_allocation(monkeypatch):
+    import pdserve.protocol.codec as codec
+
+    monkeypatch.setattr(codec, "MAX_ITEMS", 8)
+    data = raw("generate", {"request_id": "r", "prompt_token_ids": list(range(9)), "sampling": {}})
+    with pytest.raises(ProtocolError, match="undecodable"):
+        decode(data)
+
+
+def test_oversize_message_is_refused(monkeypatch):
+    import pdserve.protocol.codec as codec
+
+    monkeypatch.setattr(codec, "MAX_MESSAGE_BYTES", 16)
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode(encode(GenerateRequest("r", list(range(100)), {})))
+
+
+def test_protocol_package_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pdserve.protocol.codec, pdserve.protocol.engine_messages; "
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
