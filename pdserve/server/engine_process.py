@@ -9,6 +9,7 @@ cannot decode is logged and dropped; it never stops the loop.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 
@@ -85,9 +86,15 @@ class EngineLoop:
         self.poller.register(inbox, zmq.POLLIN)
         self.running = True
         self.last_sent = 0.0
+        self.parent_pid = os.getppid()
 
     def run(self) -> None:
         while self.running:
+            if os.getppid() != self.parent_pid:
+                # NOTE: the front end died without saying so (SIGKILL): nobody reads our
+                # outputs any more, so stop instead of computing for no one.
+                logger.error("front end process is gone; shutting the engine down")
+                return
             busy = self.engine.has_unfinished()
             self._receive(timeout_ms=0 if busy else int(HEARTBEAT_S * 1000))
             if self.engine.has_unfinished():

@@ -114,3 +114,23 @@ def test_engine_death_fails_streams_with_an_sse_error_and_health_503(doomed):
     doomed.wait_for(lambda: doomed.get("/health").status_code == 503, "/health to turn 503")
     after = doomed.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert after.status_code == 503 and after.json()["error"]["message"]
+
+
+def test_engine_exits_when_the_front_end_is_killed(doomed):
+    import time
+
+    pid = engine_pid(doomed)
+    doomed.process.kill()  # SIGKILL the front end alone; the engine is orphaned
+    doomed.process.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and _state(pid) != "Z":
+        assert time.monotonic() < deadline, "engine process outlived its front end"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
