@@ -1,0 +1,229 @@
+"""Online serving through HTTP beside the engine alone, on the same workload and GPU.
+
+Starts `pdserve serve`, sends `--num-prompts` streaming completions with at most
+`--concurrency` in flight (random token prompts, input/output lengths uniform in
+[min_len, max_len], EOS ignored), and records throughput, time to first token and the gaps
+between streamed chunks. Then runs the same workload through the offline `LLM` with
+`max_running_requests = concurrency` and reports its mean step time: the inter-token latency
+the engine achieves when nothing else shares its process. Their ratio says whether the HTTP
+front end slows the engine.
+
+    python benchmarks/serving.py --preset llama-3.2-1b --concurrency 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def make_workload(n: int, min_len: int, max_len: int, vocab: int, seed: int):
+    rng = random.Random(seed)
+    return [
+        (
+            [rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))],
+            rng.randint(min_len, max_len),
+        )
+        for _ in range(n)
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt, max_tokens, record) -> None:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    stamps, tokens = [], 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            elif event["choices"] and event["choices"][0]["text"]:
+                stamps.append(time.perf_counter())
+    record.append(
+        {
+            "ttft": stamps[0] - start if stamps else None,
+            "gaps": [b - a for a, b in itertools.pairwise(stamps)],
+            "tokens": tokens,
+            "latency": time.perf_counter() - start,
+        }
+    )
+
+
+async def drive(url: str, workload, concurrency: int) -> tuple[list[dict], float]:
+    record: list[dict] = []
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def guarded(prompt, max_tokens):
+            async with gate:
+                await one_request(client, url, prompt, max_tokens, record)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(guarded(p, n) for p, n in workload))
+        return record, time.perf_counter() - start
+
+
+def percentile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def run_http(model_path: str, workload, args) -> dict:
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "--log-level",
+        "warning",
+        "serve",
+        "--model-path",
+        model_path,
+        "--port",
+        str(port),
+        "--max-running-requests",
+        str(args.concurrency),
+        "--max-model-len",
+        str(2 * args.max_len + 1),
+    ]
+    server = subprocess.Popen(command, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("server did not become healthy")
+            time.sleep(0.5)
+        asyncio.run(drive(url, workload[: args.concurrency // 4 or 1], args.concurrency))
+        record, elapsed = asyncio.run(drive(url, workload, args.concurrency))
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+    gaps = [g for r in record for g in r["gaps"]]
+    ttfts = [r["ttft"] for r in record if r["ttft"] is not None]
+    tokens = sum(r["tokens"] for r in record)
+    assert tokens == sum(n for _, n in workload), "server produced the wrong token count"
+    return {
+        "engine": "pdserve serve (HTTP, streaming)",
+        "seconds": round(elapsed, 2),
+        "output_tokens_per_s": round(tokens / elapsed, 1),
+        "ttft_median_ms": round(statistics.median(ttfts) * 1e3, 1),
+        "ttft_p99_ms": round(percentile(ttfts, 0.99) * 1e3, 1),
+        "itl_median_ms": round(statistics.median(gaps) * 1e3, 2),
+        "itl_p99_ms": round(percentile(gaps, 0.99) * 1e3, 2),
+    }
+
+
+def run_offline(model_path: str, workload, args) -> dict:
+    import torch
+
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(model_path, max_model_len=2 * args.max_len + 1, max_running_requests=args.concurrency)
+    params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for _, n in workload]
+    llm.generate([p for p, _ in workload[:4]], params[:4], use_tqdm=False)
+    engine = llm.engine
+    steps = 0
+    original = engine.step
+
+    def counted():
+        nonlocal steps
+        steps += 1
+        return original()
+
+    engine.step = counted
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    start = time.perf_counter()
+    llm.generate([p for p, _ in workload], params, use_tqdm=False)
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    elapsed = time.perf_counter() - start
+    tokens = sum(n for _, n in workload)
+    return {
+        "engine": "offline LLM (engine alone)",
+        "seconds": round(elapsed, 2),
+        "output_tokens_per_s": round(tokens / elapsed, 1),
+        "mean_step_ms": round(elapsed / steps * 1e3, 2),
+        "steps": steps,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model-path")
+    source.add_argument("--preset")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        model_path = args.model_path
+        if model_path is None:
+            from pdserve.engine.random_model import make_random_model
+
+            model_path = str(make_random_model(Path(scratch) / args.preset, args.preset))
+        vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+        workload = make_workload(args.num_prompts, args.min_len, args.max_len, vocab, args.seed)
+        results = [run_http(model_path, workload, args)]
+        print(json.dumps(results[-1]), flush=True)
+        results.append(run_offline(model_path, workload, args))
+        print(json.dumps(results[-1]), flush=True)
+    report = {
+        "model": args.preset or args.model_path,
+        "num_prompts": args.num_prompts,
+        "concurrency": args.concurrency,
+        "lengths": [args.min_len, args.max_len],
+        "results": results,
+        "http_over_offline_throughput": round(
+            results[0]["output_tokens_per_s"] / results[1]["output_tokens_per_s"], 3
+        ),
+        "http_itl_median_over_offline_step": round(
+            results[0]["itl_median_ms"] / results[1]["mean_step_ms"], 3
+        ),
+    }
+    print(json.dumps(report, indent=2))
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
