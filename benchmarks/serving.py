@@ -49,6 +49,8 @@ def free_port() -> int:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt, max_tokens, record) -> None:
+    # NOTE: logprobs=0 makes every step's token a chunk even when it decodes to no text (the
+    # random model's ids mostly lie outside the tiny tokenizer), so gaps are per token.
     body = {
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -56,6 +58,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt, max_tokens, r
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "logprobs": 0,
     }
     start = time.perf_counter()
     stamps, tokens = [], 0
@@ -67,7 +70,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt, max_tokens, r
             event = json.loads(line[6:])
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-            elif event["choices"] and event["choices"][0]["text"]:
+            elif event["choices"] and event["choices"][0]["logprobs"]:
                 stamps.append(time.perf_counter())
     record.append(
         {
@@ -79,8 +82,19 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt, max_tokens, r
     )
 
 
-async def drive(url: str, workload, concurrency: int) -> tuple[list[dict], float]:
+async def sample_running(client: httpx.AsyncClient, url: str, samples: list[float]) -> None:
+    """Poll the server's running-batch size, to see whether it kept the batch full."""
+    while True:
+        text = (await client.get(url + "/metrics")).text
+        for line in text.splitlines():
+            if line.startswith("pdserve:num_requests_running{"):
+                samples.append(float(line.rsplit(" ", 1)[1]))
+        await asyncio.sleep(0.25)
+
+
+async def drive(url: str, workload, concurrency: int) -> tuple[list[dict], float, list]:
     record: list[dict] = []
+    running: list[float] = []
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -89,14 +103,21 @@ async def drive(url: str, workload, concurrency: int) -> tuple[list[dict], float
             async with gate:
                 await one_request(client, url, prompt, max_tokens, record)
 
+        sampler = asyncio.create_task(sample_running(client, url, running))
         start = time.perf_counter()
         await asyncio.gather(*(guarded(p, n) for p, n in workload))
-        return record, time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        sampler.cancel()
+        return record, elapsed, running
 
 
 def percentile(values, q):
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def _engine_counters(url: str) -> dict:
+    return httpx.get(url + "/get_server_info", timeout=10).json()["internal_states"][0]
 
 
 def run_http(model_path: str, workload, args) -> dict:
@@ -131,7 +152,9 @@ def run_http(model_path: str, workload, args) -> dict:
                 raise RuntimeError("server did not become healthy")
             time.sleep(0.5)
         asyncio.run(drive(url, workload[: args.concurrency // 4 or 1], args.concurrency))
-        record, elapsed = asyncio.run(drive(url, workload, args.concurrency))
+        before = _engine_counters(url)
+        record, elapsed, running = asyncio.run(drive(url, workload, args.concurrency))
+        after = _engine_counters(url)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
@@ -147,6 +170,14 @@ def run_http(model_path: str, workload, args) -> dict:
         "ttft_p99_ms": round(percentile(ttfts, 0.99) * 1e3, 1),
         "itl_median_ms": round(statistics.median(gaps) * 1e3, 2),
         "itl_p99_ms": round(percentile(gaps, 0.99) * 1e3, 2),
+        "mean_running_batch": round(statistics.mean(running), 1) if running else None,
+        "engine_mean_step_ms": round(
+            (after["step_seconds"] - before["step_seconds"])
+            / max(after["num_steps"] - before["num_steps"], 1)
+            * 1e3,
+            2,
+        ),
+        "engine_steps": after["num_steps"] - before["num_steps"],
     }
 
 

@@ -61,6 +61,7 @@ class Engine:
         )
         self.runner = ModelRunner(self.model, self.kv_pool, self.sampler, self.device)
         self.requests: dict[str, Request] = {}
+        self.last_batch_tokens = 0  # tokens computed by the latest step (for step statistics)
         logger.info(
             "engine ready: %s on %s (%s), %d KV pages of %d tokens, max_model_len %d",
             self.model_config.architecture,
@@ -150,6 +151,7 @@ class Engine:
         """Schedule, run, post-process. Returns an output for every request that produced
         tokens this step (and for every request that finished)."""
         batch = self.scheduler.schedule()
+        self.last_batch_tokens = sum(batch.num_new_tokens)
         if not batch:
             return []
         sampled, result = self.runner.run(batch)

@@ -53,6 +53,10 @@ class EngineStats:
     num_waiting: int
     kv_pages_used: int
     kv_pages_total: int
+    # Cumulative since start: steps run, seconds inside them, tokens they computed.
+    num_steps: int = 0
+    step_seconds: float = 0.0
+    batched_tokens: int = 0
 
 
 @message("step_outputs")

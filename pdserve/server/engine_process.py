@@ -87,6 +87,9 @@ class EngineLoop:
         self.running = True
         self.last_sent = 0.0
         self.parent_pid = os.getppid()
+        self.num_steps = 0
+        self.step_seconds = 0.0
+        self.batched_tokens = 0
 
     def run(self) -> None:
         while self.running:
@@ -98,7 +101,11 @@ class EngineLoop:
             busy = self.engine.has_unfinished()
             self._receive(timeout_ms=0 if busy else int(HEARTBEAT_S * 1000))
             if self.engine.has_unfinished():
+                started = time.perf_counter()
                 outputs = self.engine.step()
+                self.step_seconds += time.perf_counter() - started
+                self.num_steps += 1
+                self.batched_tokens += self.engine.last_batch_tokens
                 self._send(StepOutputs([_to_wire(o) for o in outputs], self._stats()))
             elif time.monotonic() - self.last_sent >= HEARTBEAT_S:
                 self._send(self._stats())
@@ -149,6 +156,9 @@ class EngineLoop:
             num_waiting=len(scheduler.waiting),
             kv_pages_used=self.engine.allocator.num_used,
             kv_pages_total=self.engine.allocator.num_pages,
+            num_steps=self.num_steps,
+            step_seconds=self.step_seconds,
+            batched_tokens=self.batched_tokens,
         )
 
     def _send(self, msg) -> None:

@@ -213,6 +213,9 @@ async def server_info(request: Request) -> dict:
                 "num_waiting": stats.num_waiting,
                 "kv_pages_used": stats.kv_pages_used,
                 "kv_pages_total": stats.kv_pages_total,
+                "num_steps": stats.num_steps,
+                "step_seconds": stats.step_seconds,
+                "batched_tokens": stats.batched_tokens,
             }
         ],
     }
