@@ -8,6 +8,7 @@ type (ints are ints, lists hold what they say, nothing missing, nothing unknown)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -88,76 +89,142 @@ def decode(data: bytes, expected: type[M] | tuple[type, ...] | None = None) -> M
     return _build(cls, raw["b"], cls.TAG)
 
 
-def _build(cls: type[M], body: Any, where: str) -> M:
-    if not isinstance(body, dict):
-        raise ProtocolError(f"{where}: body must be a map")
+@functools.cache
+def _schema(cls: type, where: str) -> tuple[frozenset, tuple[tuple[str, Any, bool, str], ...]]:
+    """Field names, and per field (name, checker, required, path for errors); resolved once
+    per class and position in a message, not per message."""
     hints = get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(body) - names
-    if unknown:
-        raise ProtocolError(f"{where}: unknown fields {sorted(map(str, unknown))}")
+    fields = tuple(
+        (
+            f.name,
+            _checker(hints[f.name]),
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+            f"{where}.{f.name}",
+        )
+        for f in dataclasses.fields(cls)
+    )
+    return frozenset(f.name for f in dataclasses.fields(cls)), fields
+
+
+def _build(cls: type[M], body: Any, where: str) -> M:
+    if type(body) is not dict:
+        raise ProtocolError(f"{where}: body must be a map")
+    names, fields = _schema(cls, where)
+    if not names.issuperset(body):
+        raise ProtocolError(f"{where}: unknown fields {sorted(map(str, set(body) - names))}")
     values = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in body:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError(f"{where}: missing field {f.name!r}")
-            continue
-        values[f.name] = _check(body[f.name], hints[f.name], f"{where}.{f.name}")
+    for name, check, required, path in fields:
+        if name in body:
+            values[name] = check(body[name], path)
+        elif required:
+            raise ProtocolError(f"{where}: missing field {name!r}")
     return cls(**values)
 
 
 def _check(value: Any, hint: Any, where: str) -> Any:
+    return _checker(hint)(value, where)
+
+
+def _shape_matches(value: Any, hint: Any) -> bool:
+    """Cheap top-level test: could `value` be of `hint` at all (before a full check)?"""
+    origin = get_origin(hint) or hint
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return type(value) in (int, float)
+    if origin in (list, tuple):
+        return type(value) is list
+    if origin is dict or hint in _REGISTRY.values():
+        return type(value) is dict
+    return type(value) is origin
+
+
+@functools.cache
+def _checker(hint: Any):
+    """A function (value, where) -> value that validates against `hint`; built once per type
+    so decoding a message costs a few type tests per field, not a walk over `typing`."""
     origin = get_origin(hint)
     if hint is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        for option in get_args(hint):
-            try:
-                return _check(value, option, where)
-            except ProtocolError:
-                continue
-        raise ProtocolError(f"{where}: {type(value).__name__} does not match {hint}")
+        return lambda value, where: value
     if isinstance(hint, type) and hint in _REGISTRY.values():
-        return _build(hint, value, where)
-    if hint is type(None):
-        if value is not None:
-            raise ProtocolError(f"{where}: expected nil")
-        return None
+        return lambda value, where: _build(hint, value, where)
+    if origin in (Union, types.UnionType):
+        options = get_args(hint)
+
+        def check_union(value, where):
+            for option in options:
+                if _shape_matches(value, option):
+                    return _checker(option)(value, where)
+            raise ProtocolError(f"{where}: {type(value).__name__} does not match {hint}")
+
+        return check_union
     if origin in (list, tuple):
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected an array, got {type(value).__name__}")
         args = get_args(hint)
         if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(args) != len(value):
-                raise ProtocolError(f"{where}: expected {len(args)} items")
-            return tuple(
-                _check(v, a, f"{where}[{i}]")
-                for i, (v, a) in enumerate(zip(value, args, strict=True))
-            )
+            raise ProtocolError(f"unsupported schema type {hint}")
         item = args[0] if args else Any
-        checked = [_check(v, item, f"{where}[]") for v in value] if item is not Any else value
-        return tuple(checked) if origin is tuple else checked
+        item_check = _checker(item)
+        as_tuple = origin is tuple
+
+        def check_list(value, where):
+            if type(value) is not list:
+                raise ProtocolError(f"{where}: expected an array, got {type(value).__name__}")
+            if item is Any or (item is int and all(type(v) is int for v in value)):
+                checked = value  # NOTE: fast path for token id lists; bool is not an int here
+            else:
+                checked = [item_check(v, f"{where}[]") for v in value]
+            return tuple(checked) if as_tuple else checked
+
+        return check_list
     if origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected a map")
         key_type, value_type = get_args(hint) or (Any, Any)
-        return {
-            _check(k, key_type, f"{where} key"): _check(v, value_type, f"{where}[{k!r}]")
-            for k, v in value.items()
-        }
+        key_check, value_check = _checker(key_type), _checker(value_type)
+
+        def check_dict(value, where):
+            if type(value) is not dict:
+                raise ProtocolError(f"{where}: expected a map")
+            return {
+                key_check(k, f"{where} key"): value_check(v, f"{where}[{k!r}]")
+                for k, v in value.items()
+            }
+
+        return check_dict
+    if hint is type(None):
+
+        def check_none(value, where):
+            if value is not None:
+                raise ProtocolError(f"{where}: expected nil")
+
+        return check_none
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
-        return float(value)
+
+        def check_float(value, where):
+            if type(value) not in (int, float):
+                raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
+            return float(value)
+
+        return check_float
     if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ProtocolError(f"{where}: expected an integer, got {type(value).__name__}")
-        return value
+
+        def check_int(value, where):
+            if type(value) is not int:
+                raise ProtocolError(f"{where}: expected an integer, got {type(value).__name__}")
+            return value
+
+        return check_int
     if hint in (str, bool, bytes):
-        if type(value) is not hint:
-            raise ProtocolError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
-        return value
-    raise ProtocolError(f"{where}: unsupported schema type {hint}")
+
+        def check_exact(value, where):
+            if type(value) is not hint:
+                raise ProtocolError(
+                    f"{where}: expected {hint.__name__}, got {type(value).__name__}"
+                )
+            return value
+
+        return check_exact
+    raise ProtocolError(f"unsupported schema type {hint}")
 
 
 __all__ = ["MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode", "encode", "message"]
