@@ -17,13 +17,8 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,12 +35,6 @@ def make_workload(n: int, min_len: int, max_len: int, vocab: int, seed: int):
         )
         for _ in range(n)
     ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt, max_tokens, record) -> None:
@@ -121,43 +110,28 @@ def _engine_counters(url: str) -> dict:
 
 
 def run_http(model_path: str, workload, args) -> dict:
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "--log-level",
-        "warning",
-        "serve",
-        "--model-path",
-        model_path,
-        "--port",
-        str(port),
-        "--max-running-requests",
-        str(args.concurrency),
-        "--max-model-len",
-        str(2 * args.max_len + 1),
-    ]
-    server = subprocess.Popen(command, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    from pdserve.server.local_process import LocalServer
+
+    server = LocalServer(
+        [
+            "serve",
+            "--model-path",
+            model_path,
+            "--max-running-requests",
+            str(args.concurrency),
+            "--max-model-len",
+            str(2 * args.max_len + 1),
+        ]
+    )
+    url = server.url
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("server did not become healthy")
-            time.sleep(0.5)
+        server.wait_healthy(deadline_s=600)
         asyncio.run(drive(url, workload[: args.concurrency // 4 or 1], args.concurrency))
         before = _engine_counters(url)
         record, elapsed, running = asyncio.run(drive(url, workload, args.concurrency))
         after = _engine_counters(url)
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
+        server.stop(timeout_s=60)
     gaps = [g for r in record for g in r["gaps"]]
     ttfts = [r["ttft"] for r in record if r["ttft"] is not None]
     tokens = sum(r["tokens"] for r in record)
