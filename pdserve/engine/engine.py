@@ -93,8 +93,7 @@ class Engine:
         never be served."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        token_ids = self.tokenize(prompt)
-        self._check_fits(token_ids, params)
+        token_ids = self.validate_prompt(prompt)
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -114,7 +113,13 @@ class Engine:
         self.scheduler.add(request)
         return request
 
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+    def validate_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt that can be served; raises InvalidRequestError otherwise."""
+        token_ids = self._tokenize(prompt)
+        self._check_fits(token_ids)
+        return token_ids
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
@@ -129,7 +134,7 @@ class Engine:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return token_ids
 
-    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _check_fits(self, token_ids: list[int]) -> None:
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {len(token_ids)} tokens; this model's maximum context length "
@@ -216,6 +221,8 @@ class Engine:
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             stop_reason=request.stop_reason,
             error=request.error,
-            logprobs=list(request.logprobs) if want_logprobs else None,
-            top_logprobs=list(request.top_logprobs) if request.sampling_params.logprobs else None,
+            # NOTE: the request's own lists, not copies (a copy per step is O(n^2)); they keep
+            # growing while the request runs.
+            logprobs=request.logprobs if want_logprobs else None,
+            top_logprobs=request.top_logprobs if request.sampling_params.logprobs else None,
         )

@@ -56,11 +56,11 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-        for prompt, params in zip(prompts, sampling_params, strict=True):
-            self.engine._check_fits(self.engine.tokenize(prompt), params)
+        # NOTE: validate every prompt before queueing any, so a bad one leaves nothing behind.
+        token_ids = [self.engine.validate_prompt(prompt) for prompt in prompts]
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        for request_id, prompt, params in zip(ids, prompts, sampling_params, strict=True):
-            self.engine.add_request(request_id, prompt, params)
+        for request_id, ids_of_prompt, params in zip(ids, token_ids, sampling_params, strict=True):
+            self.engine.add_request(request_id, ids_of_prompt, params)
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
         bar = tqdm(total=len(prompts), desc="Generating", disable=not show)
         final: dict[str, RequestOutput] = {}
