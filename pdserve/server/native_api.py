@@ -72,7 +72,7 @@ async def generate(body: GenerateBody, request: Request):
     )
     if body.text is not None:
         texts = [body.text] if isinstance(body.text, str) else body.text
-        prompts = [state.tokenizer.encode(t) for t in texts]
+        prompts = await asyncio.to_thread(lambda: [state.tokenizer.encode(t) for t in texts])
     else:
         prompts = [body.input_ids] if single else [list(p) for p in body.input_ids]
     raw = dict(body.sampling_params or {})

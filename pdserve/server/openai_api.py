@@ -61,7 +61,8 @@ async def completions(body: CompletionRequest, request: Request):
     check_model(state, body.model)
     if body.echo:
         raise bad_request("echo is not supported", param="echo")
-    prompts = _completion_prompts(state, body.prompt)
+    # NOTE: tokenization runs in a worker thread so a long prompt never stalls other streams.
+    prompts = await asyncio.to_thread(_completion_prompts, state, body.prompt)
     sampling_common = _common_sampling(body, logprobs=body.logprobs)
     jobs = []
     for prompt_ids in prompts:
@@ -80,7 +81,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     check_model(state, body.model)
     if not body.messages:
         raise bad_request("messages must not be empty", param="messages")
-    prompt_ids = _chat_prompt(state, body)
+    prompt_ids = await asyncio.to_thread(_chat_prompt, state, body)
     top = body.top_logprobs
     if top is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
