@@ -1,0 +1,5 @@
+"""KV and metadata transfer from a prefill worker to a decode worker (DESIGN.md §2-§6).
+
+Bookkeeping (room states, deadlines, tombstones, handshake checks) is torch-free; tensors only
+appear in the backends that move KV pages.
+"""

@@ -1,0 +1,120 @@
+"""Per-room transfer state on one side of a handoff. Torch-free.
+
+`Bootstrapping -> WaitingForInput -> Transferring -> Success`, or `Failed` from anywhere.
+States only move forward; `Failed` is sticky and keeps the first reason; `Success` is final.
+Every state has a deadline: a room that makes no progress for `progress_timeout_s` fails with
+a reason that names the state it was stuck in. Finished rooms leave a tombstone for a while,
+so a late or duplicate message for them is recognised and ignored rather than applied to a
+new request.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+
+class TransferState(enum.IntEnum):
+    BOOTSTRAPPING = 0
+    WAITING_FOR_INPUT = 1
+    TRANSFERRING = 2
+    SUCCESS = 3
+    FAILED = 4
+
+
+class InvalidTransition(RuntimeError):
+    """A caller tried to move a room backwards or out of a final state."""
+
+
+class RoomState:
+    def __init__(
+        self,
+        room: int,
+        *,
+        progress_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if progress_timeout_s <= 0:
+            raise ValueError(f"progress_timeout_s must be positive, got {progress_timeout_s}")
+        self.room = room
+        self.progress_timeout_s = progress_timeout_s
+        self._clock = clock
+        self.state = TransferState.BOOTSTRAPPING
+        self.failure_reason: str | None = None
+        self.entered_at = clock()
+
+    @property
+    def done(self) -> bool:
+        return self.state in (TransferState.SUCCESS, TransferState.FAILED)
+
+    def advance(self, new_state: TransferState) -> bool:
+        """Move forward to `new_state`. False (and no change) if the room already failed;
+        InvalidTransition for a move backwards, sideways, out of Success or into Failed
+        (use `fail`)."""
+        if self.state is TransferState.FAILED:
+            return False
+        if new_state is TransferState.FAILED:
+            raise InvalidTransition("use fail(reason) to fail a room")
+        if self.state is TransferState.SUCCESS or new_state <= self.state:
+            raise InvalidTransition(
+                f"room {self.room}: {self.state.name} -> {new_state.name} is not forward"
+            )
+        self.state = new_state
+        self.entered_at = self._clock()
+        return True
+
+    def fail(self, reason: str) -> bool:
+        """Fail the room. False if it already ended (the first outcome stands)."""
+        if self.done:
+            return False
+        self.state = TransferState.FAILED
+        self.failure_reason = reason
+        self.entered_at = self._clock()
+        return True
+
+    def check_deadline(self) -> bool:
+        """Fail the room if it sat in its state past the deadline; True if it failed now."""
+        if self.done:
+            return False
+        waited = self._clock() - self.entered_at
+        if waited <= self.progress_timeout_s:
+            return False
+        return self.fail(
+            f"timed out after {waited:.1f} s in {self.state.name} "
+            f"(limit {self.progress_timeout_s:g} s)"
+        )
+
+
+class Tombstones:
+    """Rooms that ended recently, remembered for `ttl_s` (at most `capacity` of them)."""
+
+    def __init__(
+        self, ttl_s: float, capacity: int = 100_000, clock: Callable[[], float] = time.monotonic
+    ):
+        self.ttl_s = ttl_s
+        self.capacity = capacity
+        self._clock = clock
+        self._ended: OrderedDict[int, float] = OrderedDict()
+
+    def add(self, room: int) -> None:
+        self._ended[room] = self._clock()
+        self._ended.move_to_end(room)
+        self._expire()
+
+    def __contains__(self, room: int) -> bool:
+        self._expire()
+        return room in self._ended
+
+    def __len__(self) -> int:
+        self._expire()
+        return len(self._ended)
+
+    def _expire(self) -> None:
+        horizon = self._clock() - self.ttl_s
+        while self._ended:
+            room, ended = next(iter(self._ended.items()))
+            if ended >= horizon and len(self._ended) <= self.capacity:
+                break
+            del self._ended[room]
