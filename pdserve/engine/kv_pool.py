@@ -30,9 +30,9 @@ class KVPool:
         self.dtype = dtype
         self.device = device
         shape = (2, num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        self._storage = torch.zeros(shape, dtype=dtype, device=device)
-        self.k = list(self._storage[0].unbind(0))
-        self.v = list(self._storage[1].unbind(0))
+        self.storage = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = list(self.storage[0].unbind(0))
+        self.v = list(self.storage[1].unbind(0))
 
     @staticmethod
     def bytes_per_page(
@@ -43,7 +43,7 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return self._storage.numel() * self._storage.element_size()
+        return self.storage.numel() * self.storage.element_size()
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V (`[T, kv_heads, head_dim]`) at flat slots

@@ -33,3 +33,82 @@ class KVLayout:
     page_size: int
     kv_dtype: str
     spec: SpecLayout
+
+
+@message("register")
+class Register:
+    """Decode -> prefill, once per peer before its first room."""
+
+    decode_id: str
+    layout: KVLayout
+    token: str = ""
+
+
+@message("register_ack")
+class RegisterAck:
+    prefill_id: str
+
+
+@message("register_rejected")
+class RegisterRejected:
+    reason: str
+
+
+@message("transfer_request")
+class TransferRequest:
+    """Decode -> prefill: pages are reserved for this room; send when ready."""
+
+    room: int
+    page_ids: list[int]
+    draft_page_ids: list[int]
+    token: str = ""
+
+
+@message("kv_chunk")
+class KVChunk:
+    """Prefill -> decode header; the chunk's bytes follow as the next frame (tcp backend)."""
+
+    room: int
+    offset: int
+    nbytes: int
+
+
+@message("metadata_header")
+class MetadataHeader:
+    """Prefill -> decode: the request's first token and speculative seed state. The tensors
+    (topk_index int64, topk_p float32, hidden_states) follow as the next frame, in that order."""
+
+    room: int
+    first_token: int
+    cached_tokens: int
+    first_logprob: float | None = None
+    topk: int = 0
+    has_hidden: bool = False
+
+
+@message("room_done")
+class RoomDone:
+    """Prefill -> decode: everything for the room was sent (`total_bytes` of KV)."""
+
+    room: int
+    total_bytes: int
+
+
+@message("room_ack")
+class RoomAck:
+    """Decode -> prefill: the room arrived whole; prefill may free its pages."""
+
+    room: int
+
+
+@message("abort_room")
+class AbortRoom:
+    """Either direction: stop this room now."""
+
+    room: int
+    reason: str
+
+
+@message("heartbeat")
+class Heartbeat:
+    sender_id: str

@@ -1,0 +1,75 @@
+"""Gather a request's KV pages into one contiguous buffer, and scatter such a buffer back.
+
+Transfers never send one message per page: on the sending side all of a request's pages, of
+every layer, K and V, target pool then draft pool, are gathered into one flat byte buffer (one
+`index_select` per pool, at memory speed); the receiving side scatters it into its own page
+ids with one `index_copy_` per pool. Both sides must have pools of the same shapes and dtypes
+(the handshake checks it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.kv_pool import KVPool
+
+
+class StagingError(ValueError):
+    """Page lists or buffers that do not fit the pools."""
+
+
+class KVStager:
+    def __init__(self, pools: list[KVPool]):
+        if not pools:
+            raise StagingError("at least one KV pool is needed")
+        self.pools = pools
+        self.device = pools[0].device
+
+    @property
+    def page_bytes(self) -> list[int]:
+        """Bytes per page of each pool (all layers, K and V)."""
+        return [pool.nbytes // pool.num_pages for pool in self.pools]
+
+    def nbytes(self, page_ids: list[list[int]]) -> int:
+        self._check_counts(page_ids)
+        return sum(len(ids) * size for ids, size in zip(page_ids, self.page_bytes, strict=True))
+
+    def gather(self, page_ids: list[list[int]], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The pages (one id list per pool) as one flat uint8 buffer on the pools' device."""
+        total = self.nbytes(page_ids)
+        if out is None:
+            out = torch.empty(total, dtype=torch.uint8, device=self.device)
+        elif out.dtype != torch.uint8 or out.numel() != total or not out.is_contiguous():
+            raise StagingError(f"staging buffer must be {total} contiguous bytes")
+        for pool, ids, part in self._parts(page_ids, out):
+            index = self._index(pool, ids)
+            torch.index_select(pool.storage, 2, index, out=part)
+        return out
+
+    def scatter(self, page_ids: list[list[int]], buffer: torch.Tensor) -> None:
+        """Write a buffer made by `gather` (possibly elsewhere) into these pages."""
+        total = self.nbytes(page_ids)
+        if buffer.dtype != torch.uint8 or buffer.numel() != total:
+            raise StagingError(
+                f"buffer of {buffer.numel()} bytes does not match {total} bytes of pages"
+            )
+        buffer = buffer.to(self.device)
+        for pool, ids, part in self._parts(page_ids, buffer):
+            pool.storage.index_copy_(2, self._index(pool, ids), part)
+
+    def _parts(self, page_ids: list[list[int]], flat: torch.Tensor):
+        offset = 0
+        for pool, ids, size in zip(self.pools, page_ids, self.page_bytes, strict=True):
+            nbytes = len(ids) * size
+            shape = (*pool.storage.shape[:2], len(ids), *pool.storage.shape[3:])
+            yield pool, ids, flat[offset : offset + nbytes].view(pool.dtype).view(shape)
+            offset += nbytes
+
+    def _index(self, pool: KVPool, ids: list[int]) -> torch.Tensor:
+        if any(not 0 <= p < pool.num_pages for p in ids):
+            raise StagingError(f"page ids outside [0, {pool.num_pages}): {ids[:8]}")
+        return torch.tensor(ids, dtype=torch.int64, device=self.device)
+
+    def _check_counts(self, page_ids: list[list[int]]) -> None:
+        if len(page_ids) != len(self.pools):
+            raise StagingError(f"{len(page_ids)} page lists for {len(self.pools)} pools")
