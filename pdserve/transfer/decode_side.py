@@ -1,0 +1,341 @@
+"""The decode side of the handoff: one receiver per room, one connection per prefill peer.
+
+The decode worker reserves pages first, then asks `receiver(room, host, port, pages)`. We
+register with that prefill peer once (layout, token), send the room's `TransferRequest`, and
+collect KV chunks and the metadata record into a receive buffer. Pages are written only by
+`commit()`, on the caller's thread, after the room succeeded: a failed or aborted room never
+wrote a page, so its pages can be freed at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from pdserve.protocol.codec import ProtocolError, decode, encode
+from pdserve.protocol.transfer_messages import (
+    AbortRoom,
+    Heartbeat,
+    KVChunk,
+    KVLayout,
+    MetadataHeader,
+    Register,
+    RegisterAck,
+    RegisterRejected,
+    RoomAck,
+    RoomDone,
+    TransferRequest,
+)
+from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.io_thread import IOThread
+from pdserve.transfer.kv_staging import KVStager
+from pdserve.transfer.metadata import MetadataMismatch, MetadataRecord
+from pdserve.transfer.metadata_spec import MetadataSpec
+from pdserve.transfer.metrics import TransferMetrics
+from pdserve.transfer.room_state import RoomState, Tombstones, TransferState
+
+logger = logging.getLogger(__name__)
+
+_FROM_PREFILL = (
+    RegisterAck,
+    RegisterRejected,
+    KVChunk,
+    MetadataHeader,
+    RoomDone,
+    AbortRoom,
+    Heartbeat,
+)
+
+
+@dataclass
+class _Peer:
+    address: str
+    socket: zmq.Socket
+    registered: bool = False
+    rejected: str | None = None
+    last_seen: float = field(default_factory=time.monotonic)
+    last_heartbeat: float = 0.0
+    rooms: set[int] = field(default_factory=set)
+
+
+class ReceiverRoom:
+    """One room on the decode side. State reads are safe from any thread."""
+
+    def __init__(
+        self,
+        client: DecodeTransferClient,
+        room: int,
+        peer: _Peer,
+        page_ids: list[int],
+        draft_page_ids: list[int],
+        expected_bytes: int,
+    ):
+        self._client = client
+        self.room = room
+        self._peer = peer
+        self.page_ids = page_ids
+        self.draft_page_ids = draft_page_ids
+        self.expected_bytes = expected_bytes
+        self._state = RoomState(room, progress_timeout_s=client.config.progress_timeout_s)
+        self._buffer: torch.Tensor | None = None
+        self._received = 0
+        self._pending: KVChunk | MetadataHeader | None = None
+        self.metadata: MetadataRecord | None = None
+        self.started_at = time.monotonic()
+
+    def poll(self) -> TransferState:
+        return self._state.state
+
+    @property
+    def failure_reason(self) -> str | None:
+        return self._state.failure_reason
+
+    def abort(self, reason: str = "aborted by decode") -> None:
+        """Fail the room and tell prefill. The pages may be freed right after this returns."""
+        self._state.fail(reason)
+        self._client.io.call(lambda: self._client._send_abort(self, reason))
+
+    def commit(self, stager: KVStager) -> MetadataRecord:
+        """Write the received KV into this room's pages; call once, after SUCCESS."""
+        if self._state.state is not TransferState.SUCCESS or self._buffer is None:
+            raise RuntimeError(f"room {self.room} cannot commit in {self._state.state.name}")
+        pages = [self.page_ids, self.draft_page_ids][: len(stager.pools)]
+        stager.scatter(pages, self._buffer)
+        self._buffer = None
+        return self.metadata
+
+
+class DecodeTransferClient:
+    def __init__(
+        self,
+        config: TransferConfig,
+        layout: KVLayout,
+        metadata_spec: MetadataSpec,
+        decode_id: str,
+        page_bytes: list[int],
+        metrics: TransferMetrics | None = None,
+    ):
+        """page_bytes: bytes per page of the target pool (and the draft pool if any)."""
+        self.config = config
+        self.layout = layout
+        self.metadata_spec = metadata_spec
+        self.decode_id = decode_id
+        self.page_bytes = page_bytes
+        self.metrics = metrics or TransferMetrics()
+        self.context = zmq.Context()
+        self.io = IOThread(f"decode-transfer-{decode_id}", self.context)
+        self._peers: dict[str, _Peer] = {}
+        self._rooms: dict[int, ReceiverRoom] = {}
+        self._by_socket: dict[zmq.Socket, _Peer] = {}
+        self._tombstones = Tombstones(config.tombstone_ttl_s)
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        self.io.start(self._on_socket, self._on_tick, tick_s=0.05)
+
+    def stop(self) -> None:
+        self.io.stop()
+        for peer in self._peers.values():
+            peer.socket.close(0)
+        self.context.term()
+
+    def receiver(
+        self,
+        room: int,
+        host: str,
+        port: int,
+        page_ids: list[int],
+        draft_page_ids: list[int] | None = None,
+    ) -> ReceiverRoom:
+        """Start receiving `room` from the prefill worker at host:port into these pages."""
+        draft_page_ids = list(draft_page_ids or [])
+        counts = [len(page_ids), len(draft_page_ids)][: len(self.page_bytes)]
+        expected = sum(n * size for n, size in zip(counts, self.page_bytes, strict=True))
+        address = f"tcp://{host}:{port}"
+        with self._lock:
+            if room in self._rooms or room in self._tombstones:
+                raise ValueError(f"bootstrap_room {room} is already in use on this decode worker")
+            peer = self._peers.get(address) or self._placeholder(address)
+            receiver = ReceiverRoom(self, room, peer, list(page_ids), draft_page_ids, expected)
+            self._rooms[room] = receiver
+        self.io.call(lambda: self._start_room(receiver, address))
+        return receiver
+
+    def release(self, room: int) -> None:
+        with self._lock:
+            self._rooms.pop(room, None)
+
+    # ---- IO thread -------------------------------------------------------------------
+
+    def _placeholder(self, address: str) -> _Peer:
+        return _Peer(address=address, socket=None)  # the IO thread creates the socket
+
+    def _peer(self, address: str) -> _Peer:
+        peer = self._peers.get(address)
+        if peer is None or peer.socket is None:
+            socket = self.context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.SNDTIMEO, int(self.config.send_timeout_s * 1000))
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(address)
+            peer = _Peer(address=address, socket=socket)
+            self._peers[address] = peer
+            self._by_socket[socket] = peer
+            self.io.poller.register(socket, zmq.POLLIN)
+            self._send(peer, Register(self.decode_id, self.layout, self.config.auth_token))
+        return peer
+
+    def _start_room(self, receiver: ReceiverRoom, address: str) -> None:
+        peer = self._peer(address)
+        receiver._peer = peer
+        peer.rooms.add(receiver.room)
+        if peer.rejected:
+            receiver._state.fail(f"handshake failed: {peer.rejected}")
+            return
+        request = TransferRequest(
+            receiver.room, receiver.page_ids, receiver.draft_page_ids, self.config.auth_token
+        )
+        self._send(peer, request)
+
+    def _on_socket(self, socket: zmq.Socket) -> None:
+        peer = self._by_socket[socket]
+        while True:
+            try:
+                frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            peer.last_seen = time.monotonic()
+            try:
+                msg = decode(frames[0].bytes, _FROM_PREFILL)
+            except ProtocolError as e:
+                self.metrics.failure("malformed_message")
+                logger.warning("dropped a malformed message from prefill %s: %s", peer.address, e)
+                continue
+            self._handle(peer, msg, frames[1] if len(frames) > 1 else None)
+
+    def _handle(self, peer: _Peer, msg, payload) -> None:
+        if isinstance(msg, RegisterAck):
+            peer.registered = True
+            return
+        if isinstance(msg, RegisterRejected):
+            peer.rejected = msg.reason
+            for room in self._rooms_of(peer):
+                self._fail(room, f"handshake failed: {msg.reason}")
+            return
+        if isinstance(msg, Heartbeat):
+            return
+        room = self._rooms.get(msg.room)
+        if room is None or room._state.done or room._peer is not peer:
+            return  # late message for a finished, aborted or foreign room: ignore
+        if isinstance(msg, AbortRoom):
+            self._fail(room, f"prefill aborted: {msg.reason}")
+        elif isinstance(msg, KVChunk):
+            self._chunk(room, msg, payload)
+        elif isinstance(msg, MetadataHeader):
+            self._metadata(room, msg, payload)
+        elif isinstance(msg, RoomDone):
+            self._done(room, msg)
+
+    def _chunk(self, room: ReceiverRoom, msg: KVChunk, payload) -> None:
+        # NOTE: every bound is checked against our own reservation before a byte is copied.
+        size = len(payload) if payload is not None else -1
+        if (
+            msg.offset != room._received
+            or size != msg.nbytes
+            or msg.offset + msg.nbytes > room.expected_bytes
+        ):
+            self._fail(
+                room,
+                f"bad KV chunk (offset {msg.offset}, {msg.nbytes} bytes, payload "
+                f"{size}, expected offset {room._received} of "
+                f"{room.expected_bytes})",
+                notify=True,
+            )
+            return
+        if room._buffer is None:
+            room._buffer = torch.empty(room.expected_bytes, dtype=torch.uint8)
+            room._state.advance(TransferState.TRANSFERRING)
+        target = room._buffer[msg.offset : msg.offset + msg.nbytes]
+        target.copy_(torch.frombuffer(payload.buffer, dtype=torch.uint8))
+        room._received += msg.nbytes
+        self.metrics.bytes_received += msg.nbytes
+
+    def _metadata(self, room: ReceiverRoom, msg: MetadataHeader, payload) -> None:
+        try:
+            data = payload.bytes if payload is not None else b""
+            room.metadata = MetadataRecord.unpack(msg, data, self.metadata_spec)
+        except MetadataMismatch as e:
+            self._fail(room, f"metadata mismatch: {e}", notify=True)
+
+    def _done(self, room: ReceiverRoom, msg: RoomDone) -> None:
+        if msg.total_bytes != room.expected_bytes or room._received != room.expected_bytes:
+            self._fail(
+                room,
+                f"incomplete KV: got {room._received} of {room.expected_bytes} "
+                f"bytes (prefill sent {msg.total_bytes})",
+                notify=True,
+            )
+            return
+        if room.metadata is None:
+            self._fail(room, "room finished without its metadata record", notify=True)
+            return
+        if room._state.state is TransferState.BOOTSTRAPPING:
+            room._state.advance(TransferState.TRANSFERRING)  # zero-byte KV
+        room._state.advance(TransferState.SUCCESS)
+        self.metrics.succeeded(time.monotonic() - room.started_at)
+        self._send(room._peer, RoomAck(room.room))
+        self._end(room)
+
+    def _fail(self, room: ReceiverRoom, reason: str, *, notify: bool = False) -> None:
+        if room._state.fail(reason):
+            self.metrics.failure(reason.split(":")[0])
+        if notify:
+            self._send(room._peer, AbortRoom(room.room, reason))
+        room._buffer = None
+        self._end(room)
+
+    def _send_abort(self, room: ReceiverRoom, reason: str) -> None:
+        room._buffer = None
+        if room._peer is not None and room._peer.socket is not None:
+            self._send(room._peer, AbortRoom(room.room, reason))
+        self._end(room)
+
+    def _end(self, room: ReceiverRoom) -> None:
+        self._tombstones.add(room.room)
+        if room._peer is not None:
+            room._peer.rooms.discard(room.room)
+
+    def _rooms_of(self, peer: _Peer) -> list[ReceiverRoom]:
+        return [self._rooms[r] for r in list(peer.rooms) if r in self._rooms]
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        for peer in list(self._peers.values()):
+            live = [r for r in self._rooms_of(peer) if not r._state.done]
+            if not live:
+                peer.last_seen = now  # nothing to wait for: silence is fine
+                continue
+            if now - peer.last_seen > self.config.peer_timeout_s:
+                for room in live:
+                    self._fail(
+                        room, f"prefill peer {peer.address} silent for {now - peer.last_seen:.1f} s"
+                    )
+                continue
+            if now - peer.last_heartbeat >= self.config.heartbeat_interval_s:
+                peer.last_heartbeat = now
+                self._send(peer, Heartbeat(self.decode_id))
+            for room in live:
+                if room._state.check_deadline():
+                    self.metrics.failure("timeout")
+                    self._send(peer, AbortRoom(room.room, room.failure_reason))
+                    self._end(room)
+
+    def _send(self, peer: _Peer, msg) -> None:
+        try:
+            peer.socket.send(encode(msg))
+        except zmq.ZMQError as e:
+            logger.warning("could not reach prefill %s: %s", peer.address, e)

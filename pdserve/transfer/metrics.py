@@ -1,0 +1,27 @@
+"""Transfer counters: bytes, latency, failures by reason. Torch-free; exported on /metrics by
+the worker that owns them."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TransferMetrics:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    rooms_succeeded: int = 0
+    latency_seconds_total: float = 0.0
+    failures: Counter = field(default_factory=Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def succeeded(self, latency_s: float) -> None:
+        with self._lock:
+            self.rooms_succeeded += 1
+            self.latency_seconds_total += latency_s
+
+    def failure(self, reason: str) -> None:
+        with self._lock:
+            self.failures[reason] += 1
