@@ -195,12 +195,13 @@ class PrefillTransferServer:
     def _transfer_request(self, identity: bytes, peer: _Peer, msg: TransferRequest) -> None:
         if msg.room in self._tombstones:
             return  # late or duplicate request for a finished room
-        if not self._token_ok(msg.token):
-            self._reply(identity, AbortRoom(msg.room, "authentication failed: wrong token"))
-            return
         room = self.sender(msg.room)
-        if peer.rejected or not peer.decode_id:
+        reason = None
+        if not self._token_ok(msg.token):
+            reason = "authentication failed: wrong or missing transfer token"
+        elif peer.rejected or not peer.decode_id:
             reason = peer.rejected or "transfer request before registration"
+        if reason is not None:
             self._reply(identity, AbortRoom(msg.room, reason))
             room._state.fail(f"handshake failed: {reason}")
             self._tombstones.add(msg.room)

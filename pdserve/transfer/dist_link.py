@@ -1,0 +1,365 @@
+"""Point-to-point tensor link between one prefill and one decode process (DESIGN.md §5).
+
+Each (prefill, decode) pair gets its own 2-rank torch.distributed process group, built directly
+from a store rather than through `init_process_group`, so that one process can hold many pair
+groups with different peers at once. The decode process serves one `TCPStore` for all its pairs
+(`DecodeStoreServer`); each pair works under its own `PrefixStore(pair_name, ...)`. Prefill is
+rank 0, decode rank 1. `nccl` moves GPU tensors; `gloo` runs the same code path on CPU (CI).
+
+Every blocking call has a deadline. A transfer that misses its deadline, or fails, leaves the
+link FAILED and torn down (gloo closes the pair on a timeout; for nccl the communicator is
+aborted), so a late write can never land in a buffer the caller has since reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("gloo", "nccl")
+PREFILL_RANK = 0
+DECODE_RANK = 1
+_WORLD_SIZE = 2
+_TAG = 0
+# NOTE: nccl's watchdog tears the whole process down when an operation outlives the group's
+# own timeout, so that timeout is only a backstop far beyond any per-operation deadline; the
+# deadlines passed to send/recv (which abort just this link) are what callers rely on.
+_NCCL_WATCHDOG_TIMEOUT_S = 3600.0
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    # The backend objects themselves, not wrapped in a ProcessGroup: send/recv/abort/shutdown.
+    _Group: TypeAlias = dist.ProcessGroupGloo | dist.ProcessGroupNCCL
+
+
+class LinkError(RuntimeError):
+    """The link failed (peer gone, communicator error, used after close)."""
+
+
+class LinkTimeout(TimeoutError):
+    """An operation on the link (or creating it) missed its deadline."""
+
+
+def _timedelta(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
+
+
+def _check_timeout(timeout_s: float) -> None:
+    if not timeout_s > 0:
+        raise ValueError(f"timeout must be positive, got {timeout_s!r} s")
+
+
+class DecodeStoreServer:
+    """The decode process's one TCPStore server, shared by all its pair groups.
+
+    The listening socket is bound here, to `host` only (TCPStore alone would listen on every
+    interface), and handed to the store. The server stops once `close()` was called and the
+    last link using `store` is closed.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0):
+        _check_timeout(timeout_s)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.create_server((host, port), family=family, backlog=128)
+        self.host: str = host
+        self.port: int = listener.getsockname()[1]
+        # The store's event loop takes ownership of the descriptor it is given (and closes it).
+        listen_fd = os.dup(listener.fileno())
+        listener.close()
+        try:
+            self._store: dist.TCPStore | None = dist.TCPStore(
+                host,
+                self.port,
+                None,
+                True,
+                _timedelta(timeout_s),
+                wait_for_workers=False,
+                multi_tenant=True,
+                master_listen_fd=listen_fd,
+            )
+        except Exception:
+            os.close(listen_fd)
+            raise
+
+    @property
+    def store(self) -> dist.Store:
+        """The store that decode-side links (rank 1) connect with."""
+        if self._store is None:
+            raise LinkError(f"store server {self.host}:{self.port} is closed")
+        return self._store
+
+    def close(self) -> None:
+        self._store = None
+
+    def __enter__(self) -> DecodeStoreServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class PendingTransfer:
+    """A posted send or receive; `wait` completes it or fails the link."""
+
+    def __init__(self, link: PairLink, work: dist.Work, operation: str, nbytes: int):
+        self._link = link
+        self._work = work
+        self.operation = operation
+        self.nbytes = nbytes
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until done: LinkTimeout after `timeout_s`, LinkError if the transfer failed."""
+        _check_timeout(timeout_s)
+        started = time.monotonic()
+        try:
+            completed = self._work.wait(_timedelta(timeout_s))
+        except RuntimeError as exc:
+            elapsed = time.monotonic() - started
+            if "timed out" in str(exc).lower() or elapsed >= timeout_s:
+                raise self._timed_out(timeout_s) from exc
+            reason = f"{self.operation} of {self.nbytes} bytes failed: {exc}"
+            self._link._fail(reason)
+            raise LinkError(f"pair {self._link.pair_name!r}: {reason}") from exc
+        if completed is False:
+            raise self._timed_out(timeout_s)
+
+    def _timed_out(self, timeout_s: float) -> LinkTimeout:
+        reason = f"{self.operation} of {self.nbytes} bytes did not complete within {timeout_s:g} s"
+        self._link._fail(reason)
+        return LinkTimeout(f"pair {self._link.pair_name!r}: {reason}; link torn down")
+
+
+class PairLink:
+    """One side of a 2-rank process group between a prefill (rank 0) and a decode (rank 1).
+
+    Sends and receives are matched in the order each side posts them. The caller agrees that
+    order over its control channel: decode posts `irecv` first, then tells prefill to send.
+    """
+
+    def __init__(
+        self,
+        group: _Group,
+        *,
+        backend: str,
+        pair_name: str,
+        rank: int,
+        device: torch.device,
+    ):
+        self.backend = backend
+        self.pair_name = pair_name
+        self.rank = rank
+        self.peer = 1 - rank
+        self.device = device
+        self._group: _Group | None = group
+        self._failure: str | None = None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def client_store(host: str, port: int, timeout_s: float) -> dist.Store:
+        """A prefill process's connection to a decode process's `DecodeStoreServer`."""
+        _check_timeout(timeout_s)
+        try:
+            return dist.TCPStore(host, port, None, False, _timedelta(timeout_s))
+        except RuntimeError as exc:
+            raise LinkTimeout(
+                f"could not reach the decode store at {host}:{port} within {timeout_s:g} s: {exc}"
+            ) from exc
+
+    @classmethod
+    def connect(
+        cls,
+        *,
+        backend: str,
+        store: dist.Store,
+        pair_name: str,
+        rank: int,
+        timeout_s: float,
+        device: torch.device | None = None,
+        local_host: str | None = None,
+    ) -> PairLink:
+        """Join the pair group `pair_name`; both ranks must call this within `timeout_s`.
+
+        `pair_name` must be fresh for every connect (e.g. prefill id, decode id and a nonce).
+        `device` is the CUDA device for nccl (required) and CPU for gloo (the default).
+        `local_host` is the address gloo listens on for its peer (default: gloo's choice,
+        from GLOO_SOCKET_IFNAME or the host name); nccl reads NCCL_SOCKET_IFNAME instead.
+        """
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown link backend {backend!r}; expected one of {BACKENDS}")
+        if rank not in (PREFILL_RANK, DECODE_RANK):
+            raise ValueError(f"rank must be {PREFILL_RANK} (prefill) or {DECODE_RANK} (decode)")
+        _check_timeout(timeout_s)
+        device = _link_device(backend, device)
+        deadline = time.monotonic() + timeout_s
+        pair_store = dist.PrefixStore(pair_name, store)
+        _rendezvous(pair_store, pair_name, rank, timeout_s)
+        remaining_s = max(deadline - time.monotonic(), 0.1)
+        try:
+            if backend == "gloo":
+                group = _new_gloo_group(pair_store, rank, remaining_s, local_host)
+            else:
+                group = _new_nccl_group(pair_store, rank, device)
+        except RuntimeError as exc:
+            if time.monotonic() >= deadline:
+                raise LinkTimeout(
+                    f"pair {pair_name!r}: creating the {backend} group as rank {rank} "
+                    f"did not finish within {timeout_s:g} s: {exc}"
+                ) from exc
+            raise LinkError(
+                f"pair {pair_name!r}: creating the {backend} group failed: {exc}"
+            ) from exc
+        return cls(group, backend=backend, pair_name=pair_name, rank=rank, device=device)
+
+    @property
+    def failed(self) -> str | None:
+        """Why the link failed, or None while it is usable."""
+        return self._failure
+
+    def send(self, tensor: torch.Tensor, *, timeout_s: float) -> None:
+        """Send `tensor` to the peer; returns once it was delivered."""
+        _check_timeout(timeout_s)
+        self.isend(tensor).wait(timeout_s)
+
+    def recv(self, tensor: torch.Tensor, *, timeout_s: float) -> None:
+        """Receive from the peer into `tensor` (same byte count as the peer's send)."""
+        _check_timeout(timeout_s)
+        self.irecv(tensor).wait(timeout_s)
+
+    def isend(self, tensor: torch.Tensor) -> PendingTransfer:
+        return self._post("send", tensor)
+
+    def irecv(self, tensor: torch.Tensor) -> PendingTransfer:
+        """Post a receive now and wait later; `tensor` must not be touched until then."""
+        return self._post("recv", tensor)
+
+    def close(self) -> None:
+        """Tear the group down (abort if it failed). Idempotent; never raises."""
+        with self._lock:
+            group, self._group = self._group, None
+        if group is None:
+            return
+        try:
+            if self._failure is None:
+                group.shutdown()
+            else:
+                group.abort()
+        except RuntimeError as exc:
+            logger.warning("pair %r: closing the %s group: %s", self.pair_name, self.backend, exc)
+
+    def __enter__(self) -> PairLink:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _post(self, operation: str, tensor: torch.Tensor) -> PendingTransfer:
+        self._check_tensor(operation, tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        group = self._usable_group(operation)
+        try:
+            if operation == "send":
+                work = group.send([tensor], self.peer, _TAG)
+            else:
+                work = group.recv([tensor], self.peer, _TAG)
+        except RuntimeError as exc:
+            reason = f"posting {operation} of {nbytes} bytes failed: {exc}"
+            self._fail(reason)
+            raise LinkError(f"pair {self.pair_name!r}: {reason}") from exc
+        return PendingTransfer(self, work, operation, nbytes)
+
+    def _check_tensor(self, operation: str, tensor: torch.Tensor) -> None:
+        if not tensor.is_contiguous():
+            raise ValueError(
+                f"pair {self.pair_name!r}: {operation} needs a contiguous tensor "
+                f"(shape {tuple(tensor.shape)}, stride {tensor.stride()})"
+            )
+        if tensor.device != self.device:
+            raise ValueError(
+                f"pair {self.pair_name!r}: {operation} of a tensor on {tensor.device}, "
+                f"but this {self.backend} link moves tensors on {self.device}"
+            )
+
+    def _usable_group(self, operation: str) -> _Group:
+        with self._lock:
+            group, failure = self._group, self._failure
+        if failure is not None:
+            raise LinkError(f"pair {self.pair_name!r}: {operation} on a failed link ({failure})")
+        if group is None:
+            raise LinkError(f"pair {self.pair_name!r}: {operation} on a closed link")
+        return group
+
+    def _fail(self, reason: str) -> None:
+        """Mark the link failed and abort it, so no late transfer writes into caller memory."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = reason
+            group = self._group
+        if group is not None:
+            try:
+                group.abort()
+            except RuntimeError as exc:
+                logger.warning("pair %r: aborting after %s: %s", self.pair_name, reason, exc)
+
+
+def _link_device(backend: str, device: torch.device | None) -> torch.device:
+    if backend == "gloo":
+        device = torch.device("cpu") if device is None else torch.device(device)
+        if device.type != "cpu":
+            raise ValueError(f"the gloo link moves CPU tensors only, not {device}")
+        return device
+    if device is None or torch.device(device).type != "cuda":
+        raise ValueError(f"the nccl link needs a CUDA device (e.g. cuda:0), got {device}")
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _rendezvous(pair_store: dist.Store, pair_name: str, rank: int, timeout_s: float) -> None:
+    """Wait (bounded) until both ranks joined, so group creation never waits on a missing peer."""
+    pair_store.set(f"pdserve/joined/{rank}", b"1")
+    try:
+        pair_store.wait([f"pdserve/joined/{1 - rank}"], _timedelta(timeout_s))
+    except RuntimeError as exc:
+        role = "decode" if rank == PREFILL_RANK else "prefill"
+        raise LinkTimeout(
+            f"pair {pair_name!r}: the {role} peer (rank {1 - rank}) did not join "
+            f"within {timeout_s:g} s"
+        ) from exc
+
+
+def _new_gloo_group(
+    pair_store: dist.Store, rank: int, timeout_s: float, local_host: str | None
+) -> _Group:
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = _timedelta(timeout_s)
+    if local_host is None:
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    else:
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
+    return dist.ProcessGroupGloo(pair_store, rank, _WORLD_SIZE, options)
+
+
+def _new_nccl_group(pair_store: dist.Store, rank: int, device: torch.device) -> _Group:
+    if not dist.is_nccl_available():
+        raise LinkError("this torch build has no NCCL; use the gloo or tcp backend")
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
+    options._timeout = _timedelta(_NCCL_WATCHDOG_TIMEOUT_S)
+    with torch.cuda.device(device):
+        group = dist.ProcessGroupNCCL(pair_store, rank, _WORLD_SIZE, options)
+        # Create the communicator now, while both ranks are known to be present, rather than
+        # lazily inside the first transfer.
+        group.eager_connect_single_device(device)
+    return group
