@@ -44,6 +44,8 @@ def test_late_messages_for_a_finished_room_are_ignored():
         sender, receiver = transfer(server, client, case, stager)
         receiver.commit(stager)
         committed = target[0].storage.clone()
+        server.release(case.room)
+        client.release(case.room)
         # Replay the finished room's messages from prefill, and its request from decode.
         stale = [sender.peer, encode(KVChunk(case.room, 0, 16)), b"\xff" * 16]
         server.io.call(lambda: server._router.send_multipart(stale))
@@ -59,7 +61,10 @@ def test_late_messages_for_a_finished_room_are_ignored():
         assert sender.poll() is TransferState.SUCCESS
         assert receiver2.poll() is TransferState.SUCCESS
         assert torch.equal(target[0].storage, committed)
-        assert server.sender(case.room).poll() is TransferState.SUCCESS
+        # The replayed request did not bring the released room back to life.
+        revived = server.sender(case.room)
+        assert revived.poll() is TransferState.FAILED
+        assert "already finished" in revived.failure_reason
     finally:
         client.stop()
         server.stop()
