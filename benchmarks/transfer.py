@@ -1,0 +1,209 @@
+"""KV transfer bandwidth: paged KV through pdserve's transfer layer beside the raw backend
+moving one contiguous buffer of the same size between the same two processes.
+
+Effective GiB/s counts the whole handoff: gather the request's pages into a staging buffer
+(prefill), send, receive, and scatter into other page ids (decode commit). Raw GiB/s is one
+contiguous buffer sent with the backend's own primitive (ZMQ multipart, zero-copy).
+
+    python benchmarks/transfer.py --backend tcp --sizes-mib 16 128 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import time
+
+import torch
+
+from pdserve.engine.kv_pool import KVPool
+from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
+from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.kv_staging import KVStager
+from pdserve.transfer.metadata import MetadataRecord
+from pdserve.transfer.metadata_spec import MetadataSpec
+from pdserve.transfer.room_state import TransferState
+
+MIB = 1 << 20
+PAGE_SIZE, LAYERS, KV_HEADS, HEAD_DIM = 16, 32, 8, 128  # Llama-3.1-8B's KV shape
+PAGE_BYTES = 2 * LAYERS * PAGE_SIZE * KV_HEADS * HEAD_DIM * 2  # bf16: 2 MiB per page
+LAYOUT = KVLayout("bench", LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE, "bfloat16", SpecLayout())
+REPEATS = 3
+
+
+def make_pool(num_pages: int) -> KVPool:
+    pool = KVPool(
+        num_layers=LAYERS,
+        num_pages=num_pages,
+        page_size=PAGE_SIZE,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    pool.storage.view(torch.int16).random_(-1000, 1000)
+    return pool
+
+
+def wait(predicate, deadline_s=600.0):
+    deadline = time.monotonic() + deadline_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("benchmark step timed out")
+        time.sleep(0.0005)
+
+
+def prefill_main(sizes, config, port_queue, timings):
+    from pdserve.transfer.prefill_side import PrefillTransferServer
+
+    server = PrefillTransferServer(config, LAYOUT, MetadataSpec(), "bench-prefill")
+    port_queue.put(server.start())
+    pool = make_pool(2 * max(sizes) * MIB // PAGE_BYTES + 1)
+    stager = KVStager([pool])
+    room = 0
+    for size in sizes:
+        pages = list(range(1, 2 * size * MIB // PAGE_BYTES, 2))  # every other page
+        for _ in range(REPEATS):
+            room += 1
+            sender = server.sender(room)
+            wait(lambda s=sender: s.poll() is TransferState.WAITING_FOR_INPUT)
+            start = time.perf_counter()
+            kv = stager.gather([pages])
+            sender.send(kv, MetadataRecord(first_token=1))
+            wait(lambda s=sender: s.poll() in (TransferState.SUCCESS, TransferState.FAILED))
+            timings.put(("paged", size, time.perf_counter() - start, sender.poll().name))
+            server.release(room)
+    server.stop()
+
+
+def decode_main(sizes, config, port, timings):
+    from pdserve.transfer.decode_side import DecodeTransferClient
+
+    pool = make_pool(2 * max(sizes) * MIB // PAGE_BYTES + 1)
+    stager = KVStager([pool])
+    client = DecodeTransferClient(config, LAYOUT, MetadataSpec(), "bench-decode", stager.page_bytes)
+    client.start()
+    room = 0
+    for size in sizes:
+        pages = list(range(0, 2 * size * MIB // PAGE_BYTES, 2))
+        for _ in range(REPEATS):
+            room += 1
+            receiver = client.receiver(room, "127.0.0.1", port, pages)
+            wait(
+                lambda r=receiver: (
+                    r.done
+                    if hasattr(r, "done")
+                    else r.poll() in (TransferState.SUCCESS, TransferState.FAILED)
+                )
+            )
+            start = time.perf_counter()
+            receiver.commit(stager)
+            timings.put(("scatter", size, time.perf_counter() - start, receiver.poll().name))
+            client.release(room)
+    client.stop()
+
+
+def raw_zmq(sizes, results):
+    """One contiguous buffer, PUSH -> PULL, zero-copy, between two processes."""
+    spawn = multiprocessing.get_context("spawn")
+    ports, done = spawn.Queue(), spawn.Queue()
+    receiver = spawn.Process(target=_raw_receiver, args=(sizes, ports, done))
+    receiver.start()
+    port = ports.get(timeout=60)
+    import zmq
+
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    for size in sizes:
+        buffer = torch.empty(size * MIB, dtype=torch.uint8).random_(0, 255)
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            push.send(memoryview(buffer.numpy()), copy=False)
+            done.get(timeout=600)
+            results.append(("raw", size, time.perf_counter() - start))
+    receiver.join(timeout=60)
+    push.close(0)
+    context.term()
+
+
+def _raw_receiver(sizes, ports, done):
+    import zmq
+
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    ports.put(pull.bind_to_random_port("tcp://127.0.0.1"))
+    for size in sizes:
+        target = torch.empty(size * MIB, dtype=torch.uint8)
+        for _ in range(REPEATS):
+            frame = pull.recv(copy=False)
+            target.copy_(torch.frombuffer(frame.buffer, dtype=torch.uint8))
+            done.put(True)
+    pull.close(0)
+    context.term()
+
+
+def paged_tcp(sizes) -> list:
+    spawn = multiprocessing.get_context("spawn")
+    config = TransferConfig(
+        bootstrap_port=0, progress_timeout_s=600, peer_timeout_s=600, heartbeat_interval_s=1.0
+    )
+    ports, timings = spawn.Queue(), spawn.Queue()
+    prefill = spawn.Process(target=prefill_main, args=(sizes, config, ports, timings))
+    prefill.start()
+    decode = spawn.Process(
+        target=decode_main, args=(sizes, config, ports.get(timeout=120), timings)
+    )
+    decode.start()
+    rows = [timings.get(timeout=1200) for _ in range(2 * len(sizes) * REPEATS)]
+    prefill.join(timeout=60)
+    decode.join(timeout=60)
+    return rows
+
+
+def summarize(paged_rows, raw_rows, sizes) -> list[dict]:
+    table = []
+    for size in sizes:
+        sends = sorted(t for kind, s, t, _ in paged_rows if kind == "paged" and s == size)
+        scatters = sorted(t for kind, s, t, _ in paged_rows if kind == "scatter" and s == size)
+        raws = sorted(t for kind, s, t in raw_rows if s == size)
+        assert all(state == "SUCCESS" for *_, state in paged_rows), "a transfer failed"
+        paged = sends[len(sends) // 2] + scatters[len(scatters) // 2]
+        raw = raws[len(raws) // 2]
+        gib = size / 1024
+        table.append(
+            {
+                "size_mib": size,
+                "paged_gib_s": round(gib / paged, 2),
+                "raw_gib_s": round(gib / raw, 2),
+                "paged_over_raw": round(raw / paged, 3),
+            }
+        )
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="tcp", choices=["tcp"])
+    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 128, 512])
+    parser.add_argument("--output")
+    args = parser.parse_args()
+    raw_rows: list = []
+    raw_zmq(args.sizes_mib, raw_rows)
+    table = summarize(paged_tcp(args.sizes_mib), raw_rows, args.sizes_mib)
+    report = {
+        "backend": args.backend,
+        "kv_shape": "Llama-3.1-8B (32 layers, 8 KV heads, 128)",
+        "page_size": PAGE_SIZE,
+        "median_of": REPEATS,
+        "results": table,
+    }
+    print(json.dumps(report, indent=2))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
