@@ -90,13 +90,7 @@ def decode_main(sizes, config, port, timings):
         for _ in range(REPEATS):
             room += 1
             receiver = client.receiver(room, "127.0.0.1", port, pages)
-            wait(
-                lambda r=receiver: (
-                    r.done
-                    if hasattr(r, "done")
-                    else r.poll() in (TransferState.SUCCESS, TransferState.FAILED)
-                )
-            )
+            wait(lambda r=receiver: r.poll() in (TransferState.SUCCESS, TransferState.FAILED))
             start = time.perf_counter()
             receiver.commit(stager)
             timings.put(("scatter", size, time.perf_counter() - start, receiver.poll().name))
