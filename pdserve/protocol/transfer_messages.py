@@ -42,6 +42,10 @@ class Register:
     decode_id: str
     layout: KVLayout
     token: str = ""
+    backend: str = "tcp"
+    # torch.distributed backends: decode's store (host:port) and this pair's group name.
+    store_address: str = ""
+    pair_name: str = ""
 
 
 @message("register_ack")
@@ -112,3 +116,18 @@ class AbortRoom:
 @message("heartbeat")
 class Heartbeat:
     sender_id: str
+
+
+@message("send_ready")
+class SendReady:
+    """Prefill -> decode (torch.distributed backends): the room's KV is gathered, `nbytes`."""
+
+    room: int
+    nbytes: int
+
+
+@message("recv_posted")
+class RecvPosted:
+    """Decode -> prefill: the receive for this room is posted; send now (and in this order)."""
+
+    room: int

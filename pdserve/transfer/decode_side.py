@@ -9,9 +9,11 @@ wrote a page, so its pages can be freed at once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -24,14 +26,17 @@ from pdserve.protocol.transfer_messages import (
     KVChunk,
     KVLayout,
     MetadataHeader,
+    RecvPosted,
     Register,
     RegisterAck,
     RegisterRejected,
     RoomAck,
     RoomDone,
+    SendReady,
     TransferRequest,
 )
 from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.dist_plane import DistPlane
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metadata import MetadataMismatch, MetadataRecord
@@ -49,6 +54,7 @@ _FROM_PREFILL = (
     RoomDone,
     AbortRoom,
     Heartbeat,
+    SendReady,
 )
 
 
@@ -87,6 +93,8 @@ class ReceiverRoom:
         self._pending: KVChunk | MetadataHeader | None = None
         self.metadata: MetadataRecord | None = None
         self.started_at = time.monotonic()
+        self._recv_in_flight = False
+        self._deferred_done: RoomDone | None = None
 
     def poll(self) -> TransferState:
         return self._state.state
@@ -119,8 +127,10 @@ class DecodeTransferClient:
         decode_id: str,
         page_bytes: list[int],
         metrics: TransferMetrics | None = None,
+        device: torch.device | None = None,
     ):
-        """page_bytes: bytes per page of the target pool (and the draft pool if any)."""
+        """page_bytes: bytes per page of the target pool (and the draft pool if any).
+        device: where received KV is staged (the GPU for nccl; CPU for tcp and gloo)."""
         self.config = config
         self.layout = layout
         self.metadata_spec = metadata_spec
@@ -134,12 +144,18 @@ class DecodeTransferClient:
         self._by_socket: dict[zmq.Socket, _Peer] = {}
         self._tombstones = Tombstones(config.tombstone_ttl_s)
         self._lock = threading.Lock()
+        self.device = device or torch.device("cpu")
+        self.dist: DistPlane | None = None
+        if config.backend != "tcp":
+            self.dist = DistPlane(config.backend, "decode", config.progress_timeout_s, self.device)
 
     def start(self) -> None:
         self.io.start(self._on_socket, self._on_tick, tick_s=0.05)
 
     def stop(self) -> None:
         self.io.stop()
+        if self.dist is not None:
+            self.dist.close()
         for peer in self._peers.values():
             peer.socket.close(0)
         self.context.term()
@@ -186,8 +202,31 @@ class DecodeTransferClient:
             self._peers[address] = peer
             self._by_socket[socket] = peer
             self.io.poller.register(socket, zmq.POLLIN)
-            self._send(peer, Register(self.decode_id, self.layout, self.config.auth_token))
+            self._register(peer)
         return peer
+
+    def _register(self, peer: _Peer) -> None:
+        register = Register(
+            self.decode_id, self.layout, self.config.auth_token, backend=self.config.backend
+        )
+        if self.dist is not None:
+            store = self.dist.serve_store(self.config.bootstrap_host)
+            pair = f"pair/{self.decode_id}/{uuid.uuid4().hex[:12]}"
+            register = dataclasses.replace(register, store_address=store, pair_name=pair)
+            self.dist.connect(
+                peer.address,
+                store,
+                pair,
+                lambda error: self.io.call(
+                    lambda: self._link_failed(peer, error) if error else None
+                ),
+            )
+        self._send(peer, register)
+
+    def _link_failed(self, peer: _Peer, reason: str) -> None:
+        peer.rejected = reason
+        for room in self._rooms_of(peer):
+            self._fail(room, reason)
 
     def _start_room(self, receiver: ReceiverRoom, address: str) -> None:
         peer = self._peer(address)
@@ -228,6 +267,9 @@ class DecodeTransferClient:
             return
         if isinstance(msg, Heartbeat):
             return
+        if isinstance(msg, SendReady):
+            self._send_ready(peer, msg)
+            return
         room = self._rooms.get(msg.room)
         if room is None or room._state.done or room._peer is not peer:
             return  # late message for a finished, aborted or foreign room: ignore
@@ -264,6 +306,59 @@ class DecodeTransferClient:
         room._received += msg.nbytes
         self.metrics.bytes_received += msg.nbytes
 
+    def _send_ready(self, peer: _Peer, msg: SendReady) -> None:
+        """Post the receive (torch.distributed backends), then tell prefill to send. A room we
+        no longer want still gets a receive, into scratch: the pair's order must hold."""
+        room = self._rooms.get(msg.room)
+        live = room is not None and not room._state.done and room._peer is peer
+        # NOTE: bounds before allocating: a live room takes exactly what we reserved; anything
+        # else is capped by what our whole reservation could hold.
+        if live and msg.nbytes != room.expected_bytes:
+            self._fail(
+                room,
+                f"prefill announced {msg.nbytes} bytes of KV, we reserved {room.expected_bytes}",
+                notify=True,
+            )
+            live = False
+        if not live and msg.nbytes > self._scratch_limit():
+            logger.error(
+                "prefill %s announced %d bytes for room %d; dropping the link",
+                peer.address,
+                msg.nbytes,
+                msg.room,
+            )
+            self._link_failed(peer, "prefill announced an oversize transfer")
+            return
+        buffer = torch.empty(msg.nbytes, dtype=torch.uint8, device=self.device)
+        if live:
+            room._recv_in_flight = True
+            if room._state.state is TransferState.BOOTSTRAPPING:
+                room._state.advance(TransferState.TRANSFERRING)
+
+        def posted() -> None:
+            self.io.call(lambda: self._send(peer, RecvPosted(msg.room)))
+
+        def done(error: str | None) -> None:
+            self.io.call(lambda: self._received(peer, room if live else None, buffer, error))
+
+        self.dist.receive(peer.address, buffer, posted, done)
+
+    def _received(self, peer: _Peer, room: ReceiverRoom | None, buffer, error) -> None:
+        if error is not None:
+            self._link_failed(peer, error)
+            return
+        if room is None or room._state.done:
+            return  # scratch receive for a room we had dropped
+        room._recv_in_flight = False
+        room._buffer = buffer
+        room._received = buffer.numel()
+        self.metrics.bytes_received += buffer.numel()
+        if room._deferred_done is not None:
+            self._done(room, room._deferred_done)
+
+    def _scratch_limit(self) -> int:
+        return max((r.expected_bytes for r in self._rooms.values()), default=0)
+
     def _metadata(self, room: ReceiverRoom, msg: MetadataHeader, payload) -> None:
         try:
             data = payload.bytes if payload is not None else b""
@@ -272,6 +367,9 @@ class DecodeTransferClient:
             self._fail(room, f"metadata mismatch: {e}", notify=True)
 
     def _done(self, room: ReceiverRoom, msg: RoomDone) -> None:
+        if room._recv_in_flight:
+            room._deferred_done = msg  # the bytes are still arriving on the data thread
+            return
         if msg.total_bytes != room.expected_bytes or room._received != room.expected_bytes:
             self._fail(
                 room,

@@ -23,14 +23,17 @@ from pdserve.protocol.transfer_messages import (
     Heartbeat,
     KVChunk,
     KVLayout,
+    RecvPosted,
     Register,
     RegisterAck,
     RegisterRejected,
     RoomAck,
     RoomDone,
+    SendReady,
     TransferRequest,
 )
 from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.dist_plane import DistPlane
 from pdserve.transfer.handshake import layout_mismatches
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.metadata import MetadataRecord
@@ -40,7 +43,7 @@ from pdserve.transfer.room_state import RoomState, Tombstones, TransferState
 
 logger = logging.getLogger(__name__)
 
-_FROM_DECODE = (Register, TransferRequest, AbortRoom, RoomAck, Heartbeat)
+_FROM_DECODE = (Register, TransferRequest, AbortRoom, RoomAck, Heartbeat, RecvPosted)
 
 
 @dataclass
@@ -71,9 +74,13 @@ class SenderRoom:
         return self._state.failure_reason
 
     def send(self, kv: torch.Tensor, metadata: MetadataRecord) -> None:
-        """Send the request's gathered KV (flat uint8, CPU) and its metadata record."""
-        if kv.dtype != torch.uint8 or kv.device.type != "cpu" or not kv.is_contiguous():
-            raise ValueError("kv must be a contiguous uint8 CPU buffer (see KVStager.gather)")
+        """Send the request's gathered KV (flat uint8: on the CPU for tcp and gloo, on the GPU
+        for nccl) and its metadata record."""
+        wanted = "cpu" if self._server.config.backend in ("tcp", "gloo") else "cuda"
+        if kv.dtype != torch.uint8 or kv.device.type != wanted or not kv.is_contiguous():
+            raise ValueError(
+                f"kv must be a contiguous uint8 buffer on {wanted} (see KVStager.gather)"
+            )
         header, payload = metadata.pack(self.room, self._server.metadata_spec)
         self._server.io.call(lambda: self._server._send_room(self, kv, header, payload))
 
@@ -89,7 +96,9 @@ class PrefillTransferServer:
         metadata_spec: MetadataSpec,
         prefill_id: str,
         metrics: TransferMetrics | None = None,
+        device: torch.device | None = None,
     ):
+        """device: where `send()` buffers live (the GPU for nccl; CPU for tcp and gloo)."""
         self.config = config
         self.layout = layout
         self.metadata_spec = metadata_spec
@@ -102,6 +111,12 @@ class PrefillTransferServer:
         self._peers: dict[bytes, _Peer] = {}
         self._tombstones = Tombstones(config.tombstone_ttl_s)
         self.port: int | None = None
+        self.dist: DistPlane | None = None
+        if config.backend != "tcp":
+            link_device = device or torch.device("cpu")
+            self.dist = DistPlane(config.backend, "prefill", config.progress_timeout_s, link_device)
+        # Buffers announced with SendReady, kept until their send happened (see dist_plane).
+        self._announced: dict[int, tuple[SenderRoom, torch.Tensor, object, bytes]] = {}
 
     # ---- life cycle ------------------------------------------------------------------
 
@@ -123,6 +138,8 @@ class PrefillTransferServer:
 
     def stop(self) -> None:
         self.io.stop()
+        if self.dist is not None:
+            self.dist.close()
         self._router.close(0)
         self.context.term()
 
@@ -177,11 +194,17 @@ class PrefillTransferServer:
                 self._finish(room)
         elif isinstance(msg, Heartbeat):
             self._reply(identity, Heartbeat(self.prefill_id))
+        elif isinstance(msg, RecvPosted):
+            self._recv_posted(identity, msg.room)
 
     def _register(self, identity: bytes, peer: _Peer, msg: Register) -> None:
         peer.decode_id = msg.decode_id
         if not self._token_ok(msg.token):
             peer.rejected = "authentication failed: wrong or missing transfer token"
+        elif msg.backend != self.config.backend:
+            peer.rejected = (
+                f"transfer backend: prefill {self.config.backend!r} != decode {msg.backend!r}"
+            )
         else:
             mismatches = layout_mismatches(self.layout, msg.layout)
             peer.rejected = "; ".join(mismatches) if mismatches else None
@@ -191,6 +214,13 @@ class PrefillTransferServer:
             self._reply(identity, RegisterRejected(peer.rejected))
         else:
             self._reply(identity, RegisterAck(self.prefill_id))
+            if self.dist is not None:
+                self.dist.connect(
+                    identity,
+                    msg.store_address,
+                    msg.pair_name,
+                    lambda error: self.io.call(lambda: self._link_ready(identity, error)),
+                )
 
     def _transfer_request(self, identity: bytes, peer: _Peer, msg: TransferRequest) -> None:
         if msg.room in self._tombstones:
@@ -222,6 +252,10 @@ class PrefillTransferServer:
             self._abort_room(room, f"send() in state {state.state.name}", notify=True)
             return
         state.advance(TransferState.TRANSFERRING)
+        if self.dist is not None:
+            self._announced[room.room] = (room, kv, header, payload)
+            self._reply(room.peer, SendReady(room.room, kv.numel()))
+            return
         room._buffer = kv  # NOTE: frames are sent zero-copy; keep the buffer until the ack
         view = memoryview(kv.numpy())
         total = kv.numel()
@@ -242,6 +276,44 @@ class PrefillTransferServer:
             self._abort_room(room, f"sending to decode failed: {e}", notify=False)
             return
         self.metrics.bytes_sent += total
+
+    def _recv_posted(self, identity: bytes, room_id: int) -> None:
+        announced = self._announced.pop(room_id, None)
+        if announced is None:
+            return
+        room, kv, header, payload = announced
+        # NOTE: send even if the room failed meanwhile: decode's receive is posted.
+        self.dist.send(
+            identity,
+            kv,
+            lambda error: self.io.call(
+                lambda: self._sent(room, kv.numel(), header, payload, error)
+            ),
+        )
+
+    def _sent(self, room: SenderRoom, total: int, header, payload: bytes, error) -> None:
+        if error is not None:
+            self._abort_room(room, error, notify=True)
+            return
+        if room._state.done:
+            return
+        self.metrics.bytes_sent += total
+        try:
+            self._router.send_multipart([room.peer, encode(header), payload])
+        except zmq.ZMQError as e:
+            self._abort_room(room, f"sending to decode failed: {e}", notify=False)
+            return
+        self._reply(room.peer, RoomDone(room.room, total))
+
+    def _link_ready(self, identity: bytes, error: str | None) -> None:
+        if error is None:
+            return
+        peer = self._peers.get(identity)
+        if peer is not None:
+            peer.rejected = error
+        for room in list(self._rooms.values()):
+            if room.peer == identity:
+                self._abort_room(room, error, notify=True)
 
     def _abort_room(self, room: SenderRoom, reason: str, *, notify: bool) -> None:
         if room._state.fail(reason):

@@ -173,3 +173,35 @@ def test_malformed_and_oversize_frames_are_rejected_and_serving_continues():
     context.term()
     assert state == "SUCCESS" and detail == (True, True)
     assert sent[-1][0] == "malformed" and sent[-1][1] == 3
+
+
+GLOO = TransferConfig(**{**vars_of(CONFIG), "backend": "gloo"})
+
+
+@pytest.mark.parametrize(("page_size", "draft"), [(1, False), (16, True)])
+def test_gloo_backend_moves_pages_and_metadata_bit_exact(page_size, draft):
+    cases = [
+        Case(
+            room=room, page_size=page_size, draft=draft, hidden=page_size == 1, prefill_pages=pages
+        )
+        for room, pages in ((800 + page_size, (5, 2, 9)), (900 + page_size, (19, 0, 4)))
+    ]
+    prefill, decode, results_p, results_d, _ = start_pair(
+        cases, prefill_config=GLOO, decode_config=GLOO
+    )
+    decoded = collect(results_d, len(cases))
+    sent = collect(results_p, len(cases) + 1)
+    finish(prefill, decode)
+    assert [d[1:3] for d in decoded] == [("SUCCESS", (True, True))] * len(cases), decoded
+    assert [s[1] for s in sent[:-1]] == ["SUCCESS"] * len(cases)
+
+
+def test_backend_mismatch_is_named():
+    cases = [Case(room=1000)]
+    prefill, decode, results_p, results_d, _ = start_pair(
+        cases, prefill_config=CONFIG, decode_config=GLOO
+    )
+    ((_, d_state, d_reason, _),) = collect(results_d, 1)
+    collect(results_p, 2)
+    finish(prefill, decode)
+    assert d_state == "FAILED" and "transfer backend: prefill 'tcp' != decode 'gloo'" in d_reason

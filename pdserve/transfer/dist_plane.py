@@ -1,0 +1,135 @@
+"""KV bytes over torch.distributed (`nccl`, or `gloo` on CPU) instead of ZMQ frames.
+
+Control stays on the ZMQ channel; only the KV buffer moves over the pair's process group.
+Point-to-point operations on a pair are matched in posting order, so the order is agreed on
+the control channel: prefill announces `SendReady(room)` only once the room's KV is gathered,
+decode posts the receive and answers `RecvPosted(room)`, and prefill sends rooms in the order
+the answers arrive. Once a receive is posted its send always happens (the buffer already
+exists), even if the room was aborted meanwhile, so a later room can never land in an earlier
+room's buffer. A send or receive that misses its deadline tears the link down and fails every
+room on it.
+
+All link operations of a side run on one data thread, in order; results go back to the side's
+IO thread through callbacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+
+from pdserve.transfer.dist_link import DecodeStoreServer, LinkError, LinkTimeout, PairLink
+
+logger = logging.getLogger(__name__)
+
+Done = Callable[[str | None], None]  # called with None on success, else a failure reason
+
+
+class DataThread:
+    """Runs blocking link operations one after another, off the IO thread."""
+
+    def __init__(self, name: str):
+        self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, task: Callable[[], None]) -> None:
+        self._tasks.put(task)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._tasks.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            try:
+                task()
+            except Exception:
+                logger.exception("transfer data thread task failed")
+
+
+class DistPlane:
+    """One side's links (one per peer) and its data thread."""
+
+    def __init__(self, backend: str, side: str, timeout_s: float, device: torch.device):
+        self.backend = backend
+        self.rank = 0 if side == "prefill" else 1
+        self.timeout_s = timeout_s
+        self.device = device
+        self.links: dict[object, PairLink] = {}
+        self.broken: dict[object, str] = {}
+        self.data = DataThread(f"{side}-transfer-data")
+        self.store_server: DecodeStoreServer | None = None
+
+    def serve_store(self, host: str) -> str:
+        """Decode only: host the store its pairs rendezvous on; returns host:port."""
+        if self.store_server is None:
+            self.store_server = DecodeStoreServer(host, 0, self.timeout_s)
+        return f"{self.store_server.host}:{self.store_server.port}"
+
+    def connect(self, peer_key, store_address: str, pair_name: str, done: Done) -> None:
+        def task() -> None:
+            try:
+                if self.store_server is not None:
+                    store = self.store_server.store
+                else:
+                    host, port = store_address.rsplit(":", 1)
+                    store = PairLink.client_store(host, int(port), self.timeout_s)
+                self.links[peer_key] = PairLink.connect(
+                    backend=self.backend,
+                    store=store,
+                    pair_name=pair_name,
+                    rank=self.rank,
+                    timeout_s=self.timeout_s,
+                    device=self.device,
+                )
+                done(None)
+            except (LinkError, LinkTimeout, RuntimeError, ValueError) as e:
+                self.broken[peer_key] = f"{self.backend} link to peer failed: {e}"
+                done(self.broken[peer_key])
+
+        self.data.submit(task)
+
+    def send(self, peer_key, buffer: torch.Tensor, done: Done) -> None:
+        self.data.submit(
+            lambda: self._run(
+                peer_key, lambda link: link.send(buffer, timeout_s=self.timeout_s), done
+            )
+        )
+
+    def receive(
+        self, peer_key, buffer: torch.Tensor, posted: Callable[[], None], done: Done
+    ) -> None:
+        def operation(link: PairLink) -> None:
+            pending = link.irecv(buffer)
+            posted()
+            pending.wait(self.timeout_s)
+
+        self.data.submit(lambda: self._run(peer_key, operation, done))
+
+    def _run(self, peer_key, operation: Callable[[PairLink], None], done: Done) -> None:
+        link = self.links.get(peer_key)
+        if link is None:
+            done(self.broken.get(peer_key, f"no {self.backend} link to this peer"))
+            return
+        try:
+            operation(link)
+        except (LinkError, LinkTimeout, RuntimeError) as e:
+            self.broken[peer_key] = f"{self.backend} link failed: {e}"
+            self.links.pop(peer_key, None)
+            link.close()
+            done(self.broken[peer_key])
+            return
+        done(None)
+
+    def close(self) -> None:
+        self.data.stop()
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
+        if self.store_server is not None:
+            self.store_server.close()
