@@ -147,7 +147,13 @@ class DecodeTransferClient:
         self.device = device or torch.device("cpu")
         self.dist: DistPlane | None = None
         if config.backend != "tcp":
-            self.dist = DistPlane(config.backend, "decode", config.progress_timeout_s, self.device)
+            self.dist = DistPlane(
+                config.backend,
+                "decode",
+                config.progress_timeout_s,
+                self.device,
+                config.bootstrap_host,
+            )
 
     def start(self) -> None:
         self.io.start(self._on_socket, self._on_tick, tick_s=0.05)

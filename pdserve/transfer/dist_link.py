@@ -7,8 +7,8 @@ groups with different peers at once. The decode process serves one `TCPStore` fo
 rank 0, decode rank 1. `nccl` moves GPU tensors; `gloo` runs the same code path on CPU (CI).
 
 Every blocking call has a deadline. A transfer that misses its deadline, or fails, leaves the
-link FAILED and torn down (gloo closes the pair on a timeout; for nccl the communicator is
-aborted), so a late write can never land in a buffer the caller has since reused.
+link FAILED and aborted (gloo also closes the pair itself on a timeout), so a late write can
+never land in a buffer the caller has since reused.
 """
 
 from __future__ import annotations
@@ -31,15 +31,17 @@ PREFILL_RANK = 0
 DECODE_RANK = 1
 _WORLD_SIZE = 2
 _TAG = 0
-# NOTE: nccl's watchdog tears the whole process down when an operation outlives the group's
-# own timeout, so that timeout is only a backstop far beyond any per-operation deadline; the
-# deadlines passed to send/recv (which abort just this link) are what callers rely on.
+_PROBE_BYTE = 0x5A
+# NOTE: nccl's watchdog takes the whole process down when an operation outlives the group's
+# own timeout, so that timeout is only a backstop far beyond any per-operation deadline. The
+# deadlines given to send/recv/wait, which abort just this link, are what callers rely on.
 _NCCL_WATCHDOG_TIMEOUT_S = 3600.0
+_POLL_MAX_SLEEP_S = 1e-3
 
 if TYPE_CHECKING:
     from typing import TypeAlias
 
-    # The backend objects themselves, not wrapped in a ProcessGroup: send/recv/abort/shutdown.
+    # The backend objects themselves, not wrapped in a ProcessGroup: send/recv/abort.
     _Group: TypeAlias = dist.ProcessGroupGloo | dist.ProcessGroupNCCL
 
 
@@ -65,7 +67,7 @@ class DecodeStoreServer:
 
     The listening socket is bound here, to `host` only (TCPStore alone would listen on every
     interface), and handed to the store. The server stops once `close()` was called and the
-    last link using `store` is closed.
+    last link using `store` is gone.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0):
@@ -119,11 +121,21 @@ class PendingTransfer:
         self.nbytes = nbytes
 
     def wait(self, timeout_s: float) -> None:
-        """Block until done: LinkTimeout after `timeout_s`, LinkError if the transfer failed."""
+        """Block until done: LinkTimeout after `timeout_s`, LinkError if the transfer failed.
+
+        For nccl, on return the caller's current CUDA stream is ordered after the transfer.
+        """
         _check_timeout(timeout_s)
         started = time.monotonic()
         try:
-            completed = self._work.wait(_timedelta(timeout_s))
+            if self._link.backend == "nccl":
+                completed = _poll(self._work, started + timeout_s)
+                if completed:
+                    self._work.wait()  # complete already: only orders the current stream
+            else:
+                # gloo's send/recv works complete only inside wait(); on a timeout gloo
+                # closes the pair, so nothing can arrive later.
+                completed = self._work.wait(_timedelta(timeout_s)) is not False
         except RuntimeError as exc:
             elapsed = time.monotonic() - started
             if "timed out" in str(exc).lower() or elapsed >= timeout_s:
@@ -131,13 +143,25 @@ class PendingTransfer:
             reason = f"{self.operation} of {self.nbytes} bytes failed: {exc}"
             self._link._fail(reason)
             raise LinkError(f"pair {self._link.pair_name!r}: {reason}") from exc
-        if completed is False:
+        if not completed:
             raise self._timed_out(timeout_s)
 
     def _timed_out(self, timeout_s: float) -> LinkTimeout:
         reason = f"{self.operation} of {self.nbytes} bytes did not complete within {timeout_s:g} s"
         self._link._fail(reason)
-        return LinkTimeout(f"pair {self._link.pair_name!r}: {reason}; link torn down")
+        return LinkTimeout(f"pair {self._link.pair_name!r}: {reason}; link aborted")
+
+
+def _poll(work: dist.Work, deadline: float) -> bool:
+    """Wait for `work` without Work.wait(timeout): a timed-out nccl wait is treated as fatal
+    by torch's error handling, while aborting the group ourselves is its recovery path."""
+    sleep_s = 1e-5
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(sleep_s)
+        sleep_s = min(sleep_s * 2, _POLL_MAX_SLEEP_S)
+    return True
 
 
 class PairLink:
@@ -145,6 +169,7 @@ class PairLink:
 
     Sends and receives are matched in the order each side posts them. The caller agrees that
     order over its control channel: decode posts `irecv` first, then tells prefill to send.
+    Every posted transfer must be waited for (or the link closed).
     """
 
     def __init__(
@@ -204,12 +229,11 @@ class PairLink:
         deadline = time.monotonic() + timeout_s
         pair_store = dist.PrefixStore(pair_name, store)
         _rendezvous(pair_store, pair_name, rank, timeout_s)
-        remaining_s = max(deadline - time.monotonic(), 0.1)
         try:
             if backend == "gloo":
-                group = _new_gloo_group(pair_store, rank, remaining_s, local_host)
+                group = _new_gloo_group(pair_store, rank, _remaining(deadline), local_host)
             else:
-                group = _new_nccl_group(pair_store, rank, device)
+                group = _new_nccl_group(pair_store, rank)
         except RuntimeError as exc:
             if time.monotonic() >= deadline:
                 raise LinkTimeout(
@@ -219,7 +243,13 @@ class PairLink:
             raise LinkError(
                 f"pair {pair_name!r}: creating the {backend} group failed: {exc}"
             ) from exc
-        return cls(group, backend=backend, pair_name=pair_name, rank=rank, device=device)
+        link = cls(group, backend=backend, pair_name=pair_name, rank=rank, device=device)
+        try:
+            link._exchange_probe(_remaining(deadline))
+        except BaseException:
+            link.close()
+            raise
+        return link
 
     @property
     def failed(self) -> str | None:
@@ -227,7 +257,7 @@ class PairLink:
         return self._failure
 
     def send(self, tensor: torch.Tensor, *, timeout_s: float) -> None:
-        """Send `tensor` to the peer; returns once it was delivered."""
+        """Send `tensor` to the peer; returns once the tensor may be reused."""
         _check_timeout(timeout_s)
         self.isend(tensor).wait(timeout_s)
 
@@ -244,18 +274,13 @@ class PairLink:
         return self._post("recv", tensor)
 
     def close(self) -> None:
-        """Tear the group down (abort if it failed). Idempotent; never raises."""
+        """Abort the group: never blocks, and the peer's pending transfers fail fast.
+        Idempotent; never raises."""
         with self._lock:
             group, self._group = self._group, None
-        if group is None:
-            return
-        try:
-            if self._failure is None:
-                group.shutdown()
-            else:
-                group.abort()
-        except RuntimeError as exc:
-            logger.warning("pair %r: closing the %s group: %s", self.pair_name, self.backend, exc)
+            aborted_already = self._failure is not None
+        if group is not None and not aborted_already:
+            _abort(group, self.pair_name, "close")
 
     def __enter__(self) -> PairLink:
         return self
@@ -306,10 +331,37 @@ class PairLink:
                 self._failure = reason
             group = self._group
         if group is not None:
-            try:
-                group.abort()
-            except RuntimeError as exc:
-                logger.warning("pair %r: aborting after %s: %s", self.pair_name, reason, exc)
+            _abort(group, self.pair_name, reason)
+
+    def _exchange_probe(self, timeout_s: float) -> None:
+        """One byte from prefill to decode while both sides are known to be connecting: it
+        proves the path, and makes nccl build its communicator now, not inside the first
+        real transfer (where decode's posted receive would block until prefill sent)."""
+        probe = torch.full((1,), _PROBE_BYTE, dtype=torch.uint8, device=self.device)
+        try:
+            if self.rank == PREFILL_RANK:
+                self.send(probe, timeout_s=timeout_s)
+                return
+            probe.zero_()
+            self.recv(probe, timeout_s=timeout_s)
+        except LinkTimeout as exc:
+            raise LinkTimeout(
+                f"pair {self.pair_name!r}: the first exchange with the peer did not complete "
+                f"within the connect deadline ({exc})"
+            ) from exc
+        if probe.item() != _PROBE_BYTE:
+            raise LinkError(f"pair {self.pair_name!r}: the probe byte arrived corrupted")
+
+
+def _remaining(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.1)
+
+
+def _abort(group: _Group, pair_name: str, why: str) -> None:
+    try:
+        group.abort()
+    except RuntimeError as exc:
+        logger.warning("pair %r: aborting the group (%s): %s", pair_name, why, exc)
 
 
 def _link_device(backend: str, device: torch.device | None) -> torch.device:
@@ -351,15 +403,11 @@ def _new_gloo_group(
     return dist.ProcessGroupGloo(pair_store, rank, _WORLD_SIZE, options)
 
 
-def _new_nccl_group(pair_store: dist.Store, rank: int, device: torch.device) -> _Group:
+def _new_nccl_group(pair_store: dist.Store, rank: int) -> _Group:
+    """The communicator itself is created lazily by the first send/recv (the probe)."""
     if not dist.is_nccl_available():
         raise LinkError("this torch build has no NCCL; use the gloo or tcp backend")
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = False
     options._timeout = _timedelta(_NCCL_WATCHDOG_TIMEOUT_S)
-    with torch.cuda.device(device):
-        group = dist.ProcessGroupNCCL(pair_store, rank, _WORLD_SIZE, options)
-        # Create the communicator now, while both ranks are known to be present, rather than
-        # lazily inside the first transfer.
-        group.eager_connect_single_device(device)
-    return group
+    return dist.ProcessGroupNCCL(pair_store, rank, _WORLD_SIZE, options)

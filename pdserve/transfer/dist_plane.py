@@ -55,8 +55,12 @@ class DataThread:
 class DistPlane:
     """One side's links (one per peer) and its data thread."""
 
-    def __init__(self, backend: str, side: str, timeout_s: float, device: torch.device):
+    def __init__(
+        self, backend: str, side: str, timeout_s: float, device: torch.device, local_host: str
+    ):
+        """local_host: this worker's address, where gloo listens for its peer."""
         self.backend = backend
+        self.local_host = local_host
         self.rank = 0 if side == "prefill" else 1
         self.timeout_s = timeout_s
         self.device = device

@@ -114,7 +114,13 @@ class PrefillTransferServer:
         self.dist: DistPlane | None = None
         if config.backend != "tcp":
             link_device = device or torch.device("cpu")
-            self.dist = DistPlane(config.backend, "prefill", config.progress_timeout_s, link_device)
+            self.dist = DistPlane(
+                config.backend,
+                "prefill",
+                config.progress_timeout_s,
+                link_device,
+                config.bootstrap_host,
+            )
         # Buffers announced with SendReady, kept until their send happened (see dist_plane).
         self._announced: dict[int, tuple[SenderRoom, torch.Tensor, object, bytes]] = {}
 
