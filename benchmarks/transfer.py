@@ -3,9 +3,11 @@ moving one contiguous buffer of the same size between the same two processes.
 
 Effective GiB/s counts the whole handoff: gather the request's pages into a staging buffer
 (prefill), send, receive, and scatter into other page ids (decode commit). Raw GiB/s is one
-contiguous buffer sent with the backend's own primitive (ZMQ multipart, zero-copy).
+contiguous buffer sent with the backend's own primitive between two processes (ZMQ, zero-copy,
+for tcp; torch.distributed send/recv on a pair group for gloo and nccl).
 
     python benchmarks/transfer.py --backend tcp --sizes-mib 16 128 512
+    python benchmarks/transfer.py --backend gloo
 """
 
 from __future__ import annotations
@@ -138,10 +140,60 @@ def _raw_receiver(sizes, ports, done):
     context.term()
 
 
-def paged_tcp(sizes) -> list:
+def raw_link(sizes, backend, results):
+    """One contiguous tensor over a PairLink (the backend's own send/recv)."""
+    from pdserve.transfer.dist_link import PairLink
+
+    spawn = multiprocessing.get_context("spawn")
+    ports, done = spawn.Queue(), spawn.Queue()
+    receiver = spawn.Process(target=_link_receiver, args=(sizes, backend, ports, done))
+    receiver.start()
+    host, port = ports.get(timeout=60)
+    store = PairLink.client_store(host, port, 60)
+    link = PairLink.connect(
+        backend=backend, store=store, pair_name="raw", rank=0, timeout_s=60, local_host="127.0.0.1"
+    )
+    for size in sizes:
+        buffer = torch.empty(size * MIB, dtype=torch.uint8).random_(0, 255)
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            link.send(buffer, timeout_s=600)
+            done.get(timeout=600)
+            results.append(("raw", size, time.perf_counter() - start))
+    receiver.join(timeout=60)
+    link.close()
+
+
+def _link_receiver(sizes, backend, ports, done):
+    from pdserve.transfer.dist_link import DecodeStoreServer, PairLink
+
+    server = DecodeStoreServer("127.0.0.1", 0, 60)
+    ports.put((server.host, server.port))
+    link = PairLink.connect(
+        backend=backend,
+        store=server.store,
+        pair_name="raw",
+        rank=1,
+        timeout_s=60,
+        local_host="127.0.0.1",
+    )
+    for size in sizes:
+        target = torch.empty(size * MIB, dtype=torch.uint8)
+        for _ in range(REPEATS):
+            link.recv(target, timeout_s=600)
+            done.put(True)
+    link.close()
+    server.close()
+
+
+def paged(sizes, backend) -> list:
     spawn = multiprocessing.get_context("spawn")
     config = TransferConfig(
-        bootstrap_port=0, progress_timeout_s=600, peer_timeout_s=600, heartbeat_interval_s=1.0
+        backend=backend,
+        bootstrap_port=0,
+        progress_timeout_s=600,
+        peer_timeout_s=600,
+        heartbeat_interval_s=1.0,
     )
     ports, timings = spawn.Queue(), spawn.Queue()
     prefill = spawn.Process(target=prefill_main, args=(sizes, config, ports, timings))
@@ -179,13 +231,16 @@ def summarize(paged_rows, raw_rows, sizes) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="tcp", choices=["tcp"])
+    parser.add_argument("--backend", default="tcp", choices=["tcp", "gloo"])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 128, 512])
     parser.add_argument("--output")
     args = parser.parse_args()
     raw_rows: list = []
-    raw_zmq(args.sizes_mib, raw_rows)
-    table = summarize(paged_tcp(args.sizes_mib), raw_rows, args.sizes_mib)
+    if args.backend == "tcp":
+        raw_zmq(args.sizes_mib, raw_rows)
+    else:
+        raw_link(args.sizes_mib, args.backend, raw_rows)
+    table = summarize(paged(args.sizes_mib, args.backend), raw_rows, args.sizes_mib)
     report = {
         "backend": args.backend,
         "kv_shape": "Llama-3.1-8B (32 layers, 8 KV heads, 128)",
