@@ -1,5 +1,5 @@
-"""Late and duplicate messages for finished rooms are ignored (both sides in one process,
-real sockets on loopback)."""
+"""Protocol edge cases with both sides in one process, on real sockets over loopback: late and
+duplicate messages for finished rooms, reused room ids, prefill-side aborts."""
 
 from __future__ import annotations
 
@@ -82,6 +82,28 @@ def test_reusing_a_finished_room_id_is_refused_on_decode():
         client.release(case.room)
         with pytest.raises(ValueError, match="already in use"):
             client.receiver(case.room, "127.0.0.1", server.port, [1, 2, 3])
+    finally:
+        client.stop()
+        server.stop()
+
+
+def test_prefill_abort_reaches_decode_at_once():
+    case = Case(room=9)
+    server = PrefillTransferServer(CONFIG, layout(case), metadata_spec(case), "p")
+    server.start()
+    stager = KVStager(pools(case, 30, seed=None))
+    client = DecodeTransferClient(CONFIG, layout(case), metadata_spec(case), "d", stager.page_bytes)
+    client.start()
+    try:
+        sender = server.sender(case.room)
+        receiver = client.receiver(case.room, "127.0.0.1", server.port, [1, 2, 3])
+        wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, 10, "the request")
+        sender.abort("prompt of 9000 tokens exceeds the context length")
+        wait_until(lambda: receiver.poll() is TransferState.FAILED, 2, "decode to learn of it")
+        assert receiver.failure_reason == (
+            "prefill aborted: prompt of 9000 tokens exceeds the context length"
+        )
+        assert sender.poll() is TransferState.FAILED
     finally:
         client.stop()
         server.stop()
