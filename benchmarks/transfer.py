@@ -21,6 +21,7 @@ import torch
 
 from pdserve.engine.kv_pool import KVPool
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
+from pdserve.transfer.buffer_pool import BufferPool
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metadata import MetadataRecord
@@ -63,6 +64,7 @@ def prefill_main(sizes, config, port_queue, timings):
     port_queue.put(server.start())
     pool = make_pool(2 * max(sizes) * MIB // PAGE_BYTES + 1)
     stager = KVStager([pool])
+    staging = BufferPool(torch.device("cpu"))
     room = 0
     for size in sizes:
         pages = list(range(1, 2 * size * MIB // PAGE_BYTES, 2))  # every other page
@@ -71,10 +73,13 @@ def prefill_main(sizes, config, port_queue, timings):
             sender = server.sender(room)
             wait(lambda s=sender: s.poll() is TransferState.WAITING_FOR_INPUT)
             start = time.perf_counter()
-            kv = stager.gather([pages])
+            # NOTE: staging comes from a pool, as a prefill worker's would: fresh memory costs
+            # page faults on every request. Success means decode acked: the buffer is free.
+            kv = stager.gather([pages], out=staging.take(stager.nbytes([pages])))
             sender.send(kv, MetadataRecord(first_token=1))
             wait(lambda s=sender: s.poll() in (TransferState.SUCCESS, TransferState.FAILED))
             timings.put(("paged", size, time.perf_counter() - start, sender.poll().name))
+            staging.give(kv)
             server.release(room)
     server.stop()
 

@@ -35,6 +35,7 @@ from pdserve.protocol.transfer_messages import (
     SendReady,
     TransferRequest,
 )
+from pdserve.transfer.buffer_pool import BufferPool
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.dist_plane import DistPlane
 from pdserve.transfer.io_thread import IOThread
@@ -114,6 +115,7 @@ class ReceiverRoom:
             raise RuntimeError(f"room {self.room} cannot commit in {self._state.state.name}")
         pages = [self.page_ids, self.draft_page_ids][: len(stager.pools)]
         stager.scatter(pages, self._buffer)
+        self._client.buffers.give(self._buffer)
         self._buffer = None
         return self.metadata
 
@@ -145,6 +147,7 @@ class DecodeTransferClient:
         self._tombstones = Tombstones(config.tombstone_ttl_s)
         self._lock = threading.Lock()
         self.device = device or torch.device("cpu")
+        self.buffers = BufferPool(self.device)
         self.dist: DistPlane | None = None
         if config.backend != "tcp":
             self.dist = DistPlane(
@@ -305,7 +308,7 @@ class DecodeTransferClient:
             )
             return
         if room._buffer is None:
-            room._buffer = torch.empty(room.expected_bytes, dtype=torch.uint8)
+            room._buffer = self.buffers.take(room.expected_bytes)
             room._state.advance(TransferState.TRANSFERRING)
         target = room._buffer[msg.offset : msg.offset + msg.nbytes]
         target.copy_(torch.frombuffer(payload.buffer, dtype=torch.uint8))
@@ -335,7 +338,7 @@ class DecodeTransferClient:
             )
             self._link_failed(peer, "prefill announced an oversize transfer")
             return
-        buffer = torch.empty(msg.nbytes, dtype=torch.uint8, device=self.device)
+        buffer = self.buffers.take(msg.nbytes)
         if live:
             room._recv_in_flight = True
             if room._state.state is TransferState.BOOTSTRAPPING:
@@ -351,10 +354,13 @@ class DecodeTransferClient:
 
     def _received(self, peer: _Peer, room: ReceiverRoom | None, buffer, error) -> None:
         if error is not None:
+            # NOTE: the link was torn down, so nothing can still write into the buffer.
+            self.buffers.give(buffer)
             self._link_failed(peer, error)
             return
         if room is None or room._state.done:
-            return  # scratch receive for a room we had dropped
+            self.buffers.give(buffer)  # scratch receive for a room we had dropped
+            return
         room._recv_in_flight = False
         room._buffer = buffer
         room._received = buffer.numel()
@@ -399,11 +405,18 @@ class DecodeTransferClient:
             self.metrics.failure(reason.split(":")[0])
         if notify:
             self._send(room._peer, AbortRoom(room.room, reason))
-        room._buffer = None
+        self._drop_buffer(room)
         self._end(room)
 
-    def _send_abort(self, room: ReceiverRoom, reason: str) -> None:
+    def _drop_buffer(self, room: ReceiverRoom) -> None:
+        """Recycle a failed room's buffer, unless a posted receive may still write into it
+        (then `_received` recycles it when that receive ends)."""
+        if room._buffer is not None and not room._recv_in_flight:
+            self.buffers.give(room._buffer)
         room._buffer = None
+
+    def _send_abort(self, room: ReceiverRoom, reason: str) -> None:
+        self._drop_buffer(room)
         if room._peer is not None and room._peer.socket is not None:
             self._send(room._peer, AbortRoom(room.room, reason))
         self._end(room)
@@ -436,6 +449,7 @@ class DecodeTransferClient:
                 if room._state.check_deadline():
                     self.metrics.failure("timeout")
                     self._send(peer, AbortRoom(room.room, room.failure_reason))
+                    self._drop_buffer(room)
                     self._end(room)
 
     def _send(self, peer: _Peer, msg) -> None:
