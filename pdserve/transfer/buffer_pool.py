@@ -22,11 +22,11 @@ class BufferPool:
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of exactly `nbytes` (a view of a cached one when one is big enough)."""
         with self._lock:
-            fitting = [b for b in self._free if b.numel() >= nbytes]
+            fitting = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fitting:
-                base = min(fitting, key=torch.Tensor.numel)
-                self._free.remove(base)
-                return base[:nbytes]
+                # NOTE: by index, not list.remove: == on tensors compares elements.
+                index = min(fitting, key=lambda i: self._free[i].numel())
+                return self._free.pop(index)[:nbytes]
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def give(self, buffer: torch.Tensor) -> None:
