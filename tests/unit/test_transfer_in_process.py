@@ -3,9 +3,12 @@ duplicate messages for finished rooms, reused room ids, prefill-side aborts."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
+from pdserve.engine.kv_pool import KVPool
 from pdserve.protocol.codec import encode
 from pdserve.protocol.transfer_messages import KVChunk, RoomDone, TransferRequest
 from pdserve.transfer.config import TransferConfig
@@ -18,92 +21,84 @@ from tests.e2e.transfer_peers import Case, layout, metadata_spec, pools, record,
 CONFIG = TransferConfig(
     bootstrap_port=0, progress_timeout_s=10, peer_timeout_s=2, heartbeat_interval_s=0.2
 )
+CASE = Case(room=1)
 
 
-def transfer(server, client, case, stager_d):
-    sender = server.sender(case.room)
-    receiver = client.receiver(case.room, "127.0.0.1", server.port, list(case.decode_pages))
-    wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, 10, "the request")
-    sender.send(
-        KVStager(pools(case, 20, seed=case.room)).gather([list(case.prefill_pages)]), record(case)
-    )
-    wait_until(lambda: receiver.poll() is TransferState.SUCCESS, 10, "the transfer")
-    wait_until(lambda: sender.poll() is TransferState.SUCCESS, 10, "the ack")
-    return sender, receiver
+@dataclass
+class Pair:
+    server: PrefillTransferServer
+    client: DecodeTransferClient
+    target: list[KVPool]
+    stager: KVStager
 
-
-def test_late_messages_for_a_finished_room_are_ignored():
-    case, later = Case(room=1), Case(room=2)
-    server = PrefillTransferServer(CONFIG, layout(case), metadata_spec(case), "p")
-    server.start()
-    target = pools(case, 30, seed=None)
-    stager = KVStager(target)
-    client = DecodeTransferClient(CONFIG, layout(case), metadata_spec(case), "d", stager.page_bytes)
-    client.start()
-    try:
-        sender, receiver = transfer(server, client, case, stager)
-        receiver.commit(stager)
-        committed = target[0].storage.clone()
-        server.release(case.room)
-        client.release(case.room)
-        # Replay the finished room's messages from prefill, and its request from decode.
-        stale = [sender.peer, encode(KVChunk(case.room, 0, 16)), b"\xff" * 16]
-        server.io.call(lambda: server._router.send_multipart(stale))
-        server.io.call(
-            lambda: server._router.send_multipart([sender.peer, encode(RoomDone(case.room, 16))])
+    def transfer(self, case: Case):
+        sender = self.server.sender(case.room)
+        receiver = self.client.receiver(
+            case.room, "127.0.0.1", self.server.port, list(case.decode_pages)
         )
-        peer = next(iter(client._peers.values()))
-        client.io.call(lambda: client._send(peer, TransferRequest(case.room, [1], [], "")))
-        # A new room still works, and nothing of the replay landed anywhere. NOTE: each side
-        # sends on one socket in order, so room 2 finishing means the replay was handled.
-        _, receiver2 = transfer(server, client, later, stager)
-        assert receiver.poll() is TransferState.SUCCESS
-        assert sender.poll() is TransferState.SUCCESS
-        assert receiver2.poll() is TransferState.SUCCESS
-        assert torch.equal(target[0].storage, committed)
-        # The replayed request did not bring the released room back to life.
-        revived = server.sender(case.room)
-        assert revived.poll() is TransferState.FAILED
-        assert "already finished" in revived.failure_reason
-    finally:
-        client.stop()
-        server.stop()
-
-
-def test_reusing_a_finished_room_id_is_refused_on_decode():
-    case = Case(room=5)
-    server = PrefillTransferServer(CONFIG, layout(case), metadata_spec(case), "p")
-    server.start()
-    stager = KVStager(pools(case, 30, seed=None))
-    client = DecodeTransferClient(CONFIG, layout(case), metadata_spec(case), "d", stager.page_bytes)
-    client.start()
-    try:
-        transfer(server, client, case, stager)
-        client.release(case.room)
-        with pytest.raises(ValueError, match="already in use"):
-            client.receiver(case.room, "127.0.0.1", server.port, [1, 2, 3])
-    finally:
-        client.stop()
-        server.stop()
-
-
-def test_prefill_abort_reaches_decode_at_once():
-    case = Case(room=9)
-    server = PrefillTransferServer(CONFIG, layout(case), metadata_spec(case), "p")
-    server.start()
-    stager = KVStager(pools(case, 30, seed=None))
-    client = DecodeTransferClient(CONFIG, layout(case), metadata_spec(case), "d", stager.page_bytes)
-    client.start()
-    try:
-        sender = server.sender(case.room)
-        receiver = client.receiver(case.room, "127.0.0.1", server.port, [1, 2, 3])
         wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, 10, "the request")
-        sender.abort("prompt of 9000 tokens exceeds the context length")
-        wait_until(lambda: receiver.poll() is TransferState.FAILED, 2, "decode to learn of it")
-        assert receiver.failure_reason == (
-            "prefill aborted: prompt of 9000 tokens exceeds the context length"
-        )
-        assert sender.poll() is TransferState.FAILED
-    finally:
-        client.stop()
-        server.stop()
+        kv = KVStager(pools(case, 20, seed=case.room)).gather([list(case.prefill_pages)])
+        sender.send(kv, record(case))
+        wait_until(lambda: receiver.poll() is TransferState.SUCCESS, 10, "the transfer")
+        wait_until(lambda: sender.poll() is TransferState.SUCCESS, 10, "the ack")
+        return sender, receiver
+
+
+@pytest.fixture
+def pair():
+    server = PrefillTransferServer(CONFIG, layout(CASE), metadata_spec(CASE), "p")
+    server.start()
+    target = pools(CASE, 30, seed=None)
+    stager = KVStager(target)
+    client = DecodeTransferClient(CONFIG, layout(CASE), metadata_spec(CASE), "d", stager.page_bytes)
+    client.start()
+    yield Pair(server, client, target, stager)
+    client.stop()
+    server.stop()
+
+
+def test_late_messages_for_a_finished_room_are_ignored(pair):
+    server, client = pair.server, pair.client
+    sender, receiver = pair.transfer(CASE)
+    receiver.commit(pair.stager)
+    committed = pair.target[0].storage.clone()
+    server.release(CASE.room)
+    client.release(CASE.room)
+    # Replay the finished room's messages from prefill, and its request from decode.
+    stale = [sender.peer, encode(KVChunk(CASE.room, 0, 16)), b"\xff" * 16]
+    server.io.call(lambda: server._router.send_multipart(stale))
+    server.io.call(
+        lambda: server._router.send_multipart([sender.peer, encode(RoomDone(CASE.room, 16))])
+    )
+    peer = next(iter(client._peers.values()))
+    client.io.call(lambda: client._send(peer, TransferRequest(CASE.room, [1], [], "")))
+    # A new room still works, and nothing of the replay landed anywhere. NOTE: each side
+    # sends on one socket in order, so room 2 finishing means the replay was handled.
+    _, receiver2 = pair.transfer(Case(room=2))
+    assert receiver.poll() is TransferState.SUCCESS
+    assert sender.poll() is TransferState.SUCCESS
+    assert receiver2.poll() is TransferState.SUCCESS
+    assert torch.equal(pair.target[0].storage, committed)
+    # The replayed request did not bring the released room back to life.
+    revived = server.sender(CASE.room)
+    assert revived.poll() is TransferState.FAILED
+    assert "already finished" in revived.failure_reason
+
+
+def test_reusing_a_finished_room_id_is_refused_on_decode(pair):
+    pair.transfer(CASE)
+    pair.client.release(CASE.room)
+    with pytest.raises(ValueError, match="already in use"):
+        pair.client.receiver(CASE.room, "127.0.0.1", pair.server.port, [1, 2, 3])
+
+
+def test_prefill_abort_reaches_decode_at_once(pair):
+    sender = pair.server.sender(CASE.room)
+    receiver = pair.client.receiver(CASE.room, "127.0.0.1", pair.server.port, [1, 2, 3])
+    wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, 10, "the request")
+    sender.abort("prompt of 9000 tokens exceeds the context length")
+    wait_until(lambda: receiver.poll() is TransferState.FAILED, 2, "decode to learn of it")
+    assert receiver.failure_reason == (
+        "prefill aborted: prompt of 9000 tokens exceeds the context length"
+    )
+    assert sender.poll() is TransferState.FAILED
