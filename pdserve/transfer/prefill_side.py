@@ -159,6 +159,11 @@ class PrefillTransferServer:
                 self._rooms[room] = SenderRoom(self, room, state)
             return self._rooms[room]
 
+    @property
+    def pending_sends(self) -> int:
+        """KV buffers announced to decode whose send has not started yet."""
+        return len(self._announced)
+
     def release(self, room: int) -> None:
         """Forget a finished room (its tombstone stays for late messages)."""
         with self._lock:

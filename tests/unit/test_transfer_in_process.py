@@ -102,3 +102,41 @@ def test_prefill_abort_reaches_decode_at_once(pair):
         "prefill aborted: prompt of 9000 tokens exceeds the context length"
     )
     assert sender.poll() is TransferState.FAILED
+
+
+def test_gloo_receive_posted_for_an_aborted_room_keeps_the_pair_in_order():
+    """Decode aborts a room after prefill announced its bytes: decode still posts a receive
+    (into scratch) so prefill's announced buffer is sent and released, and the next room's
+    bytes land where they belong."""
+    import dataclasses
+    import threading
+
+    gloo = dataclasses.replace(CONFIG, backend="gloo")
+    server = PrefillTransferServer(gloo, layout(CASE), metadata_spec(CASE), "p")
+    server.start()
+    target = pools(CASE, 30, seed=None)
+    stager = KVStager(target)
+    client = DecodeTransferClient(gloo, layout(CASE), metadata_spec(CASE), "d", stager.page_bytes)
+    client.start()
+    pair = Pair(server, client, target, stager)
+    try:
+        pair.transfer(Case(room=10))  # the link is up
+        sender = server.sender(11)
+        receiver = client.receiver(11, "127.0.0.1", server.port, [1, 2, 3])
+        wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, 10, "the request")
+        held = threading.Event()
+        client.io.call(lambda: held.wait(10))  # stall decode's IO thread
+        kv = KVStager(pools(Case(room=11), 20, seed=11)).gather([[5, 2, 9]])
+        sender.send(kv, record(Case(room=11)))  # SendReady waits in decode's socket
+        receiver.abort("client went away")
+        held.set()
+        wait_until(lambda: sender.poll() is TransferState.FAILED, 10, "prefill to learn of it")
+        wait_until(lambda: server.pending_sends == 0, 10, "the announced buffer to be sent")
+        later = Case(room=12, prefill_pages=(19, 0, 4))
+        _, receiver12 = pair.transfer(later)
+        receiver12.commit(stager)
+        source = pools(later, 20, seed=later.room)[0]
+        assert torch.equal(source.storage[:, :, [19, 0, 4]], target[0].storage[:, :, [0, 7, 3]])
+    finally:
+        client.stop()
+        server.stop()
