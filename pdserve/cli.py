@@ -181,7 +181,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="pdserve: prefill/decode-disaggregated LLM serving"
+    )
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
