@@ -109,14 +109,16 @@ class IncrementalDetokenizer:
         """True once `finish()` was called."""
         return self._finished
 
-    def append(self, token_ids: Sequence[int]) -> None:
-        """Feed ids generated this step (one, or several with speculative decoding)."""
+    def append(self, token_ids: Sequence[int], *, check_stop: bool = True) -> None:
+        """Feed ids generated this step (one, or several with speculative decoding).
+        `check_stop=False` leaves stop strings unchecked for this text (as before
+        min_new_tokens is reached); a match that ends in later text is still found."""
         if self._finished:
             raise DetokenizerFinished("append() after finish(): the request already ended")
         if self._stopped_by is not None or not token_ids:
             return
         self._ids.extend(token_ids)
-        self._add_text(self._decode_pending(flush=False))
+        self._add_text(self._decode_pending(flush=False), check_stop)
 
     def take_new_text(self) -> str:
         """Text not returned by earlier calls, less any tail that may begin a stop string."""
@@ -161,14 +163,14 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         return full_text[len(prefix_text) :]
 
-    def _add_text(self, new_text: str) -> None:
+    def _add_text(self, new_text: str, check_stop: bool = True) -> None:
         if not new_text:
             return
         # A match ending in older text would have stopped us already, so only matches that end
         # in new_text are possible; they start at most max_stop_len - 1 characters before it.
         search_from = max(0, len(self._text) - self._max_stop_len + 1)
         self._text += new_text
-        if self._stop:
+        if self._stop and check_stop:
             self._apply_stop(search_from)
 
     def _apply_stop(self, search_from: int) -> None:

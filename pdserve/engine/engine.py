@@ -183,7 +183,8 @@ class Engine:
                 request.logprobs.append(result.logprobs[j])
                 if result.top_logprobs[j] is not None:
                     request.top_logprobs.append(result.top_logprobs[j])
-            request.detokenizer.append([token])
+            min_reached = request.num_output_tokens >= request.sampling_params.min_new_tokens
+            request.detokenizer.append([token], check_stop=min_reached)
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self.scheduler.finish(request, reason)

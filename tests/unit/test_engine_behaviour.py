@@ -41,6 +41,17 @@ def test_stop_string_straddling_tokens_truncates_text(llm):
     assert kept.text == expected + stop
 
 
+def test_stop_string_is_not_applied_before_min_new_tokens(llm):
+    full = llm.generate(PROMPT, greedy())[0]
+    stop = full.text[2:5]
+    first = full.text.index(stop)
+    early = llm.generate(PROMPT, greedy(stop=[stop]))[0]
+    assert early.text == full.text[:first]
+    late = llm.generate(PROMPT, greedy(stop=[stop], min_new_tokens=24))[0]
+    assert len(late.token_ids) >= 24
+    assert late.text.startswith(full.text[: first + len(stop)])  # the early match was kept
+
+
 def test_stop_token_id_ends_generation(llm):
     full = llm.generate(PROMPT, greedy())[0]
     stop_id = full.token_ids[5]
