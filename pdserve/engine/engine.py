@@ -23,7 +23,7 @@ from pdserve.engine.loader import build_kv_pool, load_model, resolve_device, res
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.page_allocator import PageAllocator
+from pdserve.engine.page_allocator import PageAllocator, pages_needed
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
@@ -67,6 +67,8 @@ class Engine:
         )
         self.runner = ModelRunner(self.model, self.kv_pool, self.sampler, self.device)
         self.requests: dict[str, Request] = {}
+        # Finished requests whose pages are kept for a KV transfer (see `hold_pages`).
+        self.held: dict[str, Request] = {}
         self.last_batch_tokens = 0  # tokens computed by the latest step (for step statistics)
         logger.info(
             "engine ready: %s on %s (%s), %d KV pages of %d tokens, max_model_len %d",
@@ -87,13 +89,25 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        hold_pages: bool = False,
     ) -> Request:
         """Validate and queue a request; raises InvalidRequestError (or a subclass) if it can
-        never be served."""
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        never be served. With `hold_pages` its pages outlive it (in `held`) until
+        `release_held`: a prefill worker sends their KV first."""
         token_ids = self.validate_prompt(prompt)
+        request = self._new_request(request_id, token_ids, params)
+        request.hold_pages = hold_pages
+        self.scheduler.add(request)
+        return request
+
+    def _new_request(self, request_id: str, token_ids: list[int], params: SamplingParams):
+        if request_id in self.requests or request_id in self.held:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -110,8 +124,50 @@ class Engine:
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
         self.requests[request_id] = request
-        self.scheduler.add(request)
         return request
+
+    # ---- disaggregation hooks -----------------------------------------------------------
+
+    def reserve_pages(self, num_tokens: int) -> list[int] | None:
+        """Pages for `num_tokens` of KV that a transfer will fill, or None if they are not
+        free now (the caller waits: decode's free memory throttles prefill)."""
+        count = pages_needed(num_tokens, self.config.page_size)
+        if not self.allocator.can_allocate(count):
+            return None
+        return self.allocator.allocate(count)
+
+    def free_pages(self, pages: list[int]) -> None:
+        self.allocator.free(pages)
+
+    def add_prebuilt(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        pages: list[int],
+        first_token: int,
+        first_logprob: float | None = None,
+    ) -> RequestOutput:
+        """Join the running batch with the prompt's KV already in `pages` (the decode side of
+        a handoff) and the first token sampled elsewhere. No forward pass: the next step
+        decodes from here. Returns the first token's output (it may already finish)."""
+        token_ids = self.validate_prompt(prompt_token_ids)
+        if pages_needed(len(token_ids), self.config.page_size) > len(pages):
+            raise InvalidRequestError(
+                f"{len(pages)} pages cannot hold the KV of a {len(token_ids)}-token prompt"
+            )
+        request = self._new_request(request_id, token_ids, params)
+        request.pages = list(pages)
+        request.num_computed_tokens = len(token_ids)
+        self.scheduler.add_running(request)
+        return self._accept_token(request, first_token, first_logprob, None)
+
+    def release_held(self, request_id: str) -> list[int]:
+        """Free the pages of a finished `hold_pages` request; returns them (now free)."""
+        request = self.held.pop(request_id)
+        pages, request.pages = request.pages, []
+        self.allocator.free(pages)
+        return pages
 
     def validate_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt that can be served; raises InvalidRequestError otherwise."""
@@ -172,26 +228,34 @@ class Engine:
         for request, count in zip(batch.requests, batch.num_new_tokens, strict=True):
             request.num_computed_tokens += count
         outputs = []
-        now = time.monotonic()
         for j, index in enumerate(sampled):
             request = batch.requests[index]
-            token = result.token_ids[j]
-            request.append_token(token)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if result.logprobs[j] is not None:
-                request.logprobs.append(result.logprobs[j])
-                if result.top_logprobs[j] is not None:
-                    request.top_logprobs.append(result.top_logprobs[j])
-            min_reached = request.num_output_tokens >= request.sampling_params.min_new_tokens
-            request.detokenizer.append([token], check_stop=min_reached)
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                self.scheduler.finish(request, reason)
-                request.detokenizer.finish()
-                self.requests.pop(request.request_id, None)
-            outputs.append(self._output(request, [token]))
+            outputs.append(
+                self._accept_token(
+                    request, result.token_ids[j], result.logprobs[j], result.top_logprobs[j]
+                )
+            )
         return outputs
+
+    def _accept_token(self, request: Request, token: int, logprob, top) -> RequestOutput:
+        """Append a sampled token, apply stop conditions, and report it."""
+        request.append_token(token)
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        if logprob is not None:
+            request.logprobs.append(logprob)
+            if top is not None:
+                request.top_logprobs.append(top)
+        min_reached = request.num_output_tokens >= request.sampling_params.min_new_tokens
+        request.detokenizer.append([token], check_stop=min_reached)
+        reason = self._stop_reason(request, token)
+        if reason is not None:
+            self.scheduler.finish(request, reason, keep_pages=request.hold_pages)
+            request.detokenizer.finish()
+            self.requests.pop(request.request_id, None)
+            if request.hold_pages:
+                self.held[request.request_id] = request
+        return self._output(request, [token])
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         p = request.sampling_params

@@ -46,6 +46,8 @@ class Request:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # Prefill worker: keep the pages when the request ends, until its KV was sent.
+    hold_pages: bool = False
     # Per-request state owned by other components (sampler generator, detokenizer).
     generator: Any = None
     detokenizer: Any = None

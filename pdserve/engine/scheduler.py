@@ -138,17 +138,25 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def finish(self, request: Request, reason: FinishReason) -> None:
-        """End a request (running or waiting) and free its pages at once."""
+    def finish(self, request: Request, reason: FinishReason, *, keep_pages: bool = False) -> None:
+        """End a request (running or waiting) and free its pages at once, unless
+        `keep_pages` (a prefill worker holds them until their KV has been sent)."""
         if request.finished:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self._release_pages(request)
+        if not keep_pages:
+            self._release_pages(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+
+    def add_running(self, request: Request) -> None:
+        """A request whose prompt KV is already in its pages (filled by a KV transfer) joins
+        the running batch directly: no prefill, the next step decodes its first token."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def _release_pages(self, request: Request) -> None:
         if request.pages:
