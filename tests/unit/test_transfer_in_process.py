@@ -44,17 +44,22 @@ class Pair:
         return sender, receiver
 
 
-@pytest.fixture
-def pair():
-    server = PrefillTransferServer(CONFIG, layout(CASE), metadata_spec(CASE), "p")
+def start_pair(config: TransferConfig) -> Pair:
+    server = PrefillTransferServer(config, layout(CASE), metadata_spec(CASE), "p")
     server.start()
     target = pools(CASE, 30, seed=None)
     stager = KVStager(target)
-    client = DecodeTransferClient(CONFIG, layout(CASE), metadata_spec(CASE), "d", stager.page_bytes)
+    client = DecodeTransferClient(config, layout(CASE), metadata_spec(CASE), "d", stager.page_bytes)
     client.start()
-    yield Pair(server, client, target, stager)
-    client.stop()
-    server.stop()
+    return Pair(server, client, target, stager)
+
+
+@pytest.fixture
+def pair():
+    started = start_pair(CONFIG)
+    yield started
+    started.client.stop()
+    started.server.stop()
 
 
 def test_late_messages_for_a_finished_room_are_ignored(pair):
@@ -111,14 +116,8 @@ def test_gloo_receive_posted_for_an_aborted_room_keeps_the_pair_in_order():
     import dataclasses
     import threading
 
-    gloo = dataclasses.replace(CONFIG, backend="gloo")
-    server = PrefillTransferServer(gloo, layout(CASE), metadata_spec(CASE), "p")
-    server.start()
-    target = pools(CASE, 30, seed=None)
-    stager = KVStager(target)
-    client = DecodeTransferClient(gloo, layout(CASE), metadata_spec(CASE), "d", stager.page_bytes)
-    client.start()
-    pair = Pair(server, client, target, stager)
+    pair = start_pair(dataclasses.replace(CONFIG, backend="gloo"))
+    server, client, target, stager = pair.server, pair.client, pair.target, pair.stager
     try:
         pair.transfer(Case(room=10))  # the link is up
         sender = server.sender(11)
