@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Sequence
 
 import torch
@@ -150,7 +149,9 @@ class Engine:
     ) -> RequestOutput:
         """Join the running batch with the prompt's KV already in `pages` (the decode side of
         a handoff) and the first token sampled elsewhere. No forward pass: the next step
-        decodes from here. Returns the first token's output (it may already finish)."""
+        decodes from here. Returns the first token's output (it may already finish).
+        NOTE: admission (max_running_requests, free pages) is the decode worker's job: it
+        reserved these pages before the transfer started."""
         token_ids = self.validate_prompt(prompt_token_ids)
         if pages_needed(len(token_ids), self.config.page_size) > len(pages):
             raise InvalidRequestError(
@@ -240,8 +241,6 @@ class Engine:
     def _accept_token(self, request: Request, token: int, logprob, top) -> RequestOutput:
         """Append a sampled token, apply stop conditions, and report it."""
         request.append_token(token)
-        if request.first_token_time is None:
-            request.first_token_time = time.monotonic()
         if logprob is not None:
             request.logprobs.append(logprob)
             if top is not None:

@@ -44,7 +44,6 @@ class Request:
     error: str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    first_token_time: float | None = None
     num_preemptions: int = 0
     # Prefill worker: keep the pages when the request ends, until its KV was sent.
     hold_pages: bool = False

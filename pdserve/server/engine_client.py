@@ -45,7 +45,7 @@ class EngineUnavailable(RuntimeError):
     """The engine process is not running or stopped answering."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineClientConfig:
     start_timeout_s: float = 900.0
     engine_timeout_s: float = 60.0

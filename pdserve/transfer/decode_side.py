@@ -91,7 +91,6 @@ class ReceiverRoom:
         self._state = RoomState(room, progress_timeout_s=client.config.progress_timeout_s)
         self._buffer: torch.Tensor | None = None
         self._received = 0
-        self._pending: KVChunk | MetadataHeader | None = None
         self.metadata: MetadataRecord | None = None
         self.started_at = time.monotonic()
         self._recv_in_flight = False
