@@ -9,6 +9,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+POLICY_CHOICES = ("round_robin", "random", "least_load")
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
@@ -155,13 +157,74 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _serve(args: argparse.Namespace) -> int:
+def add_transfer_args(parser: argparse.ArgumentParser, role: str) -> None:
+    g = parser.add_argument_group("KV transfer")
+    g.add_argument(
+        "--transfer-backend",
+        default="tcp",
+        choices=["tcp", "nccl", "gloo"],
+        help="tcp (ZMQ, anywhere), nccl (GPU to GPU), gloo (CPU stand-in for nccl)",
+    )
+    if role == "prefill":
+        g.add_argument(
+            "--bootstrap-port",
+            type=int,
+            default=8998,
+            help="where decode workers fetch KV from this worker (0: pick a free port)",
+        )
+    g.add_argument(
+        "--bootstrap-host",
+        default=None,
+        help="address for transfer endpoints (default: --host); use this node's reachable "
+        "address across nodes",
+    )
+    g.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a room may make no progress before it fails",
+    )
+    g.add_argument(
+        "--transfer-peer-timeout",
+        type=float,
+        default=5.0,
+        help="seconds of silence after which a peer worker counts as dead",
+    )
+    g.add_argument(
+        "--transfer-token",
+        default=None,
+        help="shared secret both workers present (default: $PDSERVE_TRANSFER_TOKEN)",
+    )
+
+
+def worker_role_from_args(args: argparse.Namespace, kind: str):
+    import os
+
+    from pdserve.server.role import WorkerRole
+    from pdserve.transfer.config import TransferConfig
+
+    if kind == "colocated":
+        return WorkerRole()
+    transfer = TransferConfig(
+        backend=args.transfer_backend,
+        bootstrap_host=args.bootstrap_host or args.host,
+        bootstrap_port=getattr(args, "bootstrap_port", 0),
+        progress_timeout_s=args.transfer_timeout,
+        peer_timeout_s=args.transfer_peer_timeout,
+        heartbeat_interval_s=min(1.0, args.transfer_peer_timeout / 4),
+        auth_token=args.transfer_token or os.environ.get("PDSERVE_TRANSFER_TOKEN", ""),
+    )
+    return WorkerRole(kind, transfer)
+
+
+def _serve(args: argparse.Namespace, kind: str = "colocated") -> int:
     import uvicorn
 
     from pdserve.server.app import build_app
 
     config = engine_config_from_args(args)
-    server_args = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
+    hidden = ("func", "api_key", "transfer_token")
+    server_args = {k: v for k, v in vars(args).items() if k not in hidden}
     server_args["model_path"] = config.model_path
     app = build_app(
         config,
@@ -169,6 +232,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
         server_args=server_args,
+        role=worker_role_from_args(args, kind),
     )
     uvicorn.run(
         app,
@@ -178,6 +242,99 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
     )
     return 0
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--prefill",
+        nargs="+",
+        action="append",
+        required=True,
+        metavar=("URL", "BOOTSTRAP_PORT"),
+        help="a prefill worker and, optionally, its bootstrap port (default: asked from the "
+        "worker); repeat for several",
+    )
+    parser.add_argument(
+        "--decode", action="append", required=True, metavar="URL", help="repeat for several"
+    )
+    parser.add_argument("--policy", default="round_robin", choices=POLICY_CHOICES)
+    parser.add_argument("--prefill-policy", default=None, choices=POLICY_CHOICES)
+    parser.add_argument("--decode-policy", default=None, choices=POLICY_CHOICES)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    parser.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds a request may take"
+    )
+    parser.add_argument("--health-check-interval", type=float, default=2.0)
+
+
+def router_config_from_args(args: argparse.Namespace):
+    from pdserve.router.config import RouterConfig
+
+    prefill = []
+    for entry in args.prefill:
+        if len(entry) > 2:
+            raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT], got {' '.join(entry)}")
+        try:
+            port = int(entry[1]) if len(entry) == 2 else None
+        except ValueError:
+            raise ValueError(
+                f"--prefill bootstrap port must be a number, got {entry[1]!r}"
+            ) from None
+        prefill.append((entry[0], port))
+    return RouterConfig(
+        prefill=tuple(prefill),
+        decode=tuple(args.decode),
+        prefill_policy=args.prefill_policy or args.policy,
+        decode_policy=args.decode_policy or args.policy,
+        api_key=args.api_key,
+        request_timeout_s=args.request_timeout,
+        health_check_interval_s=args.health_check_interval,
+    )
+
+
+def _router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pdserve.router.app import build_router_app
+
+    try:
+        config = router_config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    uvicorn.run(
+        build_router_app(config),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+def add_launch_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int, default=8000, help="the router's port")
+    parser.add_argument("--host", default="127.0.0.1", help="address everything binds")
+    parser.add_argument("--num-prefill", type=int, default=1)
+    parser.add_argument("--num-decode", type=int, default=1)
+    parser.add_argument("--transfer-backend", default="tcp", choices=["tcp", "nccl", "gloo"])
+    parser.add_argument("--policy", default="round_robin", choices=POLICY_CHOICES)
+    parser.add_argument(
+        "--gpus",
+        default=None,
+        help="comma-separated GPU ids; worker k (prefill first) runs on gpus[k %% len]",
+    )
+    parser.add_argument(
+        "--start-timeout", type=float, default=600.0, help="seconds to wait for healthy workers"
+    )
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from pdserve.launch import launch_from_args
+
+    return launch_from_args(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,6 +362,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 
+    for kind, text in (
+        ("prefill", "prefill worker: prefills and sends KV to decode workers"),
+        ("decode", "decode worker: receives KV from prefill workers and decodes"),
+    ):
+        worker = sub.add_parser(kind, help=text)
+        add_server_args(worker)
+        add_engine_args(worker)
+        add_transfer_args(worker, kind)
+        worker.set_defaults(func=lambda args, kind=kind: _serve(args, kind))
+
+    router = sub.add_parser("router", help="OpenAI front end over prefill and decode workers")
+    add_router_args(router)
+    router.set_defaults(func=_router)
+
+    launch = sub.add_parser(
+        "launch", help="router + prefill + decode workers on this machine, until Ctrl-C"
+    )
+    add_launch_args(launch)
+    add_engine_args(launch)
+    launch.set_defaults(func=_launch)
+
     tiny = sub.add_parser("make-tiny-model", help="write a small seeded random model directory")
     tiny.add_argument("out_dir")
     tiny.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
@@ -220,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from pdserve.launch import watch_parent
+
+    watch_parent()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)
 

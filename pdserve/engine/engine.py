@@ -146,6 +146,7 @@ class Engine:
         pages: list[int],
         first_token: int,
         first_logprob: float | None = None,
+        first_top_logprobs: dict[int, float] | None = None,
     ) -> RequestOutput:
         """Join the running batch with the prompt's KV already in `pages` (the decode side of
         a handoff) and the first token sampled elsewhere. No forward pass: the next step
@@ -161,7 +162,9 @@ class Engine:
         request.pages = list(pages)
         request.num_computed_tokens = len(token_ids)
         self.scheduler.add_running(request)
-        return self._accept_token(request, first_token, first_logprob, None)
+        if params.logprobs and first_logprob is not None and first_top_logprobs is None:
+            first_top_logprobs = {}  # NOTE: keeps one top-N entry per token, even if empty
+        return self._accept_token(request, first_token, first_logprob, first_top_logprobs)
 
     def release_held(self, request_id: str) -> list[int]:
         """Free the pages of a finished `hold_pages` request; returns them (now free)."""

@@ -21,7 +21,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_new_tokens or the context length
     ABORT = "abort"  # aborted by the caller or failed

@@ -7,9 +7,20 @@ once per step, what every request produced. Sampling settings travel as a plain 
 
 from __future__ import annotations
 
+from dataclasses import field
 from typing import Any
 
 from pdserve.protocol.codec import message
+
+
+@message("bootstrap")
+class Bootstrap:
+    """Where a disaggregated request's KV moves (SGLang's PD fields): the prefill worker's
+    bootstrap endpoint and the room both legs of the request share."""
+
+    host: str
+    port: int
+    room: int
 
 
 @message("generate")
@@ -17,11 +28,21 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
+    bootstrap: Bootstrap | None = None
 
 
 @message("abort")
 class AbortRequest:
     request_id: str
+
+
+@message("fail_room")
+class FailRoom:
+    """A prefill worker's front end refused a disaggregated request before it reached the
+    engine: fail its room so the decode side stops waiting at once."""
+
+    room: int
+    reason: str
 
 
 @message("shutdown")
@@ -42,9 +63,27 @@ class TokenOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    error_kind: str | None = None  # "invalid" or "unavailable" (see RequestOutput)
     # One entry per new token: its logprob, and (token id, logprob) pairs of the top-N.
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[list[list[int | float]]] | None = None
+
+
+@message("disagg_stats")
+class DisaggStats:
+    """A prefill or decode worker's handoff queues and transfer counters. Counters are
+    cumulative; `transfer_latencies` lists the rooms finished since the previous report."""
+
+    num_bootstrapping: int = 0  # prefill: waiting for decode's reservation
+    num_prealloc: int = 0  # decode: waiting for free pages
+    num_transferring: int = 0  # KV on the way (both sides)
+    num_prefilling: int = 0  # prefill: computing, pages to be sent
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    transfers_succeeded: int = 0
+    transfer_latencies: list[float] = field(default_factory=list)
+    # "stage/reason" -> count; stage is bootstrap (before KV moved) or transfer.
+    failures: dict[str, int] = field(default_factory=dict)
 
 
 @message("engine_stats")
@@ -57,6 +96,7 @@ class EngineStats:
     num_steps: int = 0
     step_seconds: float = 0.0
     batched_tokens: int = 0
+    disagg: DisaggStats | None = None
 
 
 @message("step_outputs")
@@ -75,6 +115,8 @@ class EngineReady:
     page_size: int
     device: str
     dtype: str
+    role: str = "colocated"
+    bootstrap_port: int | None = None
 
 
 @message("engine_failed")

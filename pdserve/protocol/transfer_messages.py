@@ -86,6 +86,8 @@ class MetadataHeader:
     first_token: int
     cached_tokens: int
     first_logprob: float | None = None
+    # (token id, logprob) pairs of the first token's top alternatives, when the client asked.
+    first_top_logprobs: list[list[int | float]] | None = None
     topk: int = 0
     has_hidden: bool = False
 

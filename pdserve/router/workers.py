@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 
-class Role(str, enum.Enum):
+class Role(enum.StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
 
@@ -26,6 +26,7 @@ class Worker:
     last_error: str | None = None
     changed_at: float = field(default_factory=time.monotonic)
     in_flight: int = 0
+    failed_checks: int = 0  # consecutive failed health checks
 
     @property
     def bootstrap_host(self) -> str:
@@ -50,8 +51,9 @@ class WorkerPool:
             return [w for w in self.workers if w.healthy]
 
     def mark(self, worker: Worker, healthy: bool, error: str | None = None) -> bool:
-        """Record a health result; True if the worker moved in or out of rotation."""
+        """Move a worker in or out of rotation; True if that changed anything."""
         with self._lock:
+            worker.failed_checks = 0 if healthy else worker.failed_checks
             changed = worker.healthy != healthy
             worker.healthy = healthy
             worker.last_error = None if healthy else error

@@ -22,6 +22,7 @@ from pdserve.server.engine_client import EngineClient, EngineClientConfig
 from pdserve.server.errors import APIError, api_error_handler, validation_error_handler
 from pdserve.server.generation import ServerState
 from pdserve.server.metrics import ServerMetrics
+from pdserve.server.role import WorkerRole
 
 logger = logging.getLogger(__name__)
 
@@ -36,24 +37,37 @@ def build_app(
     max_queued_requests: int = 1024,
     server_args: dict[str, Any] | None = None,
     client_options: EngineClientConfig | None = None,
+    role: WorkerRole | None = None,
 ) -> FastAPI:
+    """A worker's HTTP app; `role` makes it a prefill or decode worker (default colocated)."""
+    role = role or WorkerRole()
     name = served_model_name or engine_config.model_path
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        client = EngineClient(engine_config, client_options)
+        client = EngineClient(engine_config, client_options, role)
         ready = await client.start()
+        metrics = ServerMetrics(name, disaggregated=role.disaggregated)
+        client.stats_listeners.append(metrics.observe_stats)
         app.state.pdserve = ServerState(
             client=client,
             tokenizer=AutoTokenizer.from_pretrained(engine_config.model_path),
             served_model_name=name,
             max_model_len=ready.max_model_len,
-            metrics=ServerMetrics(name),
+            metrics=metrics,
             max_queued_requests=max_queued_requests,
             api_key=api_key,
+            role=role,
             server_args=dict(server_args or {}),
         )
-        logger.info("serving %s (%s on %s)", name, ready.architecture, ready.device)
+        logger.info(
+            "serving %s (%s on %s) as a %s worker%s",
+            name,
+            ready.architecture,
+            ready.device,
+            role.kind,
+            f", bootstrap port {ready.bootstrap_port}" if ready.bootstrap_port else "",
+        )
         try:
             yield
         finally:

@@ -15,7 +15,7 @@ import multiprocessing
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,15 +26,18 @@ from pdserve.engine.config import EngineConfig
 from pdserve.protocol.codec import ProtocolError, decode, encode
 from pdserve.protocol.engine_messages import (
     AbortRequest,
+    Bootstrap,
     EngineFailed,
     EngineReady,
     EngineStats,
+    FailRoom,
     GenerateRequest,
     Shutdown,
     StepOutputs,
     TokenOutput,
 )
 from pdserve.server.engine_process import run_engine_process
+from pdserve.server.role import WorkerRole
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +55,17 @@ class EngineClientConfig:
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, options: EngineClientConfig | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        options: EngineClientConfig | None = None,
+        role: WorkerRole | None = None,
+    ):
         self.config = config
         self.options = options or EngineClientConfig()
+        self.role = role or WorkerRole()
+        # Called with every EngineStats the engine sends (metrics observe its deltas).
+        self.stats_listeners: list[Callable[[EngineStats], None]] = []
         self.ready: EngineReady | None = None
         self.stats = EngineStats(0, 0, 0, 0)
         self.failure: str | None = None
@@ -80,7 +91,7 @@ class EngineClient:
         spawn = multiprocessing.get_context("spawn")
         self._process = spawn.Process(
             target=run_engine_process,
-            args=(self.config, requests_addr, outputs_addr),
+            args=(self.config, requests_addr, outputs_addr, self.role),
             name="pdserve-engine",
             daemon=True,
         )
@@ -140,7 +151,11 @@ class EngineClient:
     # ---- requests --------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: dict[str, Any]
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: dict[str, Any],
+        bootstrap: Bootstrap | None = None,
     ) -> AsyncIterator[TokenOutput]:
         """Yield the request's outputs until it finishes. Leaving early (client gone, task
         cancelled) aborts it in the engine, which frees its pages."""
@@ -152,7 +167,7 @@ class EngineClient:
         self._queues[request_id] = queue
         finished = False
         try:
-            self._send(GenerateRequest(request_id, prompt_token_ids, sampling))
+            self._send(GenerateRequest(request_id, prompt_token_ids, sampling, bootstrap))
             while not finished:
                 output = await queue.get()
                 finished = output.finished
@@ -161,6 +176,10 @@ class EngineClient:
             self._queues.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    def fail_room(self, room: int, reason: str) -> None:
+        with contextlib.suppress(EngineUnavailable):
+            self._send(FailRoom(room, reason))
 
     def abort(self, request_id: str) -> None:
         with contextlib.suppress(EngineUnavailable):
@@ -190,13 +209,18 @@ class EngineClient:
             if isinstance(msg, EngineFailed):
                 self._mark_failed(f"engine failed: {msg.reason}")
             elif isinstance(msg, EngineStats):
-                self.stats = msg
+                self._set_stats(msg)
             else:
-                self.stats = msg.stats
+                self._set_stats(msg.stats)
                 for output in msg.outputs:
                     queue = self._queues.get(output.request_id)
                     if queue is not None:
                         queue.put_nowait(output)
+
+    def _set_stats(self, stats: EngineStats) -> None:
+        self.stats = stats
+        for listener in self.stats_listeners:
+            listener(stats)
 
     def _check_alive(self) -> None:
         if self._process is not None and not self._process.is_alive():

@@ -23,20 +23,27 @@ from pdserve.protocol.engine_messages import (
     EngineFailed,
     EngineReady,
     EngineStats,
+    FailRoom,
     GenerateRequest,
     Shutdown,
     StepOutputs,
     TokenOutput,
 )
+from pdserve.server.role import WorkerRole
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
+HANDOFF_POLL_MS = 1
 SEND_TIMEOUT_MS = 5000
 
 
-def run_engine_process(config: EngineConfig, requests_addr: str, outputs_addr: str) -> None:
-    """Process entry point: build the engine, announce it, serve until told to shut down."""
+def run_engine_process(
+    config: EngineConfig, requests_addr: str, outputs_addr: str, role: WorkerRole | None = None
+) -> None:
+    """Process entry point: build the engine (and the role's handoff), announce it, serve
+    until told to shut down."""
+    role = role or WorkerRole()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s engine: %(message)s")
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
@@ -49,22 +56,38 @@ def run_engine_process(config: EngineConfig, requests_addr: str, outputs_addr: s
         from pdserve.engine.engine import Engine
 
         engine = Engine(config)
+        handoff = _build_handoff(engine, role)
     except Exception as e:
         outbox.send(encode(EngineFailed(f"{type(e).__name__}: {e}")))
         raise
-    outbox.send(encode(_ready(engine)))
+    outbox.send(encode(_ready(engine, role, handoff)))
     try:
-        EngineLoop(engine, inbox, outbox).run()
+        EngineLoop(engine, inbox, outbox, handoff).run()
     except Exception:
         outbox.send(encode(EngineFailed(traceback.format_exc())))
         raise
     finally:
+        if handoff is not None:
+            handoff.stop()
         inbox.close(0)
         outbox.close(0)
         context.term()
 
 
-def _ready(engine) -> EngineReady:
+def _build_handoff(engine, role: WorkerRole):
+    """The role's handoff: its queues and transfer endpoint (None when colocated)."""
+    if role.kind == "prefill":
+        from pdserve.prefill.handoff import PrefillHandoff
+
+        return PrefillHandoff(engine, role.transfer)
+    if role.kind == "decode":
+        from pdserve.decode.handoff import DecodeHandoff
+
+        return DecodeHandoff(engine, role.transfer)
+    return None
+
+
+def _ready(engine, role: WorkerRole, handoff) -> EngineReady:
     return EngineReady(
         model_path=engine.config.model_path,
         architecture=engine.model_config.architecture,
@@ -74,12 +97,17 @@ def _ready(engine) -> EngineReady:
         page_size=engine.config.page_size,
         device=str(engine.device),
         dtype=str(engine.dtype).removeprefix("torch."),
+        role=role.kind,
+        bootstrap_port=handoff.bootstrap_port if handoff is not None else None,
     )
 
 
 class EngineLoop:
-    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket):
+    """Receive, move the handoff along (disaggregated roles), step, report."""
+
+    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, handoff=None):
         self.engine = engine
+        self.handoff = handoff
         self.inbox = inbox
         self.outbox = outbox
         self.poller = zmq.Poller()
@@ -98,24 +126,38 @@ class EngineLoop:
                 # outputs any more, so stop instead of computing for no one.
                 logger.error("front end process is gone; shutting the engine down")
                 return
-            busy = self.engine.has_unfinished()
-            self._receive(timeout_ms=0 if busy else int(HEARTBEAT_S * 1000))
-            if self.engine.has_unfinished():
+            self._receive(timeout_ms=self._idle_wait_ms())
+            outputs = self.handoff.poll() if self.handoff is not None else []
+            stepped = self.engine.has_unfinished()
+            if stepped:
                 started = time.perf_counter()
-                outputs = self.engine.step()
+                step_outputs = self.engine.step()
                 self.step_seconds += time.perf_counter() - started
                 self.num_steps += 1
                 self.batched_tokens += self.engine.last_batch_tokens
+                if self.handoff is not None:
+                    step_outputs = self.handoff.on_step(step_outputs)
+                outputs.extend(step_outputs)
+            if stepped or outputs:
                 self._send(StepOutputs([_to_wire(o) for o in outputs], self._stats()))
             elif time.monotonic() - self.last_sent >= HEARTBEAT_S:
                 self._send(self._stats())
+
+    def _idle_wait_ms(self) -> int:
+        """How long to wait for requests: not at all while the engine has work, briefly while
+        rooms are in flight (their progress is polled), else until the next heartbeat."""
+        if self.engine.has_unfinished():
+            return 0
+        if self.handoff is not None and self.handoff.busy:
+            return HANDOFF_POLL_MS
+        return int(HEARTBEAT_S * 1000)
 
     def _receive(self, timeout_ms: int) -> None:
         while self.poller.poll(timeout_ms):
             timeout_ms = 0
             data = self.inbox.recv()
             try:
-                msg = decode(data, (GenerateRequest, AbortRequest, Shutdown))
+                msg = decode(data, (GenerateRequest, AbortRequest, FailRoom, Shutdown))
             except ProtocolError as e:
                 logger.warning("dropped a malformed message: %s", e)
                 continue
@@ -124,8 +166,12 @@ class EngineLoop:
     def _handle(self, msg) -> None:
         if isinstance(msg, Shutdown):
             self.running = False
+        elif isinstance(msg, FailRoom):
+            if self.handoff is not None:
+                self.handoff.fail_room(msg.room, msg.reason)
         elif isinstance(msg, AbortRequest):
-            self.engine.abort_request(msg.request_id)
+            if self.handoff is None or not self.handoff.abort(msg.request_id):
+                self.engine.abort_request(msg.request_id)
         else:
             self._add(msg)
 
@@ -135,19 +181,16 @@ class EngineLoop:
 
         try:
             params = SamplingParams(**msg.sampling)
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params)
+            if (self.handoff is None) != (msg.bootstrap is None):
+                raise InvalidRequestError(_role_mismatch(self.handoff is not None))
+            if self.handoff is None:
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, params)
+                return
+            refused = self.handoff.add(msg.request_id, msg.prompt_token_ids, params, msg.bootstrap)
+            if refused is not None:
+                self._send(StepOutputs([_to_wire(refused)], self._stats()))
         except (InvalidRequestError, InvalidSamplingParams, TypeError) as e:
-            failed = TokenOutput(
-                request_id=msg.request_id,
-                new_token_ids=[],
-                new_text="",
-                finished=True,
-                num_prompt_tokens=len(msg.prompt_token_ids),
-                num_output_tokens=0,
-                finish_reason="abort",
-                error=str(e),
-            )
-            self._send(StepOutputs([failed], self._stats()))
+            self._send(StepOutputs([_failed(msg, str(e))], self._stats()))
 
     def _stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
@@ -159,6 +202,7 @@ class EngineLoop:
             num_steps=self.num_steps,
             step_seconds=self.step_seconds,
             batched_tokens=self.batched_tokens,
+            disagg=self.handoff.stats() if self.handoff is not None else None,
         )
 
     def _send(self, msg) -> None:
@@ -169,6 +213,29 @@ class EngineLoop:
             logger.error("front end not receiving; shutting the engine down")
             self.running = False
         self.last_sent = time.monotonic()
+
+
+def _role_mismatch(disaggregated: bool) -> str:
+    if disaggregated:
+        return (
+            "this is a disaggregated worker: requests need bootstrap_host, bootstrap_port and "
+            "bootstrap_room (send them through `pdserve router`)"
+        )
+    return "this is a colocated worker: requests must not carry bootstrap fields"
+
+
+def _failed(msg: GenerateRequest, reason: str) -> TokenOutput:
+    return TokenOutput(
+        request_id=msg.request_id,
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        num_prompt_tokens=len(msg.prompt_token_ids),
+        num_output_tokens=0,
+        finish_reason="abort",
+        error=reason,
+        error_kind="invalid",
+    )
 
 
 def _to_wire(output: RequestOutput) -> TokenOutput:
@@ -186,6 +253,7 @@ def _to_wire(output: RequestOutput) -> TokenOutput:
         finish_reason=output.finish_reason,
         stop_reason=output.stop_reason,
         error=output.error,
+        error_kind=output.error_kind,
         new_logprobs=output.logprobs[-count:] if output.logprobs is not None else None,
         new_top_logprobs=top,
     )

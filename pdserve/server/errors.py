@@ -54,8 +54,19 @@ async def api_error_handler(_request: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
-async def validation_error_handler(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    """Pydantic's 422 becomes OpenAI's 400, naming the first offending parameter."""
+async def validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """Pydantic's 422 becomes OpenAI's 400, naming the first offending parameter. On a
+    prefill worker the request's room (if it names one) fails too."""
+    response = _validation_response(exc)
+    body = exc.body if isinstance(exc.body, dict) else {}
+    if "bootstrap_room" in body:
+        from pdserve.server.generation import refuse_room
+
+        refuse_room(request.app.state.pdserve, body["bootstrap_room"], "invalid request body")
+    return response
+
+
+def _validation_response(exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {}
     location = [str(part) for part in first.get("loc", ()) if part != "body"]

@@ -4,6 +4,7 @@ or several engine requests, and metrics. API modules only translate bodies and r
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -11,10 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
-from pdserve.protocol.engine_messages import TokenOutput
+from pdserve.protocol.engine_messages import Bootstrap, TokenOutput
 from pdserve.server.engine_client import EngineClient, EngineUnavailable
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.metrics import ServerMetrics
+from pdserve.server.role import WorkerRole
 
 # SamplingParams field -> the name clients use for it.
 API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
@@ -29,6 +31,7 @@ class ServerState:
     metrics: ServerMetrics
     max_queued_requests: int
     api_key: str | None = None
+    role: WorkerRole = field(default_factory=WorkerRole)
     server_args: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
 
@@ -77,7 +80,8 @@ def check_prompt(state: ServerState, prompt_ids: list[int], max_tokens: int | No
         )
     if max_tokens is None:
         return limit - len(prompt_ids)
-    if len(prompt_ids) + max_tokens > limit:
+    # NOTE: a prefill worker generates one token; the decode worker checks the whole length.
+    if len(prompt_ids) + max_tokens > limit and state.role.kind != "prefill":
         raise APIError(
             400,
             f"this model's maximum context length is {limit} tokens; you requested "
@@ -87,6 +91,71 @@ def check_prompt(state: ServerState, prompt_ids: list[int], max_tokens: int | No
             code="context_length_exceeded",
         )
     return max_tokens
+
+
+MAX_ROOM = (1 << 63) - 1
+
+
+def bootstrap_of(
+    state: ServerState,
+    host: str | None,
+    port: int | None,
+    room: int | None,
+    num_jobs: int,
+) -> Bootstrap | None:
+    """The request's bootstrap fields, checked against this worker's role: required (and
+    for exactly one prompt and choice) on prefill/decode workers, refused on colocated ones."""
+    given = (host, port, room)
+    if not state.role.disaggregated:
+        if any(v is not None for v in given):
+            raise bad_request(
+                "this is a colocated worker: bootstrap_host/port/room are for prefill and "
+                "decode workers",
+                param="bootstrap_room",
+            )
+        return None
+    if any(v is None for v in given):
+        raise bad_request(
+            f"this is a {state.role.kind} worker: requests need bootstrap_host, bootstrap_port "
+            "and bootstrap_room (send them through `pdserve router`)",
+            param="bootstrap_room",
+        )
+    if num_jobs != 1:
+        raise bad_request(
+            "disaggregated workers take one prompt with n=1 per request; send prompts "
+            "(and choices) as separate requests",
+            param="n",
+        )
+    if not 0 < port < 65536:
+        raise bad_request(
+            f"bootstrap_port must be in [1, 65535], got {port}", param="bootstrap_port"
+        )
+    if not 0 <= room <= MAX_ROOM:
+        raise bad_request(
+            f"bootstrap_room must be in [0, 2**63 - 1], got {room}", param="bootstrap_room"
+        )
+    return Bootstrap(host, port, room)
+
+
+def refuse_room(state: ServerState, room: Any, reason: str) -> None:
+    """A prefill worker that refuses a request before its engine sees it still fails the
+    room, so the decode worker waiting on it stops at once."""
+    if state.role.kind == "prefill" and isinstance(room, int) and 0 <= room <= MAX_ROOM:
+        state.client.fail_room(room, reason)
+
+
+def fails_room_on_error(handler):
+    """Decorate an endpoint `(body, request)`: an APIError it raises also fails the room."""
+
+    @functools.wraps(handler)
+    async def endpoint(body, request):
+        try:
+            return await handler(body, request)
+        except APIError as e:
+            refuse_room(request.app.state.pdserve, body.bootstrap_room, e.message)
+            raise
+
+    return endpoint
 
 
 def sampling_settings(**fields: Any) -> dict[str, Any]:
@@ -111,18 +180,25 @@ def seeds_for(sampling: dict[str, Any], n: int) -> list[dict[str, Any]]:
 
 
 async def run_one(
-    state: ServerState, request_id: str, prompt_ids: list[int], sampling: dict[str, Any]
+    state: ServerState,
+    request_id: str,
+    prompt_ids: list[int],
+    sampling: dict[str, Any],
+    bootstrap: Bootstrap | None = None,
 ) -> AsyncIterator[TokenOutput]:
     """Stream one engine request's outputs, recording latency and token metrics."""
     metrics = state.metrics
     arrival = last = time.monotonic()
     first, finished = True, False
     try:
-        async for output in state.client.generate(request_id, prompt_ids, sampling):
+        outputs = state.client.generate(request_id, prompt_ids, sampling, bootstrap)
+        async for output in outputs:
             now = time.monotonic()
             if output.error is not None:
                 if not state.client.healthy:
                     raise APIError(503, f"engine unavailable: {output.error}")
+                if output.error_kind == "unavailable":
+                    raise APIError(503, output.error, code="transfer_failed")
                 raise APIError(500 if output.num_output_tokens else 400, output.error)
             if output.new_token_ids:
                 if first:
@@ -146,12 +222,15 @@ async def run_one(
 
 
 async def run_many(
-    state: ServerState, jobs: list[tuple[str, list[int], dict[str, Any]]]
+    state: ServerState,
+    jobs: list[tuple[str, list[int], dict[str, Any]]],
+    bootstrap: Bootstrap | None = None,
 ) -> AsyncIterator[tuple[int, TokenOutput]]:
     """Run several engine requests at once; yield (job index, output) as they come. Leaving
-    early cancels (and so aborts) every job still running."""
+    early cancels (and so aborts) every job still running. A disaggregated request (with
+    `bootstrap`) is always a single job (see `bootstrap_of`)."""
     if len(jobs) == 1:
-        async for output in run_one(state, *jobs[0]):
+        async for output in run_one(state, *jobs[0], bootstrap):
             yield 0, output
         return
     queue: asyncio.Queue = asyncio.Queue()

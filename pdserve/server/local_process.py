@@ -1,5 +1,5 @@
 """Start a `pdserve` role as a child process on this machine, wait until it is healthy, stop
-it with everything it started. Used by tests, benchmarks and (later) `pdserve launch`."""
+it with everything it started. Used by tests, benchmarks and `pdserve launch`."""
 
 from __future__ import annotations
 
@@ -33,7 +33,10 @@ class LocalServer:
         port: int | None = None,
         log_level: str = "warning",
         host: str = "127.0.0.1",
+        env: dict[str, str] | None = None,
     ):
+        """env: extra environment for the child. The child exits by itself if this process
+        dies (see `pdserve.launch.watch_parent`)."""
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         command = [
@@ -48,7 +51,8 @@ class LocalServer:
             "--port",
             str(self.port),
         ]
-        self.process = subprocess.Popen(command, start_new_session=True)
+        child_env = {**os.environ, **(env or {}), "PDSERVE_EXIT_WITH_PARENT": str(os.getpid())}
+        self.process = subprocess.Popen(command, start_new_session=True, env=child_env)
 
     def wait_healthy(self, deadline_s: float, poll_s: float = 0.1) -> LocalServer:
         deadline = time.monotonic() + deadline_s

@@ -32,7 +32,7 @@ LATENCY_BUCKETS = (
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, disaggregated: bool = False):
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         self._labels = labels
@@ -73,6 +73,12 @@ class ServerMetrics:
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Time from request arrival to its last token"
         )
+        self.disagg = _DisaggMetrics(gauge, counter, histogram, labels) if disaggregated else None
+
+    def observe_stats(self, stats) -> None:
+        """Every stats message from the engine (counters advance by their deltas)."""
+        if self.disagg is not None and stats.disagg is not None:
+            self.disagg.observe(stats.disagg)
 
     def request_finished(self, finish_reason: str) -> None:
         self._success.labels(**self._labels, finished_reason=finish_reason).inc()
@@ -83,4 +89,65 @@ class ServerMetrics:
         self.kv_pages_used.set(stats.kv_pages_used)
         total = stats.kv_pages_total or 1
         self.kv_cache_usage.set(stats.kv_pages_used / total)
+        if self.disagg is not None and stats.disagg is not None:
+            self.disagg.set_queues(stats.disagg)
         return generate_latest(self.registry)
+
+
+class _DisaggMetrics:
+    """Prefill/decode handoff: queue sizes, KV bytes and latency, failures by stage/reason."""
+
+    def __init__(self, gauge, counter, histogram, model_labels: dict[str, str]):
+        self._model = model_labels
+        self.queues = {
+            "num_bootstrapping": gauge(
+                "num_requests_bootstrapping", "Prefill: requests waiting for decode's pages"
+            ),
+            "num_prefilling": gauge(
+                "num_requests_prefilling", "Prefill: requests computing before their send"
+            ),
+            "num_prealloc": gauge(
+                "num_requests_prealloc", "Decode: requests waiting for free KV pages"
+            ),
+            "num_transferring": gauge(
+                "num_requests_transferring", "Requests whose KV is in flight"
+            ),
+        }
+        self.bytes = counter(
+            "kv_transfer_bytes_total", "KV bytes moved, by direction", ("direction",)
+        )
+        self.transfers = counter("kv_transfers_total", "KV transfers that succeeded")
+        self.latency = histogram(
+            "kv_transfer_latency_seconds", "Time from a room's start to its successful end"
+        )
+        self.failures = counter(
+            "kv_transfer_failures_total",
+            "Failed rooms by stage (bootstrap, transfer) and reason",
+            ("stage", "reason"),
+        )
+        self._seen: dict[str, float] = {}
+
+    def set_queues(self, stats) -> None:
+        for name, metric in self.queues.items():
+            metric.set(getattr(stats, name))
+
+    def observe(self, stats) -> None:
+        self._advance(self.bytes, "sent", stats.bytes_sent, direction="sent")
+        self._advance(self.bytes, "received", stats.bytes_received, direction="received")
+        self._advance(None, "succeeded", stats.transfers_succeeded)
+        for key, count in stats.failures.items():
+            stage, _, reason = key.partition("/")
+            self._advance(self.failures, key, count, stage=stage, reason=reason)
+        for latency in stats.transfer_latencies:
+            self.latency.observe(latency)
+        self.set_queues(stats)
+
+    def _advance(self, metric, key: str, total: float, **labels) -> None:
+        delta = total - self._seen.get(key, 0)
+        if delta <= 0:
+            return
+        self._seen[key] = total
+        if metric is None:
+            self.transfers.inc(delta)
+        else:
+            metric.labels(**self._model, **labels).inc(delta)

@@ -5,6 +5,7 @@ GET /health_generate."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from typing import Any
@@ -17,8 +18,10 @@ import pdserve
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.generation import (
     ServerState,
+    bootstrap_of,
     check_capacity,
     check_prompt,
+    fails_room_on_error,
     new_request_id,
     run_many,
     sampling_settings,
@@ -56,6 +59,10 @@ class GenerateBody(BaseModel):
     rid: str | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # SGLang's PD fields (prefill and decode workers only; the router sets them).
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 def _state(request: Request) -> ServerState:
@@ -63,6 +70,7 @@ def _state(request: Request) -> ServerState:
 
 
 @router.post("/generate")
+@fails_room_on_error
 async def generate(body: GenerateBody, request: Request):
     state = _state(request)
     if (body.text is None) == (body.input_ids is None):
@@ -88,10 +96,13 @@ async def generate(body: GenerateBody, request: Request):
         sampling = sampling_settings(**{**raw, "max_new_tokens": max_tokens}, logprobs=logprobs)
         rid = body.rid if body.rid and single else f"{body.rid or new_request_id('gen')}-{i}"
         jobs.append((rid, prompt_ids, sampling))
+    boot = bootstrap_of(
+        state, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, len(jobs)
+    )
     check_capacity(state, len(jobs))
     if body.stream:
-        return StreamingResponse(_stream(state, jobs), media_type="text/event-stream")
-    task = asyncio.ensure_future(_collect(state, jobs))
+        return StreamingResponse(_stream(state, jobs, boot), media_type="text/event-stream")
+    task = asyncio.ensure_future(_collect(state, jobs, boot))
     while not task.done():
         await asyncio.wait({task}, timeout=0.1)
         if not task.done() and await request.is_disconnected():
@@ -157,19 +168,19 @@ def _update(state: dict, output) -> None:
         state["error"] = output.error
 
 
-async def _collect(server: ServerState, jobs) -> list[dict]:
+async def _collect(server: ServerState, jobs, bootstrap) -> list[dict]:
     arrival = time.monotonic()
     states = _new_states(jobs)
-    async for index, output in run_many(server, jobs):
+    async for index, output in run_many(server, jobs, bootstrap):
         _update(states[index], output)
     return [_result(job, s, arrival) for job, s in zip(jobs, states, strict=True)]
 
 
-async def _stream(server: ServerState, jobs):
+async def _stream(server: ServerState, jobs, bootstrap):
     arrival = time.monotonic()
     states = _new_states(jobs)
     try:
-        async for index, output in run_many(server, jobs):
+        async for index, output in run_many(server, jobs, bootstrap):
             _update(states[index], output)
             result = _result(jobs[index], states[index], arrival)
             result["index"] = index
@@ -191,6 +202,21 @@ async def model_info(request: Request) -> dict:
         "preferred_sampling_params": None,
         "weight_version": "default",
         "architecture": state.client.ready.architecture,
+        **_role_fields(state),
+    }
+
+
+def _role_fields(state: ServerState) -> dict:
+    """What SGLang's router reads to drive prefill/decode workers."""
+    ready = state.client.ready
+    return {
+        "disaggregation_mode": "null" if ready.role == "colocated" else ready.role,
+        "role": ready.role,
+        "disaggregation_bootstrap_port": ready.bootstrap_port,
+        "disaggregation_transfer_backend": (
+            state.role.transfer.backend if state.role.transfer is not None else None
+        ),
+        "page_size": ready.page_size,
     }
 
 
@@ -202,6 +228,9 @@ async def server_info(request: Request) -> dict:
     stats = state.client.stats
     return {
         **state.server_args,
+        **_role_fields(state),
+        "model_path": ready.model_path,
+        "served_model_name": state.served_model_name,
         "version": pdserve.__version__,
         "max_total_num_tokens": ready.kv_pages_total * ready.page_size,
         "max_model_len": state.max_model_len,
@@ -216,6 +245,7 @@ async def server_info(request: Request) -> dict:
                 "num_steps": stats.num_steps,
                 "step_seconds": stats.step_seconds,
                 "batched_tokens": stats.batched_tokens,
+                **(dataclasses.asdict(stats.disagg) if stats.disagg is not None else {}),
             }
         ],
     }
@@ -227,6 +257,10 @@ async def health_generate(request: Request) -> Response:
     state = _state(request)
     if not state.client.healthy:
         return Response(status_code=503)
+    if state.role.disaggregated:
+        # NOTE: a prefill or decode worker cannot generate alone; its engine answering
+        # (above) is the check.
+        return Response(status_code=200)
     job = (new_request_id("health"), [0], {"max_new_tokens": 1, "temperature": 0.0})
 
     async def one_token() -> None:

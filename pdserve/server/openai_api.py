@@ -20,9 +20,11 @@ from pdserve.protocol.engine_messages import TokenOutput
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.generation import (
     ServerState,
+    bootstrap_of,
     check_capacity,
     check_model,
     check_prompt,
+    fails_room_on_error,
     new_request_id,
     run_many,
     sampling_settings,
@@ -56,6 +58,7 @@ async def list_models(request: Request) -> dict:
 
 
 @router.post("/v1/completions")
+@fails_room_on_error
 async def completions(body: CompletionRequest, request: Request):
     state = _state(request)
     check_model(state, body.model)
@@ -70,12 +73,16 @@ async def completions(body: CompletionRequest, request: Request):
         sampling = sampling_settings(max_new_tokens=max_tokens, **sampling_common)
         for choice_sampling in seeds_for(sampling, body.n):
             jobs.append((new_request_id("cmpl"), prompt_ids, choice_sampling))
+    boot = bootstrap_of(
+        state, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, len(jobs)
+    )
     check_capacity(state, len(jobs))
     view = _View("cmpl", "text_completion", state, body.logprobs is not None, chat=False)
-    return await _respond(request, state, jobs, view, body.stream, body.stream_options)
+    return await _respond(request, state, jobs, view, body, boot)
 
 
 @router.post("/v1/chat/completions")
+@fails_room_on_error
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = _state(request)
     check_model(state, body.model)
@@ -90,9 +97,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     max_tokens = check_prompt(state, prompt_ids, requested)
     sampling = sampling_settings(max_new_tokens=max_tokens, **_common_sampling(body, logprobs))
     jobs = [(new_request_id("chatcmpl"), prompt_ids, s) for s in seeds_for(sampling, body.n)]
+    boot = bootstrap_of(
+        state, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, len(jobs)
+    )
     check_capacity(state, len(jobs))
     view = _View("chatcmpl", "chat.completion", state, body.logprobs, chat=True)
-    return await _respond(request, state, jobs, view, body.stream, body.stream_options)
+    return await _respond(request, state, jobs, view, body, boot)
 
 
 # ---- request translation ---------------------------------------------------------------
@@ -222,13 +232,13 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-async def _respond(request, state, jobs, view: _View, stream: bool, stream_options):
-    if stream:
-        include_usage = bool(stream_options and stream_options.include_usage)
+async def _respond(request, state, jobs, view: _View, body, bootstrap):
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _stream(state, jobs, view, include_usage), media_type="text/event-stream"
+            _stream(state, jobs, view, include_usage, bootstrap), media_type="text/event-stream"
         )
-    task = asyncio.ensure_future(_collect(state, jobs, view))
+    task = asyncio.ensure_future(_collect(state, jobs, view, bootstrap))
     # NOTE: a non-streaming client that goes away must still abort its request.
     while not task.done():
         await asyncio.wait({task}, timeout=0.1)
@@ -238,9 +248,9 @@ async def _respond(request, state, jobs, view: _View, stream: bool, stream_optio
     return JSONResponse(await task)
 
 
-async def _collect(state, jobs, view: _View) -> dict:
+async def _collect(state, jobs, view: _View, bootstrap) -> dict:
     outputs: list[list[TokenOutput]] = [[] for _ in jobs]
-    async for index, output in run_many(state, jobs):
+    async for index, output in run_many(state, jobs, bootstrap):
         outputs[index].append(output)
     choices = []
     prompt_tokens = sum(len(ids) for i, (_, ids, _) in enumerate(jobs) if _is_first_choice(jobs, i))
@@ -269,19 +279,23 @@ def _is_first_choice(jobs, index: int) -> bool:
     return index == 0 or jobs[index][1] is not jobs[index - 1][1]
 
 
-async def _stream(state, jobs, view: _View, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(state, jobs, view: _View, include_usage: bool, bootstrap) -> AsyncIterator[str]:
     def event(body: dict) -> str:
         return f"data: {json.dumps(body)}\n\n"
 
     text_length = [0] * len(jobs)
     completion_tokens = [0] * len(jobs)
+    # NOTE: chat's role chunk goes out with the first output, not before: a stream whose
+    # first event is an error has sent nothing yet, so the router may still retry it.
+    roles_sent = not view.chat
     try:
-        if view.chat:
-            for index in range(len(jobs)):
-                delta = {"role": "assistant", "content": ""}
-                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-                yield event(view.envelope(True, [choice]))
-        async for index, output in run_many(state, jobs):
+        async for index, output in run_many(state, jobs, bootstrap):
+            if not roles_sent:
+                roles_sent = True
+                for i in range(len(jobs)):
+                    delta = {"role": "assistant", "content": ""}
+                    choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                    yield event(view.envelope(True, [choice]))
             completion_tokens[index] = output.num_output_tokens
             if not (output.new_text or output.finished or (view.logprobs and output.new_token_ids)):
                 continue

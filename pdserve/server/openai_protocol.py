@@ -42,6 +42,10 @@ class SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # SGLang's PD fields (prefill and decode workers only; the router sets them).
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 class CompletionRequest(SamplingFields):

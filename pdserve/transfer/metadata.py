@@ -17,6 +17,8 @@ from pdserve.engine.dtypes import parse_dtype
 from pdserve.protocol.transfer_messages import MetadataHeader
 from pdserve.transfer.metadata_spec import MetadataSpec
 
+MAX_TOP_LOGPROBS = 20  # the most top alternatives any API asks for
+
 
 class MetadataMismatch(ValueError):
     """A record disagrees with the agreed MetadataSpec; the message names the field."""
@@ -27,6 +29,7 @@ class MetadataRecord:
     first_token: int
     cached_tokens: int = 0
     first_logprob: float | None = None
+    first_top_logprobs: dict[int, float] | None = None
     topk_p: torch.Tensor | None = None  # [topk] float32
     topk_index: torch.Tensor | None = None  # [topk] int64, target-vocabulary ids
     hidden_states: torch.Tensor | None = None  # [spec hidden size] in the draft dtype
@@ -59,6 +62,11 @@ class MetadataRecord:
             first_token=self.first_token,
             cached_tokens=self.cached_tokens,
             first_logprob=self.first_logprob,
+            first_top_logprobs=(
+                None
+                if self.first_top_logprobs is None
+                else [[t, lp] for t, lp in self.first_top_logprobs.items()]
+            ),
             topk=spec.topk,
             has_hidden=spec.hidden_size is not None,
         )
@@ -77,8 +85,17 @@ class MetadataRecord:
             raise MetadataMismatch(
                 f"metadata payload of {len(payload)} bytes, expected {spec.nbytes}"
             )
+        top = header.first_top_logprobs
+        if top is not None and len(top) > MAX_TOP_LOGPROBS:
+            raise MetadataMismatch(
+                f"first_top_logprobs has {len(top)} entries, at most {MAX_TOP_LOGPROBS} allowed"
+            )
+        if top is not None and any(len(pair) != 2 for pair in top):
+            raise MetadataMismatch("first_top_logprobs entries must be [token id, logprob]")
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else None
         record = cls(header.first_token, header.cached_tokens, header.first_logprob)
+        if top is not None:
+            record.first_top_logprobs = {int(t): float(lp) for t, lp in top}
         offset = 0
         if spec.topk:
             record.topk_index = data[offset : offset + 8 * spec.topk].view(torch.int64)

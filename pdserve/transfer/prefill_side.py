@@ -235,7 +235,12 @@ class PrefillTransferServer:
 
     def _transfer_request(self, identity: bytes, peer: _Peer, msg: TransferRequest) -> None:
         if msg.room in self._tombstones:
-            return  # late or duplicate request for a finished room
+            # A room that failed before decode asked (e.g. prefill rejected the prompt) still
+            # fails decode's room at once; a duplicate for a finished room is ignored.
+            reason = self._tombstones.failure_reason(msg.room)
+            if reason is not None:
+                self._reply(identity, AbortRoom(msg.room, reason))
+            return
         room = self.sender(msg.room)
         reason = None
         if not self._token_ok(msg.token):
@@ -245,7 +250,7 @@ class PrefillTransferServer:
         if reason is not None:
             self._reply(identity, AbortRoom(msg.room, reason))
             room._state.fail(f"handshake failed: {reason}")
-            self._tombstones.add(msg.room)
+            self._tombstones.add(msg.room, room.failure_reason)
             return
         if room.peer is not None:
             return  # duplicate
@@ -332,7 +337,7 @@ class PrefillTransferServer:
             if notify and room.peer is not None:
                 self._reply(room.peer, AbortRoom(room.room, reason))
         room._buffer = None
-        self._tombstones.add(room.room)
+        self._tombstones.add(room.room, room.failure_reason)
 
     def _finish(self, room: SenderRoom) -> None:
         if room._state.state is TransferState.TRANSFERRING:
@@ -358,7 +363,7 @@ class PrefillTransferServer:
                 self.metrics.failure("timeout")
                 self._reply(room.peer, AbortRoom(room.room, room.failure_reason))
                 room._buffer = None
-                self._tombstones.add(room.room)
+                self._tombstones.add(room.room, room.failure_reason)
 
     def _reply(self, identity: bytes | None, msg) -> None:
         if identity is None:

@@ -88,7 +88,8 @@ class RoomState:
 
 
 class Tombstones:
-    """Rooms that ended recently, remembered for `ttl_s` (at most `capacity` of them)."""
+    """Rooms that ended recently, remembered for `ttl_s` (at most `capacity` of them), with
+    the failure reason of those that failed (so a late peer can still be told why)."""
 
     def __init__(
         self, ttl_s: float, capacity: int = 100_000, clock: Callable[[], float] = time.monotonic
@@ -96,12 +97,20 @@ class Tombstones:
         self.ttl_s = ttl_s
         self.capacity = capacity
         self._clock = clock
-        self._ended: OrderedDict[int, float] = OrderedDict()
+        self._ended: OrderedDict[int, tuple[float, str | None]] = OrderedDict()
 
-    def add(self, room: int) -> None:
-        self._ended[room] = self._clock()
+    def add(self, room: int, failure_reason: str | None = None) -> None:
+        if failure_reason is None and room in self._ended:
+            failure_reason = self._ended[room][1]  # NOTE: a failure stays a failure
+        self._ended[room] = (self._clock(), failure_reason)
         self._ended.move_to_end(room)
         self._expire()
+
+    def failure_reason(self, room: int) -> str | None:
+        """Why the room failed, or None if it succeeded or is unknown."""
+        self._expire()
+        entry = self._ended.get(room)
+        return entry[1] if entry is not None else None
 
     def __contains__(self, room: int) -> bool:
         self._expire()
@@ -114,7 +123,7 @@ class Tombstones:
     def _expire(self) -> None:
         horizon = self._clock() - self.ttl_s
         while self._ended:
-            room, ended = next(iter(self._ended.items()))
+            room, (ended, _) = next(iter(self._ended.items()))
             if ended >= horizon and len(self._ended) <= self.capacity:
                 break
             del self._ended[room]

@@ -1,0 +1,223 @@
+"""Decode worker handoff: pre-allocation queue -> transfer queue -> prebuilt entry in the
+running batch.
+
+A request first waits for KV pages for its prompt (FIFO, as pages and the running-request
+limit allow: our free memory throttles the prefill side, which computes nothing before our
+reservation arrives). With pages reserved it gets a receiver for its room; once the room
+succeeded the KV is committed into the pages and the request joins the running batch without
+a forward pass, with the first token prefill sampled. From there the ordinary decode loop
+streams, stops and samples exactly as in colocated mode. A room that fails frees its pages at
+once (nothing writes a page before commit).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.engine_messages import Bootstrap, DisaggStats
+from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.decode_side import DecodeTransferClient, ReceiverRoom
+from pdserve.transfer.handoff_common import (
+    FailureCounts,
+    engine_kv_layout,
+    failed_output,
+    failure_kind,
+)
+from pdserve.transfer.kv_staging import KVStager
+from pdserve.transfer.metadata_spec import MetadataSpec
+from pdserve.transfer.metrics import TransferMetrics
+from pdserve.transfer.room_state import TransferState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    bootstrap: Bootstrap
+    queued_at: float = field(default_factory=time.monotonic)
+    pages: list[int] = field(default_factory=list)
+    receiver: ReceiverRoom | None = None
+    moved_bytes: bool = False  # KV started arriving (failure stage: transfer, not bootstrap)
+
+
+class DecodeHandoff:
+    def __init__(self, engine, config: TransferConfig):
+        self.engine = engine
+        self.config = config
+        self.metrics = TransferMetrics()
+        self.stager = KVStager([engine.kv_pool])
+        # NOTE: tcp and gloo receive into host memory (commit copies to the pool's device).
+        receive_device = engine.device if config.backend == "nccl" else torch.device("cpu")
+        self.client = DecodeTransferClient(
+            config,
+            engine_kv_layout(engine),
+            MetadataSpec(),
+            f"decode-{uuid.uuid4().hex[:8]}",
+            self.stager.page_bytes,
+            self.metrics,
+            device=receive_device,
+        )
+        self.client.start()
+        self.bootstrap_port = None
+        self.prealloc: OrderedDict[str, _Pending] = OrderedDict()
+        self.transferring: dict[str, _Pending] = {}
+        self.failures = FailureCounts()
+        self._rooms: set[int] = set()
+
+    # ---- requests --------------------------------------------------------------------
+
+    def add(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, bootstrap: Bootstrap
+    ) -> RequestOutput | None:
+        """Queue a request for pages; returns a failure output if it is refused at once."""
+        if bootstrap.room in self._rooms:
+            return failed_output(
+                request_id,
+                prompt_ids,
+                f"bootstrap_room {bootstrap.room} is already in use",
+                "invalid",
+            )
+        try:
+            self.engine.validate_prompt(prompt_ids)
+        except InvalidRequestError as e:
+            reason = f"decode rejected the request: {e}"
+            return failed_output(request_id, prompt_ids, reason, "invalid")
+        self._rooms.add(bootstrap.room)
+        self.prealloc[request_id] = _Pending(request_id, prompt_ids, params, bootstrap)
+        return None
+
+    def fail_room(self, room: int, reason: str) -> None:
+        """Nothing to do: a request decode refused never reserved pages."""
+
+    def abort(self, request_id: str) -> bool:
+        pending = self.prealloc.pop(request_id, None)
+        if pending is not None:
+            self._rooms.discard(pending.bootstrap.room)
+            return True
+        pending = self.transferring.get(request_id)
+        if pending is None:
+            return False
+        pending.receiver.abort("the decode request was aborted (client gone)")
+        self._end(pending)
+        return True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.prealloc or self.transferring)
+
+    # ---- progress --------------------------------------------------------------------
+
+    def poll(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        self._admit(outputs)
+        for pending in list(self.transferring.values()):
+            state = pending.receiver.poll()
+            if state is TransferState.TRANSFERRING:
+                pending.moved_bytes = True
+            elif state is TransferState.SUCCESS:
+                outputs.append(self._commit(pending))
+            elif state is TransferState.FAILED:
+                reason = pending.receiver.failure_reason or "the transfer failed"
+                outputs.append(self._fail(pending, reason))
+        return outputs
+
+    def _admit(self, outputs: list[RequestOutput]) -> None:
+        """Reserve pages for queued requests, oldest first, while pages and the running
+        limit allow; fail those that waited past the deadline."""
+        now = time.monotonic()
+        for pending in list(self.prealloc.values()):
+            if now - pending.queued_at > self.config.progress_timeout_s:
+                del self.prealloc[pending.request_id]
+                self._rooms.discard(pending.bootstrap.room)
+                reason = (
+                    f"no KV pages free on the decode worker for "
+                    f"{self.config.progress_timeout_s:g} s (timed out waiting)"
+                )
+                self.failures.add("bootstrap", reason)
+                outputs.append(failed_output(pending.request_id, pending.prompt_ids, reason))
+        while self.prealloc:
+            running = len(self.engine.scheduler.running) + len(self.engine.scheduler.waiting)
+            if running + len(self.transferring) >= self.engine.config.max_running_requests:
+                return
+            pending = next(iter(self.prealloc.values()))
+            pages = self.engine.reserve_pages(len(pending.prompt_ids))
+            if pages is None:
+                return  # FIFO: later requests wait behind the oldest
+            del self.prealloc[pending.request_id]
+            pending.pages = pages
+            boot = pending.bootstrap
+            try:
+                pending.receiver = self.client.receiver(boot.room, boot.host, boot.port, pages)
+            except ValueError as e:
+                outputs.append(self._fail(pending, str(e)))
+                continue
+            self.transferring[pending.request_id] = pending
+
+    def _commit(self, pending: _Pending) -> RequestOutput:
+        try:
+            record = pending.receiver.commit(self.stager)
+            output = self.engine.add_prebuilt(
+                pending.request_id,
+                pending.prompt_ids,
+                pending.params,
+                pending.pages,
+                record.first_token,
+                record.first_logprob,
+                record.first_top_logprobs,
+            )
+        except (InvalidRequestError, RuntimeError) as e:
+            return self._fail(pending, f"could not join the batch: {e}")
+        # NOTE: the engine owns the pages now (freed when the request ends).
+        pending.pages = []
+        self._end(pending)
+        return output
+
+    # ---- endings ---------------------------------------------------------------------
+
+    def _fail(self, pending: _Pending, reason: str) -> RequestOutput:
+        self.failures.add("transfer" if pending.moved_bytes else "bootstrap", reason)
+        logger.warning("request %s failed: %s", pending.request_id, reason)
+        self._end(pending)
+        # A prompt prefill rejected is the request's fault, not a worker's: no retry helps.
+        kind = "invalid" if failure_kind(reason) == "rejected" else "unavailable"
+        return failed_output(pending.request_id, pending.prompt_ids, reason, kind)
+
+    def _end(self, pending: _Pending) -> None:
+        self.transferring.pop(pending.request_id, None)
+        if pending.pages:
+            self.engine.free_pages(pending.pages)
+            pending.pages = []
+        self.client.release(pending.bootstrap.room)
+        self._rooms.discard(pending.bootstrap.room)
+
+    # ---- reporting -------------------------------------------------------------------
+
+    def on_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        return outputs
+
+    def stats(self) -> DisaggStats:
+        return DisaggStats(
+            num_prealloc=len(self.prealloc),
+            num_transferring=len(self.transferring),
+            bytes_received=self.metrics.bytes_received,
+            transfers_succeeded=self.metrics.rooms_succeeded,
+            transfer_latencies=self.metrics.take_latencies(),
+            failures=dict(self.failures.counts),
+        )
+
+    def stop(self) -> None:
+        for pending in list(self.transferring.values()):
+            pending.receiver.abort("the decode worker is shutting down")
+        self.client.stop()

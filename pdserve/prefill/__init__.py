@@ -1,0 +1,1 @@
+"""The prefill worker's side of disaggregation: bootstrap queue -> prefill -> send KV -> done."""

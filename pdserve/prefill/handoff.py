@@ -1,0 +1,238 @@
+"""Prefill worker handoff: a request waits in the bootstrap queue until the decode worker
+reserved pages for its room, then prefills (chunked when long) with its pages held, samples
+the first token, and sends KV + metadata. Its pages are freed once the send ended.
+
+Queues, in order: `bootstrapping` (no compute yet: decode's free memory is our admission
+control) -> `prefilling` (in the engine) -> `sending`. The HTTP response of the prefill leg
+finishes when the room does: with the first token on success, with the reason on failure.
+A prompt the engine rejects still fails the room, so the decode worker learns at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.engine_messages import Bootstrap, DisaggStats
+from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.handoff_common import (
+    FailureCounts,
+    engine_kv_layout,
+    failed_output,
+)
+from pdserve.transfer.kv_staging import KVStager
+from pdserve.transfer.metadata import MetadataRecord
+from pdserve.transfer.metadata_spec import MetadataSpec
+from pdserve.transfer.metrics import TransferMetrics
+from pdserve.transfer.prefill_side import PrefillTransferServer, SenderRoom
+from pdserve.transfer.room_state import TransferState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sender: SenderRoom
+    first: RequestOutput | None = None  # the first-token output, reported when the room ends
+
+
+class PrefillHandoff:
+    def __init__(self, engine, config: TransferConfig):
+        self.engine = engine
+        self.config = config
+        self.metrics = TransferMetrics()
+        # NOTE: tcp sends from host memory; nccl from the GPU; gloo (CPU stand-in) from host.
+        self.send_device = engine.device if config.backend == "nccl" else torch.device("cpu")
+        self.server = PrefillTransferServer(
+            config,
+            engine_kv_layout(engine),
+            MetadataSpec(),
+            f"prefill-{uuid.uuid4().hex[:8]}",
+            self.metrics,
+            device=self.send_device,
+        )
+        self.bootstrap_port = self.server.start()
+        self.stager = KVStager([engine.kv_pool])
+        self.bootstrapping: dict[str, _Pending] = {}
+        self.prefilling: dict[str, _Pending] = {}
+        self.sending: dict[str, _Pending] = {}
+        self.failures = FailureCounts()
+        self._rooms: set[int] = set()
+
+    # ---- requests --------------------------------------------------------------------
+
+    def add(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, bootstrap: Bootstrap
+    ) -> RequestOutput | None:
+        """Queue a request; returns a failure output if it is refused at once (the room is
+        failed too, so the decode side is told)."""
+        if bootstrap.room in self._rooms:
+            return failed_output(
+                request_id,
+                prompt_ids,
+                f"bootstrap_room {bootstrap.room} is already in use",
+                "invalid",
+            )
+        sender = self.server.sender(bootstrap.room)
+        try:
+            self.engine.validate_prompt(prompt_ids)
+        except InvalidRequestError as e:
+            reason = f"prefill rejected the request: {e}"
+            sender.abort(reason)
+            self.server.release(bootstrap.room)
+            self.failures.add("bootstrap", reason)
+            return failed_output(request_id, prompt_ids, reason, "invalid")
+        self._rooms.add(bootstrap.room)
+        self.bootstrapping[request_id] = _Pending(request_id, prompt_ids, params, sender)
+        return None
+
+    def fail_room(self, room: int, reason: str) -> None:
+        """Fail a room whose request never reached us (the front end refused it)."""
+        if room in self._rooms:
+            return  # a live request owns it: not ours to fail
+        self.server.sender(room).abort(f"prefill rejected the request: {reason}")
+        self.server.release(room)
+        self.failures.add("bootstrap", "rejected")
+
+    def abort(self, request_id: str) -> bool:
+        for queue in (self.bootstrapping, self.prefilling, self.sending):
+            pending = queue.get(request_id)
+            if pending is not None:
+                pending.sender.abort("the prefill request was aborted (client gone)")
+                if queue is self.prefilling:
+                    self.engine.abort_request(request_id)
+                self._end(queue, pending)
+                return True
+        return False
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.bootstrapping or self.sending)
+
+    # ---- progress --------------------------------------------------------------------
+
+    def poll(self) -> list[RequestOutput]:
+        """Move rooms along: start prefills whose reservation arrived, finish sent rooms."""
+        outputs = []
+        for pending in list(self.bootstrapping.values()):
+            state = pending.sender.poll()
+            if state is TransferState.WAITING_FOR_INPUT:
+                self._start_prefill(pending, outputs)
+            elif state is TransferState.FAILED:
+                outputs.append(self._fail(self.bootstrapping, pending, "bootstrap"))
+        for pending in list(self.prefilling.values()):
+            if pending.sender.poll() is TransferState.FAILED:
+                self.engine.abort_request(pending.request_id)
+                outputs.append(self._fail(self.prefilling, pending, "bootstrap"))
+        for pending in list(self.sending.values()):
+            state = pending.sender.poll()
+            if state is TransferState.SUCCESS:
+                self._end(self.sending, pending)
+                outputs.append(pending.first)
+            elif state is TransferState.FAILED:
+                outputs.append(self._fail(self.sending, pending, "transfer"))
+        return outputs
+
+    def on_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Take the first-token outputs of our prefills (they are reported when the send
+        ends); pass everything else through."""
+        passed = []
+        for output in outputs:
+            pending = self.prefilling.get(output.request_id)
+            if pending is None:
+                passed.append(output)
+            elif output.finished:
+                self._send(pending, output, passed)
+        return passed
+
+    def _start_prefill(self, pending: _Pending, outputs: list[RequestOutput]) -> None:
+        del self.bootstrapping[pending.request_id]
+        # The first token only: decode samples the rest. min_new_tokens stays >= 1 if it was,
+        # so EOS is suppressed for the first token exactly as in colocated mode.
+        params = dataclasses.replace(
+            pending.params,
+            max_new_tokens=1,
+            min_new_tokens=min(pending.params.min_new_tokens, 1),
+        )
+        try:
+            self.engine.add_request(pending.request_id, pending.prompt_ids, params, hold_pages=True)
+        except InvalidRequestError as e:
+            reason = f"prefill rejected the request: {e}"
+            pending.sender.abort(reason)
+            self.failures.add("bootstrap", reason)
+            self._release_room(pending)
+            outputs.append(failed_output(pending.request_id, pending.prompt_ids, reason, "invalid"))
+            return
+        self.prefilling[pending.request_id] = pending
+
+    def _send(self, pending: _Pending, output: RequestOutput, passed: list) -> None:
+        del self.prefilling[pending.request_id]
+        if output.error is not None or pending.request_id not in self.engine.held:
+            reason = output.error or "prefill ended without a first token"
+            pending.sender.abort(reason)
+            self._release_room(pending)
+            passed.append(failed_output(pending.request_id, pending.prompt_ids, reason))
+            return
+        pages = self.engine.held[pending.request_id].pages
+        kv = self.stager.gather([pages])
+        if kv.device != self.send_device:
+            kv = kv.to(self.send_device)
+        elif kv.device.type == "cuda":
+            # NOTE: the data thread's send must not start before the gather finished.
+            torch.cuda.current_stream(kv.device).synchronize()
+        top = output.top_logprobs[0] if output.top_logprobs else None
+        record = MetadataRecord(
+            first_token=output.token_ids[0],
+            first_logprob=output.logprobs[0] if output.logprobs else None,
+            first_top_logprobs=dict(top) if top is not None else None,
+        )
+        pending.first = output
+        pending.sender.send(kv, record)
+        self.sending[pending.request_id] = pending
+
+    # ---- endings ---------------------------------------------------------------------
+
+    def _fail(self, queue: dict, pending: _Pending, stage: str) -> RequestOutput:
+        reason = pending.sender.failure_reason or "the transfer failed"
+        self.failures.add(stage, reason)
+        logger.warning("request %s failed: %s", pending.request_id, reason)
+        self._end(queue, pending)
+        return failed_output(pending.request_id, pending.prompt_ids, reason)
+
+    def _end(self, queue: dict, pending: _Pending) -> None:
+        queue.pop(pending.request_id, None)
+        if pending.request_id in self.engine.held:
+            self.engine.release_held(pending.request_id)
+        self._release_room(pending)
+
+    def _release_room(self, pending: _Pending) -> None:
+        self.server.release(pending.sender.room)
+        self._rooms.discard(pending.sender.room)
+
+    # ---- reporting -------------------------------------------------------------------
+
+    def stats(self) -> DisaggStats:
+        return DisaggStats(
+            num_bootstrapping=len(self.bootstrapping),
+            num_prefilling=len(self.prefilling),
+            num_transferring=len(self.sending),
+            bytes_sent=self.metrics.bytes_sent,
+            transfers_succeeded=self.metrics.rooms_succeeded,
+            transfer_latencies=self.metrics.take_latencies(),
+            failures=dict(self.failures.counts),
+        )
+
+    def stop(self) -> None:
+        for pending in [*self.bootstrapping.values(), *self.prefilling.values()]:
+            pending.sender.abort("the prefill worker is shutting down")
+        self.server.stop()

@@ -1,0 +1,137 @@
+"""The router's HTTP app: OpenAI endpoints and SGLang's /generate through a prefill/decode
+pair, /v1/models and model info from the workers, /health, /metrics. Torch-free.
+
+`/health` is 200 while at least one prefill and one decode worker are in rotation. `/health`
+and `/metrics` stay open when an API key is set; the key is checked here and the client's
+Authorization header is passed on to the workers (give them the same key, or none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import uuid
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import error_response
+from pdserve.router.health import HealthChecker
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.proxy import Proxy
+from pdserve.router.workers import Role, Worker, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = {"/health", "/metrics"}
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
+INFO_PATHS = ("/get_model_info", "/model_info", "/get_server_info", "/server_info")
+MAX_BODY_BYTES = 64 << 20
+
+
+def build_router_app(config: RouterConfig) -> FastAPI:
+    # NOTE: workers start out of rotation; the first health check (before serving) puts
+    # the healthy ones in.
+    prefill = WorkerPool(
+        Role.PREFILL,
+        [
+            Worker(url.rstrip("/"), Role.PREFILL, port, healthy=False)
+            for url, port in config.prefill
+        ],
+    )
+    decode = WorkerPool(
+        Role.DECODE, [Worker(url.rstrip("/"), Role.DECODE, healthy=False) for url in config.decode]
+    )
+    metrics = RouterMetrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        timeout = httpx.Timeout(
+            connect=config.connect_timeout_s,
+            read=None,  # NOTE: the request deadline bounds reads (see Proxy)
+            write=config.connect_timeout_s * 6,
+            pool=config.connect_timeout_s,
+        )
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            checker = HealthChecker(config, [prefill, decode], client)
+            await checker.check_all()
+            health_task = asyncio.create_task(checker.run(), name="health-checks")
+            app.state.proxy = Proxy(config, prefill, decode, client, metrics)
+            app.state.client = client
+            try:
+                yield
+            finally:
+                health_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await health_task
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if config.api_key and request.url.path not in OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+                return error_response(401, "invalid or missing API key", "invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        up = bool(prefill.healthy()) and bool(decode.healthy())
+        return Response(status_code=200 if up else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body = metrics.render([prefill, decode])
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def generation(request: Request) -> Response:
+        headers = _leg_headers(request)
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            return error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            return error_response(400, f"invalid JSON body: {e}")
+        if not isinstance(body, dict):
+            return error_response(400, "the request body must be a JSON object")
+        proxy: Proxy = request.app.state.proxy
+        return await proxy.handle(request.url.path, body, headers, request.is_disconnected)
+
+    for path in GENERATION_PATHS:
+        app.add_api_route(path, generation, methods=["POST"])
+
+    async def from_decode(request: Request) -> Response:
+        """Model and server info come from a healthy decode worker (it serves the model)."""
+        workers = decode.healthy()
+        if not workers:
+            return error_response(503, "no healthy decode worker")
+        client: httpx.AsyncClient = request.app.state.client
+        try:
+            response = await client.get(
+                workers[0].url + request.url.path,
+                headers=_leg_headers(request),
+                timeout=config.health_check_timeout_s * 5,
+            )
+        except httpx.HTTPError as e:
+            return error_response(502, f"decode worker {workers[0].url} unreachable: {e}")
+        return JSONResponse(response.json(), status_code=response.status_code)
+
+    for path in ("/v1/models", *INFO_PATHS):
+        app.add_api_route(path, from_decode, methods=["GET"])
+    return app
+
+
+def _leg_headers(request: Request) -> dict[str, str]:
+    """Headers for both legs (and the response): the request id, and the client's key."""
+    headers = {"X-Request-Id": request.headers.get("x-request-id") or uuid.uuid4().hex}
+    if "authorization" in request.headers:
+        headers["Authorization"] = request.headers["authorization"]
+    return headers

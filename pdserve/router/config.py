@@ -1,0 +1,54 @@
+"""Router settings: the workers, pairing policies, deadlines. One frozen dataclass, built from
+the command line in `pdserve.cli`. Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.router.policies import POLICIES
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """prefill: (url, bootstrap port or None to ask the worker's /server_info).
+    request_timeout_s: the most a request may take, both legs and all of its stream.
+    health_check_interval_s / health_failure_threshold: a worker leaves rotation after that
+    many failed checks in a row (or at once when a request cannot reach it) and comes back
+    after one good check."""
+
+    prefill: tuple[tuple[str, int | None], ...]
+    decode: tuple[str, ...]
+    prefill_policy: str = "round_robin"
+    decode_policy: str = "round_robin"
+    api_key: str | None = None
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    health_check_interval_s: float = 2.0
+    health_check_timeout_s: float = 2.0
+    health_failure_threshold: int = 2
+    max_retries: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.prefill:
+            raise ValueError("give at least one --prefill worker URL")
+        if not self.decode:
+            raise ValueError("give at least one --decode worker URL")
+        for url in [u for u, _ in self.prefill] + list(self.decode):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL must start with http:// or https://, got {url!r}")
+        for _, port in self.prefill:
+            if port is not None and not 0 < port < 65536:
+                raise ValueError(f"bootstrap port must be in [1, 65535], got {port}")
+        for name in (self.prefill_policy, self.decode_policy):
+            if name not in POLICIES:
+                raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+        for name in (
+            "request_timeout_s",
+            "connect_timeout_s",
+            "health_check_interval_s",
+            "health_check_timeout_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.health_failure_threshold < 1 or self.max_retries < 0:
+            raise ValueError("health_failure_threshold must be >= 1 and max_retries >= 0")

@@ -1,0 +1,64 @@
+"""Periodic health checks: a worker leaves rotation after `health_failure_threshold` failed
+`/health` checks in a row (or at once when a request could not reach it, see `proxy`) and
+returns after one good check. A prefill worker whose bootstrap port was not given is asked for
+it (`/server_info`) until it answers. Torch-free."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.workers import Role, Worker, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+class HealthChecker:
+    def __init__(self, config: RouterConfig, pools: list[WorkerPool], client: httpx.AsyncClient):
+        self.config = config
+        self.pools = pools
+        self.client = client
+
+    async def run(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.config.health_check_interval_s)
+
+    async def check_all(self) -> None:
+        checks = [self._check(pool, w) for pool in self.pools for w in pool.workers]
+        await asyncio.gather(*checks)
+
+    async def _check(self, pool: WorkerPool, worker: Worker) -> None:
+        error = None
+        try:
+            response = await self.client.get(
+                worker.url + "/health", timeout=self.config.health_check_timeout_s
+            )
+            if response.status_code != 200:
+                error = f"/health answered {response.status_code}"
+            elif pool.role is Role.PREFILL and worker.bootstrap_port is None:
+                error = await self._discover_bootstrap_port(worker)
+        except httpx.HTTPError as e:
+            error = f"/health failed: {type(e).__name__}: {e}"
+        if error is None:
+            if pool.mark(worker, True):
+                logger.info("%s worker %s is back in rotation", pool.role.value, worker.url)
+            return
+        worker.failed_checks += 1
+        if worker.failed_checks >= self.config.health_failure_threshold and pool.mark(
+            worker, False, error
+        ):
+            logger.warning("%s worker %s out of rotation: %s", pool.role.value, worker.url, error)
+
+    async def _discover_bootstrap_port(self, worker: Worker) -> str | None:
+        response = await self.client.get(
+            worker.url + "/server_info", timeout=self.config.health_check_timeout_s
+        )
+        port = response.json().get("disaggregation_bootstrap_port")
+        if response.status_code != 200 or not isinstance(port, int):
+            return "the prefill worker did not report its bootstrap port"
+        worker.bootstrap_port = port
+        return None

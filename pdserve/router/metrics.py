@@ -1,0 +1,63 @@
+"""The router's Prometheus metrics: requests by endpoint and outcome, retries, latencies,
+worker health and load. Torch-free."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pdserve_router:requests_total",
+            "Requests by endpoint and HTTP status returned",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdserve_router:retries_total", "Requests retried on a new pair", registry=r
+        )
+        self.leg_failures = Counter(
+            "pdserve_router:leg_failures_total",
+            "Failed prefill/decode legs by role and kind",
+            ["role", "kind"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "pdserve_router:request_latency_seconds",
+            "Time from request arrival to the end of its response",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.first_byte = Histogram(
+            "pdserve_router:time_to_first_byte_seconds",
+            "Time from request arrival to the first response byte from the decode worker",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.worker_healthy = Gauge(
+            "pdserve_router:worker_healthy",
+            "1 while the worker is in rotation",
+            ["role", "url"],
+            registry=r,
+        )
+        self.worker_in_flight = Gauge(
+            "pdserve_router:worker_requests_in_flight",
+            "Requests this router has in flight on the worker",
+            ["role", "url"],
+            registry=r,
+        )
+
+    def render(self, pools) -> bytes:
+        for pool in pools:
+            for worker in pool.workers:
+                labels = {"role": pool.role.value, "url": worker.url}
+                self.worker_healthy.labels(**labels).set(1 if worker.healthy else 0)
+                self.worker_in_flight.labels(**labels).set(worker.in_flight)
+        return generate_latest(self.registry)

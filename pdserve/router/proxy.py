@@ -1,0 +1,272 @@
+"""One client request across a prefill/decode pair (SGLang's PD protocol, DESIGN.md §2).
+
+Both legs get the same body plus the bootstrap fields and run concurrently; the client gets
+the decode leg's response, streamed when asked. The prefill leg is sent without streaming so
+that its status tells whether the KV handoff succeeded (it ends when the room does).
+
+Failure rules: when one leg fails, the other is cancelled (closing its connection aborts it on
+the worker, which frees its pages). A failure that a new pair may fix (a worker unreachable or
+a transfer failed: 5xx) is retried once with a new pair and room, but only while nothing was
+sent to the client; a stream that breaks later ends with an SSE error event. A request that
+outlives `request_timeout_s` fails with 504. A client that disconnects cancels both legs.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import LegError, error_event, error_response
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pairing import Pair, choose_pair, with_bootstrap
+from pdserve.router.policies import make_policy
+from pdserve.router.workers import NoHealthyWorker, Worker, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+SSE_EVENT_END = b"\n\n"
+MAX_FIRST_EVENT_BYTES = 1 << 20
+
+
+@dataclass
+class _Legs:
+    """An attempt whose decode leg answered: what to relay, and what to clean up."""
+
+    pair: Pair
+    prefill: asyncio.Task
+    decode: httpx.Response
+    head: bytes  # the first SSE event (stream) or the whole body
+    chunks: AsyncIterator[bytes] | None = None
+    released: list[Worker] = field(default_factory=list)
+
+
+class Proxy:
+    def __init__(
+        self,
+        config: RouterConfig,
+        prefill: WorkerPool,
+        decode: WorkerPool,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+    ):
+        self.config = config
+        self.prefill = prefill
+        self.decode = decode
+        self.client = client
+        self.metrics = metrics
+        self.prefill_policy = make_policy(config.prefill_policy)
+        self.decode_policy = make_policy(config.decode_policy)
+
+    async def handle(
+        self, endpoint: str, body: dict, headers: dict[str, str], is_disconnected
+    ) -> Response:
+        started = time.monotonic()
+        deadline = started + self.config.request_timeout_s
+        stream = bool(body.get("stream"))
+        attempt = self._attempts(endpoint, body, headers, stream, deadline)
+        if stream:
+            legs = await attempt
+            if isinstance(legs, Response):
+                return self._done(endpoint, started, legs)
+            relay = self._relay(endpoint, legs, deadline, started)
+            return StreamingResponse(relay, media_type="text/event-stream", headers=_reply(headers))
+        # NOTE: a non-streaming client that goes away must still cancel both legs.
+        task = asyncio.ensure_future(attempt)
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.1)
+            if not task.done() and await is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return self._done(endpoint, started, Response(status_code=499))
+        result = task.result()
+        if isinstance(result, Response):
+            return self._done(endpoint, started, result)
+        await self._close(result)
+        response = Response(result.head, media_type="application/json", headers=_reply(headers))
+        return self._done(endpoint, started, response)
+
+    def _done(self, endpoint: str, started: float, response: Response) -> Response:
+        self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        self.metrics.latency.labels(endpoint).observe(time.monotonic() - started)
+        return response
+
+    # ---- attempts --------------------------------------------------------------------
+
+    async def _attempts(self, endpoint, body, headers, stream, deadline) -> _Legs | Response:
+        """Open both legs on a pair; retry once on a new pair if that may help."""
+        avoid = None
+        for attempt in range(self.config.max_retries + 1):
+            try:
+                pair = choose_pair(
+                    self.prefill, self.decode, self.prefill_policy, self.decode_policy, avoid=avoid
+                )
+            except NoHealthyWorker as e:
+                return error_response(503, str(e), "no_healthy_worker", _reply(headers))
+            try:
+                return await self._open(pair, endpoint, body, headers, stream, deadline)
+            except LegError as e:
+                self.metrics.leg_failures.labels(e.role, str(e.status)).inc()
+                logger.warning("request %s: %s", headers.get("X-Request-Id"), e)
+                if not e.retryable or attempt == self.config.max_retries:
+                    return e.response(_reply(headers))
+                if time.monotonic() >= deadline:
+                    return error_response(504, "request timed out", "timeout", _reply(headers))
+                self.metrics.retries.inc()
+                avoid = pair
+        raise AssertionError("unreachable")
+
+    async def _open(self, pair: Pair, endpoint, body, headers, stream, deadline) -> _Legs:
+        leg_body = with_bootstrap(body, pair)
+        prefill_body = {**leg_body, "stream": False}
+        prefill_body.pop("stream_options", None)
+        self.prefill.acquire(pair.prefill)
+        self.decode.acquire(pair.decode)
+        prefill = asyncio.create_task(
+            self._prefill_leg(pair.prefill, endpoint, prefill_body, headers)
+        )
+        prefill.add_done_callback(lambda _: self.prefill.release(pair.prefill))
+        decode = asyncio.create_task(
+            self._decode_leg(pair.decode, endpoint, leg_body, headers, stream)
+        )
+        try:
+            pending = {prefill, decode}
+            while True:
+                remaining = deadline - time.monotonic()
+                done, _ = await asyncio.wait(
+                    pending, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:
+                    raise LegError("router", 504, None, "request timed out", retryable=False)
+                if decode in done:
+                    response, head, chunks = decode.result()  # raises the decode leg's LegError
+                    return _Legs(pair, prefill, response, head, chunks)
+                prefill.result()  # raises the prefill leg's LegError; else wait for decode
+                pending = {decode}
+        except BaseException:
+            prefill.cancel()
+            decode.cancel()
+            with contextlib.suppress(BaseException):
+                response, _, _ = await decode
+                await response.aclose()
+            self.decode.release(pair.decode)
+            raise
+
+    async def _prefill_leg(self, worker: Worker, endpoint, body, headers) -> None:
+        try:
+            response = await self.client.post(worker.url + endpoint, json=body, headers=headers)
+        except httpx.HTTPError as e:
+            raise self._unreachable("prefill", self.prefill, worker, e) from None
+        if response.status_code != 200:
+            raise _leg_error("prefill", response.status_code, response.content)
+
+    async def _decode_leg(self, worker: Worker, endpoint, body, headers, stream):
+        request = self.client.build_request(
+            "POST", worker.url + endpoint, json=body, headers=headers
+        )
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as e:
+            raise self._unreachable("decode", self.decode, worker, e) from None
+        try:
+            if response.status_code != 200:
+                raise _leg_error("decode", response.status_code, await response.aread())
+            if not stream:
+                return response, await response.aread(), None
+            chunks = response.aiter_bytes()
+            head = b""
+            async for chunk in chunks:
+                head += chunk
+                if SSE_EVENT_END in head or len(head) > MAX_FIRST_EVENT_BYTES:
+                    break
+            _raise_if_error_event("decode", head)
+            return response, head, chunks
+        except httpx.HTTPError as e:
+            await response.aclose()
+            raise self._unreachable("decode", self.decode, worker, e) from None
+        except BaseException:
+            await response.aclose()
+            raise
+
+    def _unreachable(self, role: str, pool: WorkerPool, worker: Worker, error) -> LegError:
+        """A worker we could not talk to leaves rotation now; health checks bring it back."""
+        reason = f"{worker.url} unreachable: {type(error).__name__}: {error}"
+        if pool.mark(worker, False, reason):
+            logger.warning("%s worker out of rotation: %s", role, reason)
+        return LegError(role, 502, None, reason, retryable=True)
+
+    # ---- streaming -------------------------------------------------------------------
+
+    async def _relay(self, endpoint, legs: _Legs, deadline, started) -> AsyncIterator[bytes]:
+        """The decode leg's stream, as it comes; an SSE error event if it breaks."""
+        status = "200"
+        self.metrics.first_byte.labels(endpoint).observe(time.monotonic() - started)
+        try:
+            yield legs.head
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                async for chunk in legs.chunks:
+                    yield chunk
+        except TimeoutError:
+            status = "504"
+            yield error_event(504, "request timed out while streaming", "timeout")
+            yield b"data: [DONE]\n\n"
+        except httpx.HTTPError as e:
+            status = "502"
+            self._unreachable("decode", self.decode, legs.pair.decode, e)
+            yield error_event(502, f"the decode worker failed mid-stream: {e}", "worker_failed")
+            yield b"data: [DONE]\n\n"
+        finally:
+            await self._close(legs)
+            self.metrics.requests.labels(endpoint, status).inc()
+            self.metrics.latency.labels(endpoint).observe(time.monotonic() - started)
+
+    async def _close(self, legs: _Legs) -> None:
+        await legs.decode.aclose()
+        self.decode.release(legs.pair.decode)
+        if not legs.prefill.done():
+            # NOTE: decode has the first token, so the room succeeded: prefill's answer is
+            # only its bookkeeping; don't hold the client for it.
+            legs.prefill.cancel()
+        with contextlib.suppress(BaseException):
+            await legs.prefill
+
+
+def _reply(headers: dict[str, str]) -> dict[str, str]:
+    """Response headers: the request id only (never echo the client's credentials)."""
+    return {"X-Request-Id": headers["X-Request-Id"]}
+
+
+def _leg_error(role: str, status: int, content: bytes) -> LegError:
+    try:
+        body = json.loads(content)
+        message = body["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        body, message = None, content[:200].decode(errors="replace") or f"HTTP {status}"
+    # NOTE: 4xx is the request's fault (a new pair answers the same); 5xx is a worker's.
+    return LegError(role, status, body, message, retryable=status >= 500)
+
+
+def _raise_if_error_event(role: str, head: bytes) -> None:
+    """A stream whose first event is an error failed before sending anything."""
+    first = head.split(SSE_EVENT_END, 1)[0].strip()
+    if not first.startswith(b"data:"):
+        return
+    try:
+        event = json.loads(first[5:])
+    except ValueError:
+        return
+    if isinstance(event, dict) and isinstance(event.get("error"), dict):
+        error = event["error"]
+        retryable = error.get("type") == "server_error"
+        status = 503 if retryable else 400
+        raise LegError(role, status, event, str(error.get("message")), retryable)

@@ -1,0 +1,116 @@
+"""A disaggregated deployment on loopback for tests: prefill and decode workers (real
+`pdserve prefill|decode` processes) and a `pdserve router` in front, started concurrently."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pdserve.server.local_process import LocalServer, free_port
+from tests.e2e.conftest import START_DEADLINE_S, Server
+
+# Short transfer deadlines so failure tests end in seconds, not the 30 s default.
+FAST_FAILURE = ("--transfer-timeout", "10", "--transfer-peer-timeout", "2")
+
+
+@dataclass
+class Cluster:
+    model_path: str
+    prefill: list[Server] = field(default_factory=list)
+    decode: list[Server] = field(default_factory=list)
+    router: Server | None = None
+    bootstrap_ports: list[int] = field(default_factory=list)
+
+    @property
+    def workers(self) -> list[Server]:
+        return [*self.prefill, *self.decode]
+
+    def stop(self) -> None:
+        for server in [self.router, *self.workers]:
+            if server is not None:
+                server.local.stop()
+
+    def state(self, worker: Server) -> dict:
+        """The worker's engine counters (pages in use, queue sizes) from /server_info."""
+        return worker.get("/server_info").json()["internal_states"][0]
+
+    def wait_all_free(self, deadline_s: float = 20.0) -> None:
+        """Every live worker: no KV page in use, nothing queued, running or in transfer."""
+        for worker in self.workers:
+            if worker.process.poll() is not None:
+                continue
+
+            def idle(worker=worker) -> bool:
+                s = self.state(worker)
+                busy = ("kv_pages_used", "num_running", "num_waiting", "num_bootstrapping")
+                busy += ("num_prealloc", "num_transferring", "num_prefilling")
+                return all(s.get(key, 0) == 0 for key in busy)
+
+            worker.wait_for(idle, f"{worker.url} to free every page", deadline_s)
+
+
+@dataclass
+class PendingCluster:
+    """Processes started, not yet healthy: start several clusters, then wait for each."""
+
+    cluster: Cluster
+    prefill: list[LocalServer]
+    decode: list[LocalServer]
+    router_args: tuple[str, ...]
+
+    def ready(self) -> Cluster:
+        cluster = self.cluster
+        try:
+            cluster.prefill = [_healthy(s, cluster.model_path) for s in self.prefill]
+            cluster.decode = [_healthy(s, cluster.model_path) for s in self.decode]
+            route = ["router", "--health-check-interval", "0.5", *self.router_args]
+            for server, port in zip(cluster.prefill, cluster.bootstrap_ports, strict=True):
+                route += ["--prefill", server.url, str(port)]
+            for server in cluster.decode:
+                route += ["--decode", server.url]
+            cluster.router = _healthy(LocalServer(route), cluster.model_path)
+        except BaseException:
+            for local in [*self.prefill, *self.decode]:
+                local.stop()
+            raise
+        return cluster
+
+
+def _healthy(local: LocalServer, model_path: str) -> Server:
+    return Server(local.wait_healthy(START_DEADLINE_S), model_path)
+
+
+def begin_cluster(
+    model_path: str,
+    *,
+    backend: str = "tcp",
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    worker_args: tuple[str, ...] = (),
+    prefill_args: tuple[str, ...] = (),
+    decode_args: tuple[str, ...] = (),
+    router_args: tuple[str, ...] = (),
+) -> PendingCluster:
+    cluster = Cluster(model_path)
+    common = ["--model-path", model_path, "--device", "cpu", "--transfer-backend", backend]
+    prefill, decode = [], []
+    for _ in range(num_prefill):
+        port = free_port()
+        cluster.bootstrap_ports.append(port)
+        args = ["prefill", *common, "--bootstrap-port", str(port), *worker_args, *prefill_args]
+        prefill.append(LocalServer(args))
+    for _ in range(num_decode):
+        decode.append(LocalServer(["decode", *common, *worker_args, *decode_args]))
+    return PendingCluster(cluster, prefill, decode, router_args)
+
+
+def start_cluster(model_path: str, **options) -> Cluster:
+    return begin_cluster(model_path, **options).ready()
+
+
+def wait_until(predicate, what: str, deadline_s: float = 20.0, poll_s: float = 0.02) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
+        time.sleep(poll_s)

@@ -1,0 +1,142 @@
+"""`pdserve launch`: the whole deployment on this machine. 200 requests of mixed lengths all
+succeed and leave every page free; SIGTERM stops every process it started, and so does the
+launcher's death (no orphans)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from pdserve.server.local_process import free_port
+from tests.e2e.pd_cluster import wait_until
+from tests.e2e.sse import stream_post
+
+START_DEADLINE_S = 180.0
+
+
+class Launch:
+    def __init__(self, model_path: str, *extra: str):
+        self.port = free_port()
+        command = [sys.executable, "-m", "pdserve.cli", "--log-level", "warning", "launch"]
+        command += ["--model-path", model_path, "--device", "cpu", "--port", str(self.port)]
+        self.process = subprocess.Popen(
+            [*command, *extra],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.url = self._wait_ready()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.put(line)
+
+    def _wait_ready(self) -> str:
+        while True:
+            try:
+                line = self.lines.get(timeout=START_DEADLINE_S)
+            except queue.Empty:
+                self.kill()
+                raise AssertionError("pdserve launch printed nothing ready in time") from None
+            match = re.search(r"pdserve is ready at (\S+)", line)
+            if match:
+                return match.group(1)
+
+    def worker_urls(self) -> list[str]:
+        metrics = httpx.get(self.url + "/metrics", timeout=10).text
+        return sorted(set(re.findall(r'worker_healthy\{role="\w+",url="([^"]+)"', metrics)))
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def close(self) -> None:
+        self.kill()
+        self._reader.join(10)  # EOF once the launcher (the pipe's only writer) is gone
+        self.process.stdout.close()
+
+
+def _listening(url: str) -> bool:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((host, int(port))) == 0
+
+
+def _one_request(base_url: str, i: int) -> bool:
+    rng = random.Random(i)
+    prompt = [rng.randrange(3, 250) for _ in range(rng.randint(1, 200))]
+    max_tokens = rng.randint(1, 48)
+    kind, stream = i % 3, i % 2 == 0
+    if kind == 0:
+        path = "/generate"
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_tokens}}
+    elif kind == 1:
+        path = "/v1/completions"
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.7, "seed": i}
+    else:
+        path = "/v1/chat/completions"
+        body = {"messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": max_tokens}
+    if stream:
+        status, events = stream_post(base_url + path, {**body, "stream": True}, timeout=120)
+        return status == 200 and bool(events) and "error" not in events[-1]
+    response = httpx.post(base_url + path, json=body, timeout=120)
+    return response.status_code == 200 and "error" not in response.json()
+
+
+@pytest.fixture
+def launched(tiny_model_dirs):
+    started = []
+
+    def start(*extra):
+        launch = Launch(tiny_model_dirs("llama"), *extra)
+        started.append(launch)
+        return launch
+
+    yield start
+    for launch in started:
+        launch.close()
+
+
+def test_200_mixed_requests_through_launch_then_sigterm_stops_everything(launched):
+    launch = launched("--num-prefill", "2", "--num-decode", "1", "--max-model-len", "512")
+    workers = launch.worker_urls()
+    assert len(workers) == 3
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda i: _one_request(launch.url, i), range(200)))
+    assert results.count(True) == 200
+    for url in workers:
+
+        def idle(url=url) -> bool:
+            state = httpx.get(url + "/server_info", timeout=10).json()["internal_states"][0]
+            return state["kv_pages_used"] == 0 and state["num_transferring"] == 0
+
+        wait_until(idle, f"{url} to free every page")
+    os.kill(launch.process.pid, signal.SIGTERM)
+    assert launch.process.wait(timeout=60) == 0
+    for url in [launch.url, *workers]:
+        wait_until(lambda url=url: not _listening(url), f"{url} to stop", deadline_s=10)
+
+
+def test_workers_exit_when_the_launcher_is_killed(launched):
+    launch = launched()
+    workers = launch.worker_urls()
+    assert len(workers) == 2
+    os.kill(launch.process.pid, signal.SIGKILL)  # the launcher only: no chance to clean up
+    for url in [launch.url, *workers]:
+        wait_until(lambda url=url: not _listening(url), f"{url} to exit by itself", 30)

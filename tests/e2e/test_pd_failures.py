@@ -1,0 +1,206 @@
+"""Disaggregated failure cases, each ending with an error to the client within the deadline,
+the surviving workers healthy, and every KV page free on every worker: a prefill or decode
+worker killed mid-request, a prompt prefill rejects, a client that disconnects mid-stream, and
+a handshake mismatch (different page sizes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.pd_cluster import FAST_FAILURE, start_cluster, wait_until
+from tests.e2e.sse import stream_post
+
+SLOW_PREFILL = ("--chunked-prefill-size", "8")  # a long prompt takes many steps to prefill
+LONG_PROMPT = [7] * 600
+ROUTER = ("--request-timeout", "60")
+DEADLINE_S = 20.0  # every failure must reach the client well within this
+
+
+def _generate_body(prompt, max_new_tokens=8, stream=False):
+    return {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+        "stream": stream,
+    }
+
+
+def _kill(server) -> None:
+    os.killpg(server.process.pid, signal.SIGKILL)
+    server.process.wait(timeout=10)
+
+
+def _in_background(fn):
+    """Run fn() in a thread; returns a callable that joins and gives (result, seconds); the
+    result is the exception if fn raised."""
+    box = {}
+
+    def run():
+        started = time.monotonic()
+        try:
+            box["result"] = fn()
+        except Exception as e:
+            box["result"] = e
+        box["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def join():
+        thread.join(DEADLINE_S + 30)
+        assert not thread.is_alive(), "the client got no answer"
+        return box["result"], box["seconds"]
+
+    return join
+
+
+@pytest.fixture
+def fresh(tiny_model_dirs):
+    """A cluster per test: these tests kill workers."""
+    clusters = []
+
+    def start(**options):
+        options.setdefault("worker_args", FAST_FAILURE)
+        options.setdefault("router_args", ROUTER)
+        cluster = start_cluster(tiny_model_dirs("llama"), **options)
+        clusters.append(cluster)
+        return cluster
+
+    yield start
+    for cluster in clusters:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_model_dirs):
+    """A cluster for the tests that leave every worker alive. Prefill takes shorter prompts
+    than decode, so it is the one that rejects."""
+    cluster = start_cluster(
+        tiny_model_dirs("llama"),
+        worker_args=FAST_FAILURE,
+        prefill_args=("--max-model-len", "64"),
+        router_args=ROUTER,
+    )
+    yield cluster
+    cluster.stop()
+
+
+def test_prefill_killed_mid_request(fresh):
+    cluster = fresh(prefill_args=SLOW_PREFILL)
+    prefill, decode = cluster.prefill[0], cluster.decode[0]
+    url = cluster.router.url + "/generate"
+    join = _in_background(lambda: httpx.post(url, json=_generate_body(LONG_PROMPT), timeout=90))
+    wait_until(lambda: cluster.state(prefill)["num_prefilling"] == 1, "the prefill to start")
+    _kill(prefill)
+    response, seconds = join()
+    assert response.status_code in (502, 503), response.text
+    assert "prefill" in response.json()["error"]["message"]
+    assert seconds < DEADLINE_S
+    assert decode.get("/health").status_code == 200
+    cluster.wait_all_free()
+    wait_until(lambda: cluster.router.get("/health").status_code == 503, "router health 503")
+
+
+def test_decode_alone_fails_its_room_when_prefill_dies(fresh):
+    """Without a router to cancel it (as under SGLang's router), the decode leg still fails
+    fast: the dead prefill peer stops answering heartbeats."""
+    cluster = fresh(prefill_args=SLOW_PREFILL)
+    prefill, decode = cluster.prefill[0], cluster.decode[0]
+    body = {
+        **_generate_body(LONG_PROMPT),
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": cluster.bootstrap_ports[0],
+        "bootstrap_room": 12345,
+    }
+    join_decode = _in_background(lambda: decode.post("/generate", body))
+    join_prefill = _in_background(lambda: prefill.post("/generate", body))
+    wait_until(lambda: cluster.state(prefill)["num_prefilling"] == 1, "the prefill to start")
+    _kill(prefill)
+    response, seconds = join_decode()
+    assert response.status_code == 503, response.text
+    assert "silent" in response.json()["error"]["message"]  # the heartbeat found it
+    assert seconds < DEADLINE_S
+    assert isinstance(join_prefill()[0], httpx.TransportError)  # it died under this request
+    cluster.wait_all_free()
+
+
+def test_decode_killed_mid_stream(fresh):
+    cluster = fresh()
+    prefill, decode = cluster.prefill[0], cluster.decode[0]
+    body = _generate_body([11, 12, 13], max_new_tokens=1500, stream=True)
+    lines: list[str] = []
+    started = time.monotonic()
+    with httpx.stream("POST", cluster.router.url + "/generate", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                lines.append(line)
+            if len(lines) == 3:
+                _kill(decode)
+    assert time.monotonic() - started < DEADLINE_S
+    assert lines[-1] == "data: [DONE]"
+    assert '"error"' in lines[-2] and "decode worker failed" in lines[-2]
+    assert prefill.get("/health").status_code == 200
+    cluster.wait_all_free()
+
+
+def test_prefill_rejects_an_oversize_prompt(shared):
+    started = time.monotonic()
+    response = shared.router.post("/generate", _generate_body([9] * 100))
+    assert response.status_code == 400
+    assert "context length" in response.json()["error"]["message"]
+    assert time.monotonic() - started < DEADLINE_S
+    shared.wait_all_free()
+
+
+def test_prefill_rejection_fails_the_decode_room_at_once(shared):
+    """Both legs sent directly (SGLang's router does that): the decode leg learns from the
+    prefill worker that the prompt was rejected, without waiting for its transfer deadline."""
+    prefill, decode = shared.prefill[0], shared.decode[0]
+    body = {
+        **_generate_body([9] * 100),
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": shared.bootstrap_ports[0],
+        "bootstrap_room": 777,
+    }
+    join_decode = _in_background(lambda: decode.post("/generate", body))
+    assert prefill.post("/generate", body).status_code == 400
+    response, seconds = join_decode()
+    assert response.status_code == 400, response.text
+    assert "prefill rejected" in response.json()["error"]["message"]
+    assert seconds < 5  # the transfer deadline is 10 s: this came from prefill, not a timeout
+    shared.wait_all_free()
+
+
+def test_client_disconnect_mid_stream_frees_both_sides(shared):
+    decode = shared.decode[0]
+    body = _generate_body([21, 22, 23], max_new_tokens=1000, stream=True)
+    with httpx.stream("POST", shared.router.url + "/generate", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        received = 0
+        for line in response.iter_lines():
+            received += line.startswith("data:")
+            if received == 3:
+                assert shared.state(decode)["num_running"] == 1
+                break  # leaving the block closes the connection mid-stream
+    shared.wait_all_free(deadline_s=10)
+    assert shared.router.get("/health").status_code == 200
+    status, events = stream_post(shared.router.url + "/generate", _generate_body([5], stream=True))
+    assert status == 200 and "error" not in events[-1]  # and the cluster still serves
+
+
+def test_page_size_mismatch_fails_with_a_clear_error(fresh):
+    cluster = fresh(prefill_args=("--page-size", "16"), decode_args=("--page-size", "8"))
+    started = time.monotonic()
+    response = cluster.router.post("/generate", _generate_body([1, 2, 3]))
+    assert time.monotonic() - started < DEADLINE_S
+    assert response.status_code == 503
+    assert "page_size: prefill 16 != decode 8" in response.json()["error"]["message"]
+    for worker in cluster.workers:
+        assert worker.get("/health").status_code == 200
+    cluster.wait_all_free()
