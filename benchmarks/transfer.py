@@ -1,13 +1,19 @@
 """KV transfer bandwidth: paged KV through pdserve's transfer layer beside the raw backend
 moving one contiguous buffer of the same size between the same two processes.
 
-Effective GiB/s counts the whole handoff: gather the request's pages into a staging buffer
-(prefill), send, receive, and scatter into other page ids (decode commit). Raw GiB/s is one
+Effective GiB/s counts the whole handoff, as the decode worker sees it: from the start of the
+gather of the request's pages into a staging buffer (prefill) to the end of the scatter into
+other page ids (decode commit), with the protocol's control messages in between. Both ends are
+read from the host's monotonic clock, which the two processes share. Raw GiB/s is one
 contiguous buffer sent with the backend's own primitive between two processes (ZMQ, zero-copy,
 for tcp; torch.distributed send/recv on a pair group for gloo and nccl).
 
     python benchmarks/transfer.py --backend tcp --sizes-mib 16 128 512
     python benchmarks/transfer.py --backend gloo
+    python benchmarks/transfer.py --backend nccl   # prefill on cuda:0, decode on cuda:1
+
+For nccl, raw is one `PairLink.send` of a contiguous GPU tensor, timed on the sender once the
+receiver's matching receive is posted (the same order pdserve's protocol guarantees).
 """
 
 from __future__ import annotations
@@ -35,7 +41,21 @@ LAYOUT = KVLayout("bench", LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE, "bfloat16", Sp
 REPEATS = 3
 
 
-def make_pool(num_pages: int) -> KVPool:
+def device_for(backend: str, rank: int) -> torch.device:
+    """Prefill (rank 0) on cuda:0 and decode (rank 1) on cuda:1 for nccl; CPU otherwise."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_pool(num_pages: int, device: torch.device) -> KVPool:
     pool = KVPool(
         num_layers=LAYERS,
         num_pages=num_pages,
@@ -43,7 +63,7 @@ def make_pool(num_pages: int) -> KVPool:
         num_kv_heads=KV_HEADS,
         head_dim=HEAD_DIM,
         dtype=torch.bfloat16,
-        device=torch.device("cpu"),
+        device=device,
     )
     pool.storage.view(torch.int16).random_(-1000, 1000)
     return pool
@@ -54,17 +74,18 @@ def wait(predicate, deadline_s=600.0):
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError("benchmark step timed out")
-        time.sleep(0.0005)
+        time.sleep(0.00005)
 
 
 def prefill_main(sizes, config, port_queue, timings):
     from pdserve.transfer.prefill_side import PrefillTransferServer
 
-    server = PrefillTransferServer(config, LAYOUT, MetadataSpec(), "bench-prefill")
+    device = device_for(config.backend, 0)
+    server = PrefillTransferServer(config, LAYOUT, MetadataSpec(), "bench-prefill", device=device)
     port_queue.put(server.start())
-    pool = make_pool(2 * max(sizes) * MIB // PAGE_BYTES + 1)
+    pool = make_pool(2 * max(sizes) * MIB // PAGE_BYTES + 1, device)
     stager = KVStager([pool])
-    staging = BufferPool(torch.device("cpu"))
+    staging = BufferPool(device)
     room = 0
     for size in sizes:
         pages = list(range(1, 2 * size * MIB // PAGE_BYTES, 2))  # every other page
@@ -72,13 +93,14 @@ def prefill_main(sizes, config, port_queue, timings):
             room += 1
             sender = server.sender(room)
             wait(lambda s=sender: s.poll() is TransferState.WAITING_FOR_INPUT)
-            start = time.perf_counter()
+            start = time.monotonic()
             # NOTE: staging comes from a pool, as a prefill worker's would: fresh memory costs
             # page faults on every request. Success means decode acked: the buffer is free.
             kv = stager.gather([pages], out=staging.take(stager.nbytes([pages])))
+            synchronize(device)
             sender.send(kv, MetadataRecord(first_token=1))
             wait(lambda s=sender: s.poll() in (TransferState.SUCCESS, TransferState.FAILED))
-            timings.put(("paged", size, time.perf_counter() - start, sender.poll().name))
+            timings.put(("start", size, room, start, sender.poll().name))
             staging.give(kv)
             server.release(room)
     server.stop()
@@ -87,9 +109,12 @@ def prefill_main(sizes, config, port_queue, timings):
 def decode_main(sizes, config, port, timings):
     from pdserve.transfer.decode_side import DecodeTransferClient
 
-    pool = make_pool(2 * max(sizes) * MIB // PAGE_BYTES + 1)
+    device = device_for(config.backend, 1)
+    pool = make_pool(2 * max(sizes) * MIB // PAGE_BYTES + 1, device)
     stager = KVStager([pool])
-    client = DecodeTransferClient(config, LAYOUT, MetadataSpec(), "bench-decode", stager.page_bytes)
+    client = DecodeTransferClient(
+        config, LAYOUT, MetadataSpec(), "bench-decode", stager.page_bytes, device=device
+    )
     client.start()
     room = 0
     for size in sizes:
@@ -98,9 +123,9 @@ def decode_main(sizes, config, port, timings):
             room += 1
             receiver = client.receiver(room, "127.0.0.1", port, pages)
             wait(lambda r=receiver: r.poll() in (TransferState.SUCCESS, TransferState.FAILED))
-            start = time.perf_counter()
             receiver.commit(stager)
-            timings.put(("scatter", size, time.perf_counter() - start, receiver.poll().name))
+            synchronize(device)
+            timings.put(("end", size, room, time.monotonic(), receiver.poll().name))
             client.release(room)
     client.stop()
 
@@ -154,17 +179,27 @@ def raw_link(sizes, backend, results):
     receiver = spawn.Process(target=_link_receiver, args=(sizes, backend, ports, done))
     receiver.start()
     host, port = ports.get(timeout=60)
+    device = device_for(backend, 0)
     store = PairLink.client_store(host, port, 60)
     link = PairLink.connect(
-        backend=backend, store=store, pair_name="raw", rank=0, timeout_s=60, local_host="127.0.0.1"
+        backend=backend,
+        store=store,
+        pair_name="raw",
+        rank=0,
+        timeout_s=60,
+        device=device,
+        local_host="127.0.0.1",
     )
     for size in sizes:
-        buffer = torch.empty(size * MIB, dtype=torch.uint8).random_(0, 255)
-        for _ in range(REPEATS):
+        buffer = torch.empty(size * MIB, dtype=torch.uint8, device=device).random_(0, 255)
+        for repeat in range(REPEATS + 1):
+            done.get(timeout=600)  # the receive is posted
             start = time.perf_counter()
             link.send(buffer, timeout_s=600)
-            done.get(timeout=600)
-            results.append(("raw", size, time.perf_counter() - start))
+            if backend != "nccl":
+                done.get(timeout=600)  # gloo: the receiver has it
+            if repeat:  # the first is a warm-up
+                results.append(("raw", size, time.perf_counter() - start))
     receiver.join(timeout=60)
     link.close()
 
@@ -172,6 +207,7 @@ def raw_link(sizes, backend, results):
 def _link_receiver(sizes, backend, ports, done):
     from pdserve.transfer.dist_link import DecodeStoreServer, PairLink
 
+    device = device_for(backend, 1)
     server = DecodeStoreServer("127.0.0.1", 0, 60)
     ports.put((server.host, server.port))
     link = PairLink.connect(
@@ -180,13 +216,17 @@ def _link_receiver(sizes, backend, ports, done):
         pair_name="raw",
         rank=1,
         timeout_s=60,
+        device=device,
         local_host="127.0.0.1",
     )
     for size in sizes:
-        target = torch.empty(size * MIB, dtype=torch.uint8)
-        for _ in range(REPEATS):
-            link.recv(target, timeout_s=600)
+        target = torch.empty(size * MIB, dtype=torch.uint8, device=device)
+        for _ in range(REPEATS + 1):
+            pending = link.irecv(target)
             done.put(True)
+            pending.wait(600)
+            if backend != "nccl":
+                done.put(True)
     link.close()
     server.close()
 
@@ -215,12 +255,14 @@ def paged(sizes, backend) -> list:
 
 def summarize(paged_rows, raw_rows, sizes) -> list[dict]:
     table = []
+    assert all(state == "SUCCESS" for *_, state in paged_rows), "a transfer failed"
+    starts = {room: t for kind, _, room, t, _ in paged_rows if kind == "start"}
+    ends = {room: t for kind, _, room, t, _ in paged_rows if kind == "end"}
     for size in sizes:
-        sends = sorted(t for kind, s, t, _ in paged_rows if kind == "paged" and s == size)
-        scatters = sorted(t for kind, s, t, _ in paged_rows if kind == "scatter" and s == size)
+        rooms = [room for kind, s, room, _, _ in paged_rows if kind == "end" and s == size]
+        handoffs = sorted(ends[room] - starts[room] for room in rooms)
         raws = sorted(t for kind, s, t in raw_rows if s == size)
-        assert all(state == "SUCCESS" for *_, state in paged_rows), "a transfer failed"
-        paged = sends[len(sends) // 2] + scatters[len(scatters) // 2]
+        paged = handoffs[len(handoffs) // 2]
         raw = raws[len(raws) // 2]
         gib = size / 1024
         table.append(
@@ -229,6 +271,8 @@ def summarize(paged_rows, raw_rows, sizes) -> list[dict]:
                 "paged_gib_s": round(gib / paged, 2),
                 "raw_gib_s": round(gib / raw, 2),
                 "paged_over_raw": round(raw / paged, 3),
+                "handoff_ms": round(paged * 1000, 2),
+                "raw_ms": round(raw * 1000, 2),
             }
         )
     return table
@@ -236,7 +280,7 @@ def summarize(paged_rows, raw_rows, sizes) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="tcp", choices=["tcp", "gloo"])
+    parser.add_argument("--backend", default="tcp", choices=["tcp", "gloo", "nccl"])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 128, 512])
     parser.add_argument("--output")
     args = parser.parse_args()
@@ -253,6 +297,8 @@ def main() -> None:
         "median_of": REPEATS,
         "results": table,
     }
+    if args.backend == "nccl":
+        report["devices"] = [torch.cuda.get_device_name(i) for i in range(2)]
     print(json.dumps(report, indent=2))
     if args.output:
         with open(args.output, "w") as f:

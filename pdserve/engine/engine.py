@@ -37,6 +37,9 @@ class Engine:
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
+        if self.device.type == "cuda":
+            # NOTE: cuda:N for everything this thread launches without naming a device.
+            torch.cuda.set_device(self.device)
         if self.device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
             # NOTE: on GPU the host's tensor work is small bookkeeping; a full OpenMP pool only
             # contends with the other processes of a server (measured on an H100: engine steps

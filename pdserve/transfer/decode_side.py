@@ -366,6 +366,10 @@ class DecodeTransferClient:
         self.metrics.bytes_received += buffer.numel()
         if room._deferred_done is not None:
             self._done(room, room._deferred_done)
+        elif room.metadata is not None:
+            # The metadata came before the data (see prefill's _send_room): the completed
+            # receive is the whole room, no need to wait for RoomDone.
+            self._done(room, RoomDone(room.room, buffer.numel()))
 
     def _scratch_limit(self) -> int:
         return max((r.expected_bytes for r in self._rooms.values()), default=0)

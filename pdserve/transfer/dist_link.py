@@ -36,7 +36,7 @@ _PROBE_BYTE = 0x5A
 # own timeout, so that timeout is only a backstop far beyond any per-operation deadline. The
 # deadlines given to send/recv/wait, which abort just this link, are what callers rely on.
 _NCCL_WATCHDOG_TIMEOUT_S = 3600.0
-_POLL_MAX_SLEEP_S = 1e-3
+_POLL_MAX_SLEEP_S = 1e-4  # the data thread polls only while a transfer is in flight
 
 if TYPE_CHECKING:
     from typing import TypeAlias

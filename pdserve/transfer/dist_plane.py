@@ -67,6 +67,10 @@ class DistPlane:
         self.links: dict[object, PairLink] = {}
         self.broken: dict[object, str] = {}
         self.data = DataThread(f"{side}-transfer-data")
+        if device.type == "cuda":
+            # NOTE: a new thread's current device is cuda:0; NCCL work for a worker on cuda:1
+            # must not create a context (and streams) on another worker's GPU.
+            self.data.submit(lambda: torch.cuda.set_device(device))
         self.store_server: DecodeStoreServer | None = None
 
     def serve_store(self, host: str) -> str:

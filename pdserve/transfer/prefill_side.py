@@ -122,7 +122,7 @@ class PrefillTransferServer:
                 config.bootstrap_host,
             )
         # Buffers announced with SendReady, kept until their send happened (see dist_plane).
-        self._announced: dict[int, tuple[SenderRoom, torch.Tensor, object, bytes]] = {}
+        self._announced: dict[int, tuple[SenderRoom, torch.Tensor]] = {}
 
     # ---- life cycle ------------------------------------------------------------------
 
@@ -269,7 +269,14 @@ class PrefillTransferServer:
             return
         state.advance(TransferState.TRANSFERRING)
         if self.dist is not None:
-            self._announced[room.room] = (room, kv, header, payload)
+            # NOTE: the metadata goes first, on the same ordered connection: decode then
+            # commits as soon as its receive completes, one round trip sooner.
+            try:
+                self._router.send_multipart([room.peer, encode(header), payload])
+            except zmq.ZMQError as e:
+                self._abort_room(room, f"sending to decode failed: {e}", notify=False)
+                return
+            self._announced[room.room] = (room, kv)
             self._reply(room.peer, SendReady(room.room, kv.numel()))
             return
         room._buffer = kv  # NOTE: frames are sent zero-copy; keep the buffer until the ack
@@ -297,29 +304,21 @@ class PrefillTransferServer:
         announced = self._announced.pop(room_id, None)
         if announced is None:
             return
-        room, kv, header, payload = announced
+        room, kv = announced
         # NOTE: send even if the room failed meanwhile: decode's receive is posted.
         self.dist.send(
             identity,
             kv,
-            lambda error: self.io.call(
-                lambda: self._sent(room, kv.numel(), header, payload, error)
-            ),
+            lambda error: self.io.call(lambda: self._sent(room, kv.numel(), error)),
         )
 
-    def _sent(self, room: SenderRoom, total: int, header, payload: bytes, error) -> None:
+    def _sent(self, room: SenderRoom, total: int, error) -> None:
         if error is not None:
             self._abort_room(room, error, notify=True)
             return
-        if room._state.done:
-            return
         self.metrics.bytes_sent += total
-        try:
-            self._router.send_multipart([room.peer, encode(header), payload])
-        except zmq.ZMQError as e:
-            self._abort_room(room, f"sending to decode failed: {e}", notify=False)
-            return
-        self._reply(room.peer, RoomDone(room.room, total))
+        if not room._state.done:  # decode may have acked already (it commits on receipt)
+            self._reply(room.peer, RoomDone(room.room, total))
 
     def _link_ready(self, identity: bytes, error: str | None) -> None:
         if error is None:

@@ -1,0 +1,101 @@
+"""Disaggregated serving on two GPUs with the nccl backend: prefill on cuda:0, decode on
+cuda:1, a router in front. Greedy outputs equal a colocated `pdserve serve` on cuda:0, token
+for token, and every page is free afterwards. Needs two GPUs (nvidia-h200-x2)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from pdserve.server.local_process import LocalServer
+from tests.conftest import random_prompts
+from tests.e2e.conftest import START_DEADLINE_S, Server
+from tests.e2e.pd_cluster import begin_cluster
+from tests.e2e.sse import stream_post
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = (1, 2, 9, 16, 17, 40, 64, 100, 150, 200, 257, 300, 400, 500, 700, 900)
+# float32 so that batching differences cannot flip a near-tie; chunks of 128 tokens.
+ENGINE = (
+    "--dtype",
+    "float32",
+    "--kv-cache-memory",
+    str(1 << 30),
+    "--chunked-prefill-size",
+    "128",
+    "--max-model-len",
+    "1024",
+)
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def two_gpus(request, tiny_model_dirs):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
+    model = tiny_model_dirs(request.param)
+    colocated = LocalServer(["serve", "--model-path", model, "--device", "cuda:0", *ENGINE])
+    pending = begin_cluster(
+        model,
+        backend="nccl",
+        worker_args=ENGINE,
+        prefill_args=("--device", "cuda:0"),
+        decode_args=("--device", "cuda:1"),
+    )
+    cluster = None
+    try:
+        reference = Server(colocated.wait_healthy(START_DEADLINE_S), model)
+        cluster = pending.ready()
+        yield reference, cluster
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        colocated.stop()
+
+
+def _generate(base_url: str, prompt: list[int], stream: bool) -> list[int]:
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+    }
+    if stream:
+        status, events = stream_post(base_url + "/generate", {**body, "stream": True}, 120)
+        assert status == 200 and "error" not in events[-1], events[-1]
+        return events[-1]["output_ids"]
+    response = httpx.post(base_url + "/generate", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["output_ids"]
+
+
+def test_workers_run_where_asked(two_gpus):
+    _, cluster = two_gpus
+    prefill_info = cluster.prefill[0].get("/server_info").json()
+    decode_info = cluster.decode[0].get("/server_info").json()
+    assert (prefill_info["device"], decode_info["device"]) == ("cuda:0", "cuda:1")
+    assert prefill_info["disaggregation_transfer_backend"] == "nccl"
+    assert decode_info["disaggregation_mode"] == "decode"
+
+
+def test_nccl_handoff_equals_colocated_one_at_a_time(two_gpus):
+    reference, cluster = two_gpus
+    for i, prompt in enumerate(random_prompts(LENGTHS[:6], 250, seed=3)):
+        expected = _generate(reference.url, prompt, stream=False)
+        assert _generate(cluster.router.url, prompt, stream=i % 2 == 1) == expected
+    cluster.wait_all_free()
+
+
+def test_nccl_handoff_equals_colocated_16_concurrent(two_gpus):
+    reference, cluster = two_gpus
+    prompts = random_prompts(LENGTHS, 250, seed=4)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        expected = list(pool.map(lambda p: _generate(reference.url, p, False), prompts))
+        jobs = [(p, i % 2 == 1) for i, p in enumerate(prompts)]
+        got = list(pool.map(lambda job: _generate(cluster.router.url, *job), jobs))
+    assert got == expected
+    assert all(len(ids) == MAX_TOKENS for ids in got)
+    cluster.wait_all_free()
+    assert cluster.decode[0].metric("kv_transfers_total") >= len(prompts)
