@@ -31,6 +31,7 @@ def failure_kind(reason: str) -> str:
     """Map a failure reason to one of FAILURE_KINDS (for metrics)."""
     text = reason.lower()
     for needle, kind in (
+        ("kv pages", "no_pages"),
         ("timed out", "timeout"),
         ("silent", "peer_lost"),
         ("link", "peer_lost"),
@@ -40,7 +41,6 @@ def failure_kind(reason: str) -> str:
         ("rejected", "rejected"),
         ("abort", "aborted"),
         ("disconnect", "aborted"),
-        ("kv pages", "no_pages"),
     ):
         if needle in text:
             return kind

@@ -204,3 +204,24 @@ def test_page_size_mismatch_fails_with_a_clear_error(fresh):
     for worker in cluster.workers:
         assert worker.get("/health").status_code == 200
     cluster.wait_all_free()
+
+
+def test_router_passes_request_ids_lists_models_and_counts(shared):
+    headers = {"X-Request-Id": "trace-me-1"}
+    response = httpx.post(
+        shared.router.url + "/v1/completions",
+        json={"prompt": [5, 6, 7], "max_tokens": 3},
+        headers=headers,
+        timeout=60,
+    )
+    assert response.status_code == 200 and response.headers["x-request-id"] == "trace-me-1"
+    models = shared.router.get("/v1/models").json()["data"]
+    assert [m["id"] for m in models] == [shared.model_path]
+    info = shared.router.get("/server_info").json()
+    assert info["disaggregation_mode"] == "decode"
+    assert (
+        shared.prefill[0].get("/get_server_info").json()["disaggregation_bootstrap_port"]
+        == (shared.bootstrap_ports[0])
+    )
+    metrics = shared.router.get("/metrics").text
+    assert 'pdserve_router:requests_total{endpoint="/v1/completions",status="200"}' in metrics

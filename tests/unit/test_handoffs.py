@@ -1,0 +1,154 @@
+"""The prefill and decode handoffs in one process, over the tcp transfer layer on loopback:
+the decode side admits by free pages, every queue frees its pages when aborted, and refused
+requests fail the other side's room."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.decode.handoff import DecodeHandoff
+from pdserve.prefill.handoff import PrefillHandoff
+from pdserve.protocol.engine_messages import Bootstrap
+from pdserve.transfer.config import TransferConfig
+from tests.conftest import random_prompts
+from tests.e2e.pd_cluster import wait_until
+
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+CONFIG = TransferConfig(
+    bootstrap_port=0, progress_timeout_s=3, peer_timeout_s=2, heartbeat_interval_s=0.2
+)
+PAGE = 4
+
+
+@pytest.fixture
+def pair(tiny_model_dirs):
+    """A prefill and a decode handoff; decode has room for 12 pages only."""
+    model = tiny_model_dirs("qwen3")
+    prefill_engine = LLM(model, device="cpu", page_size=PAGE).engine
+    page_bytes = prefill_engine.kv_pool.nbytes // prefill_engine.kv_pool.num_pages
+    decode_engine = LLM(
+        model, device="cpu", page_size=PAGE, kv_cache_memory=12 * page_bytes, max_model_len=48
+    ).engine
+    prefill = PrefillHandoff(prefill_engine, CONFIG)
+    decode = DecodeHandoff(decode_engine, CONFIG)
+    yield prefill, decode, model
+    prefill.stop()
+    decode.stop()
+
+
+def boot(prefill: PrefillHandoff, room: int) -> Bootstrap:
+    return Bootstrap("127.0.0.1", prefill.bootstrap_port, room)
+
+
+def drive(prefill, decode, until, deadline_s=20.0) -> dict[str, list]:
+    """Run both loops (poll, step) until `until(outputs)`; outputs by request id."""
+    outputs: dict[str, list] = {}
+
+    def once() -> bool:
+        for handoff in (prefill, decode):
+            got = handoff.poll()
+            if handoff.engine.has_unfinished():
+                got += handoff.on_step(handoff.engine.step())
+            for output in got:
+                outputs.setdefault(output.request_id, []).append(output)
+        return until(outputs)
+
+    wait_until(once, "the handoff", deadline_s, poll_s=0.001)
+    return outputs
+
+
+def finished(outputs, request_id) -> bool:
+    return any(o.finished for o in outputs.get(request_id, []))
+
+
+def test_requests_flow_through_and_equal_colocated(pair):
+    prefill, decode, model = pair
+    prompts = random_prompts((3, 9, 14), 250, seed=5)
+    expected = [o.token_ids for o in LLM(model, device="cpu").generate(prompts, GREEDY)]
+    for i, prompt in enumerate(prompts):
+        assert prefill.add(f"p{i}", prompt, GREEDY, boot(prefill, i)) is None
+        assert decode.add(f"d{i}", prompt, GREEDY, boot(prefill, i)) is None
+    names = [f"d{i}" for i in range(3)] + [f"p{i}" for i in range(3)]
+    outputs = drive(prefill, decode, lambda o: all(finished(o, n) for n in names))
+    for i in range(3):
+        tokens = [t for o in outputs[f"d{i}"] for t in o.new_token_ids]
+        assert tokens == expected[i]
+        assert outputs[f"p{i}"][-1].token_ids == expected[i][:1]  # prefill's leg: first token
+    assert prefill.engine.allocator.num_used == 0 and decode.engine.allocator.num_used == 0
+
+
+def test_decode_admits_by_free_pages_in_order(pair):
+    prefill, decode, _ = pair
+    long = dataclasses.replace(GREEDY, max_new_tokens=1)
+    # 11 pages, then 5 pages: the second waits until the first's pages are free.
+    first, second = random_prompts((44, 20), 250, seed=6)
+    decode.add("a", first, long, boot(prefill, 1))
+    decode.add("b", second, long, boot(prefill, 2))
+    decode.poll()
+    assert list(decode.prealloc) == ["b"] and list(decode.transferring) == ["a"]
+    prefill.add("pa", first, long, boot(prefill, 1))
+    prefill.add("pb", second, long, boot(prefill, 2))
+    outputs = drive(prefill, decode, lambda o: finished(o, "a") and finished(o, "b"))
+    assert outputs["a"][-1].error is None and outputs["b"][-1].error is None
+    assert decode.engine.allocator.num_used == 0
+
+
+def test_decode_waiting_for_pages_times_out_with_a_reason(pair):
+    prefill, decode, _ = pair
+    held = decode.engine.reserve_pages(12 * PAGE)
+    decode.add("starved", [5, 6, 7], GREEDY, boot(prefill, 3))
+    outputs = drive(prefill, decode, lambda o: finished(o, "starved"))
+    assert "no KV pages free" in outputs["starved"][-1].error
+    assert decode.failures.counts["bootstrap/no_pages"] == 1
+    decode.engine.free_pages(held)
+
+
+def test_aborts_free_pages_in_every_queue(pair):
+    prefill, decode, _ = pair
+    prompt = random_prompts((30,), 250, seed=7)[0]
+    # Decode transferring (prefill never gets this room): abort frees the reservation.
+    decode.add("d", prompt, GREEDY, boot(prefill, 4))
+    decode.poll()
+    assert decode.engine.allocator.num_used > 0
+    assert decode.abort("d") and decode.engine.allocator.num_used == 0
+    # Prefill bootstrapping: nothing computed, nothing held.
+    prefill.add("p", prompt, GREEDY, boot(prefill, 5))
+    assert prefill.abort("p") and not prefill.bootstrapping
+    # Prefill sending: the room waits for decode's ack, pages held; abort frees them.
+    decode.add("d2", prompt, GREEDY, boot(prefill, 6))
+    prefill.add("p2", prompt, GREEDY, boot(prefill, 6))
+    decode.transferring.clear()  # decode stops listening (its pages stay reserved below)
+    drive(prefill, decode, lambda _: bool(prefill.sending), deadline_s=10)
+    assert prefill.engine.allocator.num_used > 0
+    assert prefill.abort("p2") and prefill.engine.allocator.num_used == 0
+
+
+def test_refused_prompt_fails_the_decode_room_at_once(pair):
+    prefill, decode, _ = pair
+    too_long = [7] * prefill.engine.max_model_len
+    decode.add("d", [5, 6], GREEDY, boot(prefill, 8))
+    refused = prefill.add("p", too_long, GREEDY, boot(prefill, 8))
+    assert refused.error_kind == "invalid" and "maximum context length" in refused.error
+    outputs = drive(prefill, decode, lambda o: finished(o, "d"), deadline_s=2)
+    assert "prefill rejected" in outputs["d"][-1].error
+    assert outputs["d"][-1].error_kind == "invalid"
+    assert decode.engine.allocator.num_used == 0
+
+
+def test_fail_room_from_the_front_end_reaches_decode(pair):
+    prefill, decode, _ = pair
+    decode.add("d", [5, 6], GREEDY, boot(prefill, 9))
+    prefill.fail_room(9, "invalid request body")
+    outputs = drive(prefill, decode, lambda o: finished(o, "d"), deadline_s=2)
+    assert "invalid request body" in outputs["d"][-1].error
+
+
+def test_a_room_in_use_is_refused(pair):
+    prefill, decode, _ = pair
+    assert decode.add("a", [5], GREEDY, boot(prefill, 10)) is None
+    assert "already in use" in decode.add("b", [5], GREEDY, boot(prefill, 10)).error
+    assert prefill.add("pa", [5], GREEDY, boot(prefill, 10)) is None
+    assert "already in use" in prefill.add("pb", [5], GREEDY, boot(prefill, 10)).error

@@ -1,0 +1,123 @@
+"""The router without workers to reach: torch-free imports, config checks, its own errors,
+API key, health, and how it reads a leg's failure."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from fastapi.testclient import TestClient
+
+from pdserve.router.app import build_router_app
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import LegError
+from pdserve.router.proxy import _leg_error, _raise_if_error_event
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "pdserve"
+UNREACHABLE = "http://127.0.0.1:9"  # discard port: nothing listens
+
+
+def test_router_and_cli_import_without_torch():
+    code = (
+        "import sys, pdserve.router.app, pdserve.cli, pdserve.launch; "
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def _imports(folder: str) -> set[str]:
+    found = set()
+    for path in (PACKAGE / folder).glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("folder", "allowed_pdserve"),
+    [
+        ("router", ("pdserve.router", "pdserve.protocol")),
+        ("protocol", ("pdserve.protocol",)),
+        ("prefill", ("pdserve.prefill", "pdserve.engine", "pdserve.transfer", "pdserve.protocol")),
+        ("decode", ("pdserve.decode", "pdserve.engine", "pdserve.transfer", "pdserve.protocol")),
+    ],
+)
+def test_dependency_direction(folder, allowed_pdserve):
+    """DESIGN.md §1: the router and protocol never import torch; roles don't import each
+    other."""
+    imports = _imports(folder)
+    ours = {m for m in imports if m.startswith("pdserve")}
+    assert all(m.startswith(allowed_pdserve) for m in ours), sorted(ours)
+    if folder in ("router", "protocol"):
+        assert not any(m.split(".")[0] == "torch" for m in imports)
+
+
+def test_router_config_names_what_is_wrong():
+    with pytest.raises(ValueError, match="at least one --decode"):
+        RouterConfig(prefill=(("http://a:1", None),), decode=())
+    with pytest.raises(ValueError, match="http://"):
+        RouterConfig(prefill=(("a:1", None),), decode=("http://b:2",))
+    with pytest.raises(ValueError, match="unknown policy 'fastest'"):
+        RouterConfig(
+            prefill=(("http://a:1", 8998),), decode=("http://b:2",), decode_policy="fastest"
+        )
+    with pytest.raises(ValueError, match="bootstrap port"):
+        RouterConfig(prefill=(("http://a:1", 70000),), decode=("http://b:2",))
+
+
+def test_a_leg_error_is_retryable_only_for_worker_failures():
+    body = b'{"error": {"message": "too long", "type": "invalid_request_error"}}'
+    assert not _leg_error("prefill", 400, body).retryable
+    assert _leg_error("decode", 503, b"not json").retryable
+    assert "too long" in str(_leg_error("prefill", 400, body))
+
+
+def test_an_error_as_the_first_event_fails_the_leg():
+    _raise_if_error_event("decode", b'data: {"text": "hi"}\n\n')  # an ordinary first event
+    transfer = b'data: {"error": {"message": "peer silent", "type": "server_error"}}\n\n'
+    with pytest.raises(LegError) as failed:
+        _raise_if_error_event("decode", transfer)
+    assert failed.value.retryable and failed.value.status == 503
+    invalid = b'data: {"error": {"message": "bad", "type": "invalid_request_error"}}\n\n'
+    with pytest.raises(LegError) as failed:
+        _raise_if_error_event("decode", invalid)
+    assert not failed.value.retryable and failed.value.status == 400
+
+
+@pytest.fixture
+def lonely_router():
+    config = RouterConfig(
+        prefill=((UNREACHABLE, 8998),),
+        decode=(UNREACHABLE,),
+        api_key="sesame",
+        health_check_interval_s=0.2,
+        health_check_timeout_s=0.5,
+        connect_timeout_s=0.5,
+    )
+    with TestClient(build_router_app(config)) as client:
+        yield client
+
+
+def test_without_healthy_workers_the_router_says_so(lonely_router):
+    assert lonely_router.get("/health").status_code == 503  # open without the key
+    assert "pdserve_router:worker_healthy" in lonely_router.get("/metrics").text
+    auth = {"Authorization": "Bearer sesame", "X-Request-Id": "req-42"}
+    response = lonely_router.post("/v1/completions", json={"prompt": "hi"}, headers=auth)
+    assert response.status_code == 503
+    assert "no healthy prefill worker" in response.json()["error"]["message"]
+    assert response.headers["x-request-id"] == "req-42"
+
+
+def test_router_checks_its_api_key_and_the_body(lonely_router):
+    assert lonely_router.post("/generate", json={"text": "hi"}).status_code == 401
+    auth = {"Authorization": "Bearer sesame"}
+    response = lonely_router.post("/generate", content=b"[1, 2]", headers=auth)
+    assert response.status_code == 400 and "JSON object" in response.json()["error"]["message"]
+    response = lonely_router.post("/generate", content=b"{oops", headers=auth)
+    assert response.status_code == 400 and "invalid JSON" in response.json()["error"]["message"]
