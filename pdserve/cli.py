@@ -315,7 +315,9 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, default=8000, help="the router's port")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="the router's port (0: pick a free one)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address everything binds")
     parser.add_argument("--num-prefill", type=int, default=1)
     parser.add_argument("--num-decode", type=int, default=1)
@@ -328,6 +330,11 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--start-timeout", type=float, default=600.0, help="seconds to wait for healthy workers"
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="send the example request through the router, print the answer, stop everything",
     )
 
 
@@ -402,6 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     watch_parent()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # NOTE: httpx logs every request at INFO: the router and launcher make many.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     return args.func(args)
 
 

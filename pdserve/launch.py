@@ -9,10 +9,13 @@ SIGTERM. Every child runs in its own process group and exits by itself if this p
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
 import time
+
+import httpx
 
 from pdserve.server.local_process import LocalServer, ServerStartError, free_port
 
@@ -90,6 +93,8 @@ def launch_from_args(args: argparse.Namespace) -> int:
         router = deployment.start("router", router_args, port=args.port, host=args.host)
         router.wait_healthy(60)
         _print_ready(router.url, args.num_prefill, args.num_decode)
+        if args.check:
+            return _check(router.url)
         while not stop.is_set():
             failure = deployment.first_exited()
             if failure is not None:
@@ -128,15 +133,25 @@ def _start_workers(deployment: Deployment, args, model_path: str, gpus: list[str
     return router_args
 
 
+EXAMPLE = {"prompt": "Hello, my name is", "max_tokens": 32, "temperature": 0}
+
+
 def _print_ready(url: str, num_prefill: int, num_decode: int) -> None:
     print(
         f"\npdserve is ready at {url} ({num_prefill} prefill + {num_decode} decode workers)\n"
         "try:\n"
         f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
-        '    -d \'{"prompt": "Hello, my name is", "max_tokens": 32, "temperature": 0}\'\n'
+        f"    -d '{json.dumps(EXAMPLE)}'\n"
         "Ctrl-C stops everything.\n",
         flush=True,
     )
+
+
+def _check(url: str) -> int:
+    """--check: send the example request through the router, print the answer, stop."""
+    response = httpx.post(url + "/v1/completions", json=EXAMPLE, timeout=120)
+    print(f"check: HTTP {response.status_code}: {response.text}", flush=True)
+    return 0 if response.status_code == 200 else 1
 
 
 def watch_parent() -> None:
