@@ -23,7 +23,7 @@ import torch
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.protocol.engine_messages import Bootstrap, DisaggStats
+from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.decode_side import DecodeTransferClient, ReceiverRoom
 from pdserve.transfer.handoff_common import (
@@ -98,8 +98,14 @@ class DecodeHandoff:
         self.prealloc[request_id] = _Pending(request_id, prompt_ids, params, bootstrap)
         return None
 
-    def fail_room(self, room: int, reason: str) -> None:
-        """Nothing to do: a request decode refused never reserved pages."""
+    def fail_room(self, msg: FailRoom) -> None:
+        """Tell the prefill worker that we refused this room's request (we reserved nothing),
+        so its leg ends now instead of at its deadline."""
+        if msg.room in self._rooms or not msg.host:
+            return  # a live request owns it: not ours to fail
+        reason = f"decode rejected the request: {msg.reason}"
+        self.client.abort_room(msg.room, msg.host, msg.port, reason)
+        self.failures.add("bootstrap", "rejected")
 
     def abort(self, request_id: str) -> bool:
         pending = self.prealloc.pop(request_id, None)

@@ -20,7 +20,7 @@ import torch
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.protocol.engine_messages import Bootstrap, DisaggStats
+from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.handoff_common import (
     FailureCounts,
@@ -96,12 +96,12 @@ class PrefillHandoff:
         self.bootstrapping[request_id] = _Pending(request_id, prompt_ids, params, sender)
         return None
 
-    def fail_room(self, room: int, reason: str) -> None:
+    def fail_room(self, msg: FailRoom) -> None:
         """Fail a room whose request never reached us (the front end refused it)."""
-        if room in self._rooms:
+        if msg.room in self._rooms:
             return  # a live request owns it: not ours to fail
-        self.server.sender(room).abort(f"prefill rejected the request: {reason}")
-        self.server.release(room)
+        self.server.sender(msg.room).abort(f"prefill rejected the request: {msg.reason}")
+        self.server.release(msg.room)
         self.failures.add("bootstrap", "rejected")
 
     def abort(self, request_id: str) -> bool:

@@ -38,11 +38,14 @@ class AbortRequest:
 
 @message("fail_room")
 class FailRoom:
-    """A prefill worker's front end refused a disaggregated request before it reached the
-    engine: fail its room so the decode side stops waiting at once."""
+    """A worker's front end refused a disaggregated request before it reached the engine:
+    fail its room so the other side stops waiting at once. A decode worker tells the prefill
+    worker at host:port."""
 
     room: int
     reason: str
+    host: str = ""
+    port: int = 0
 
 
 @message("shutdown")

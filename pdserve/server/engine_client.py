@@ -177,9 +177,9 @@ class EngineClient:
             if not finished:
                 self.abort(request_id)
 
-    def fail_room(self, room: int, reason: str) -> None:
+    def fail_room(self, room: int, reason: str, host: str = "", port: int = 0) -> None:
         with contextlib.suppress(EngineUnavailable):
-            self._send(FailRoom(room, reason))
+            self._send(FailRoom(room, reason, host, port))
 
     def abort(self, request_id: str) -> None:
         with contextlib.suppress(EngineUnavailable):

@@ -168,7 +168,7 @@ class EngineLoop:
             self.running = False
         elif isinstance(msg, FailRoom):
             if self.handoff is not None:
-                self.handoff.fail_room(msg.room, msg.reason)
+                self.handoff.fail_room(msg)
         elif isinstance(msg, AbortRequest):
             if self.handoff is None or not self.handoff.abort(msg.request_id):
                 self.engine.abort_request(msg.request_id)

@@ -62,7 +62,13 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
     if "bootstrap_room" in body:
         from pdserve.server.generation import refuse_room
 
-        refuse_room(request.app.state.pdserve, body["bootstrap_room"], "invalid request body")
+        refuse_room(
+            request.app.state.pdserve,
+            body["bootstrap_room"],
+            "invalid request body",
+            body.get("bootstrap_host"),
+            body.get("bootstrap_port"),
+        )
     return response
 
 

@@ -137,11 +137,16 @@ def bootstrap_of(
     return Bootstrap(host, port, room)
 
 
-def refuse_room(state: ServerState, room: Any, reason: str) -> None:
-    """A prefill worker that refuses a request before its engine sees it still fails the
-    room, so the decode worker waiting on it stops at once."""
-    if state.role.kind == "prefill" and isinstance(room, int) and 0 <= room <= MAX_ROOM:
+def refuse_room(state: ServerState, room: Any, reason: str, host: Any, port: Any) -> None:
+    """A worker that refuses a disaggregated request before its engine sees it still fails
+    the room, so the other side stops waiting at once (DESIGN.md §3): a prefill worker fails
+    its own room, a decode worker tells the prefill worker at host:port."""
+    if not state.role.disaggregated or not isinstance(room, int) or not 0 <= room <= MAX_ROOM:
+        return
+    if state.role.kind == "prefill":
         state.client.fail_room(room, reason)
+    elif isinstance(host, str) and host and isinstance(port, int) and 0 < port < 65536:
+        state.client.fail_room(room, reason, host, port)
 
 
 def fails_room_on_error(handler):
@@ -152,7 +157,9 @@ def fails_room_on_error(handler):
         try:
             return await handler(body, request)
         except APIError as e:
-            refuse_room(request.app.state.pdserve, body.bootstrap_room, e.message)
+            state = request.app.state.pdserve
+            boot = (body.bootstrap_room, e.message, body.bootstrap_host, body.bootstrap_port)
+            refuse_room(state, *boot)
             raise
 
     return endpoint

@@ -196,6 +196,13 @@ class DecodeTransferClient:
         with self._lock:
             self._rooms.pop(room, None)
 
+    def abort_room(self, room: int, host: str, port: int, reason: str) -> None:
+        """Fail a room we never received into (we refused its request): tell its prefill."""
+        address = f"tcp://{host}:{port}"
+        with self._lock:
+            self._tombstones.add(room)
+        self.io.call(lambda: self._send(self._peer(address), AbortRoom(room, reason)))
+
     # ---- IO thread -------------------------------------------------------------------
 
     def _placeholder(self, address: str) -> _Peer:

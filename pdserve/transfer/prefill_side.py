@@ -158,7 +158,8 @@ class PrefillTransferServer:
             if room not in self._rooms:
                 state = RoomState(room, progress_timeout_s=self.config.progress_timeout_s)
                 if room in self._tombstones:
-                    state.fail("room already finished (reused bootstrap_room)")
+                    reason = self._tombstones.failure_reason(room)
+                    state.fail(reason or "room already finished (reused bootstrap_room)")
                 self._rooms[room] = SenderRoom(self, room, state)
             return self._rooms[room]
 
@@ -200,8 +201,12 @@ class PrefillTransferServer:
             self._transfer_request(identity, peer, msg)
         elif isinstance(msg, AbortRoom):
             room = self._rooms.get(msg.room)
+            reason = f"decode aborted: {msg.reason}"
             if room is not None:
-                self._abort_room(room, f"decode aborted: {msg.reason}", notify=False)
+                self._abort_room(room, reason, notify=False)
+            elif msg.room not in self._tombstones:
+                # NOTE: the prefill leg may not have arrived yet; it fails when it does.
+                self._tombstones.add(msg.room, reason)
         elif isinstance(msg, RoomAck):
             room = self._rooms.get(msg.room)
             if room is not None and room.peer == identity:

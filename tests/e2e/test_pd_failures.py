@@ -177,6 +177,31 @@ def test_prefill_rejection_fails_the_decode_room_at_once(shared):
     shared.wait_all_free()
 
 
+@pytest.mark.parametrize("prefill_first", [True, False])
+def test_decode_rejection_ends_the_prefill_leg_at_once(shared, prefill_first):
+    """Both legs sent directly: decode refuses (too many tokens for its context, which the
+    prefill worker does not check) and tells the prefill worker, whichever leg came first."""
+    prefill, decode = shared.prefill[0], shared.decode[0]
+    body = {
+        **_generate_body([9, 9, 9], max_new_tokens=5000),
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": shared.bootstrap_ports[0],
+        "bootstrap_room": 4242 + prefill_first,
+    }
+    if prefill_first:
+        join_prefill = _in_background(lambda: prefill.post("/generate", body))
+        wait_until(lambda: shared.state(prefill)["num_bootstrapping"] == 1, "the prefill leg")
+        assert decode.post("/generate", body).status_code == 400
+    else:
+        assert decode.post("/generate", body).status_code == 400
+        join_prefill = _in_background(lambda: prefill.post("/generate", body))
+    response, seconds = join_prefill()
+    assert response.status_code == 503, response.text
+    assert "decode rejected the request" in response.json()["error"]["message"]
+    assert seconds < 5  # the transfer deadline is 10 s: decode said so
+    shared.wait_all_free()
+
+
 def test_client_disconnect_mid_stream_frees_both_sides(shared):
     decode = shared.decode[0]
     body = _generate_body([21, 22, 23], max_new_tokens=1000, stream=True)
