@@ -8,7 +8,8 @@ inter-token latency, and their ratios. The disaggregated side uses two GPUs, the
 one; the point of the split is decode that prefills never interrupt (steadier ITL) at the
 cost of a KV handoff in every TTFT.
 
-    python benchmarks/disagg_serving.py --preset llama-3.2-1b --concurrency 64
+    python benchmarks/disagg_serving.py --preset llama-3.2-1b --concurrency 64 \
+        --transfer-backends nccl tcp
 """
 
 from __future__ import annotations
@@ -72,9 +73,9 @@ def run_colocated(model_path: str, workload, args) -> dict:
         server.stop(timeout_s=60)
 
 
-def run_disaggregated(model_path: str, workload, args) -> dict:
+def run_disaggregated(model_path: str, workload, args, backend: str) -> dict:
     bootstrap = free_port()
-    transfer = ["--transfer-backend", args.transfer_backend]
+    transfer = ["--transfer-backend", backend]
     prefill_args = ["--device", args.prefill_device, *transfer, "--bootstrap-port", str(bootstrap)]
     prefill = LocalServer(["prefill", *engine_args(model_path, args), *prefill_args])
     decode = LocalServer(
@@ -90,7 +91,7 @@ def run_disaggregated(model_path: str, workload, args) -> dict:
         servers.append(router)
         router.wait_healthy(deadline_s=60)
         name = (
-            f"disaggregated ({args.transfer_backend}), prefill on {args.prefill_device} + "
+            f"disaggregated ({backend}), prefill on {args.prefill_device} + "
             f"decode on {args.decode_device}"
         )
         return measure(name, router.url, workload, args.concurrency)
@@ -108,7 +109,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--transfer-backend", default="nccl", choices=["nccl", "tcp", "gloo"])
+    parser.add_argument(
+        "--transfer-backends", nargs="+", default=["nccl"], choices=["nccl", "tcp", "gloo"]
+    )
     parser.add_argument("--prefill-device", default="cuda:0", help="also the colocated one's")
     parser.add_argument("--decode-device", default="cuda:1")
     parser.add_argument("--seed", type=int, default=0)
@@ -124,17 +127,22 @@ def main() -> None:
         workload = make_workload(args.num_prompts, args.min_len, args.max_len, vocab, args.seed)
         colocated = run_colocated(model_path, workload, args)
         print(json.dumps(colocated), flush=True)
-        disaggregated = run_disaggregated(model_path, workload, args)
-        print(json.dumps(disaggregated), flush=True)
+        split = []
+        for backend in args.transfer_backends:
+            split.append(run_disaggregated(model_path, workload, args, backend))
+            print(json.dumps(split[-1]), flush=True)
     report = {
         "model": args.preset or args.model_path,
         "num_prompts": args.num_prompts,
         "concurrency": args.concurrency,
         "lengths": [args.min_len, args.max_len],
-        "results": [colocated, disaggregated],
+        "results": [colocated, *split],
         "disagg_over_colocated": {
-            key: round(disaggregated[key] / colocated[key], 3)
-            for key in ("output_tokens_per_s", "ttft_median_ms", "itl_median_ms", "itl_p99_ms")
+            backend: {
+                key: round(result[key] / colocated[key], 3)
+                for key in ("output_tokens_per_s", "ttft_median_ms", "itl_median_ms", "itl_p99_ms")
+            }
+            for backend, result in zip(args.transfer_backends, split, strict=True)
         },
     }
     print(json.dumps(report, indent=2))

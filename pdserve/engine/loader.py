@@ -25,11 +25,15 @@ class KVCacheTooSmallError(RuntimeError):
 
 
 def resolve_device(name: str) -> torch.device:
+    """A torch device; CUDA always with its index ("cuda" is the current device)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"device {name!r} requested but CUDA is not available")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device, model_config: ModelConfig) -> torch.dtype:

@@ -67,7 +67,7 @@ class DistPlane:
         self.links: dict[object, PairLink] = {}
         self.broken: dict[object, str] = {}
         self.data = DataThread(f"{side}-transfer-data")
-        if device.type == "cuda":
+        if device.type == "cuda" and device.index is not None:
             # NOTE: a new thread's current device is cuda:0; NCCL work for a worker on cuda:1
             # must not create a context (and streams) on another worker's GPU.
             self.data.submit(lambda: torch.cuda.set_device(device))
