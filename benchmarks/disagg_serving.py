@@ -17,35 +17,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import tempfile
 from pathlib import Path
 
-from serving import drive, make_workload, percentile
+from serving import add_workload_args, drive, model_and_workload, stream_summary
 
 from pdserve.server.local_process import LocalServer, free_port
-
-
-def summarize(name: str, record, elapsed: float, workload) -> dict:
-    gaps = [g for r in record for g in r["gaps"]]
-    ttfts = [r["ttft"] for r in record if r["ttft"] is not None]
-    tokens = sum(r["tokens"] for r in record)
-    assert tokens == sum(n for _, n in workload), f"{name}: wrong token count"
-    return {
-        "deployment": name,
-        "seconds": round(elapsed, 2),
-        "output_tokens_per_s": round(tokens / elapsed, 1),
-        "ttft_median_ms": round(statistics.median(ttfts) * 1e3, 1),
-        "ttft_p99_ms": round(percentile(ttfts, 0.99) * 1e3, 1),
-        "itl_median_ms": round(statistics.median(gaps) * 1e3, 2),
-        "itl_p99_ms": round(percentile(gaps, 0.99) * 1e3, 2),
-    }
 
 
 def measure(name: str, url: str, workload, concurrency: int) -> dict:
     asyncio.run(drive(url, workload[: concurrency // 4 or 1], concurrency))  # warm-up
     record, elapsed, _ = asyncio.run(drive(url, workload, concurrency))
-    return summarize(name, record, elapsed, workload)
+    return {"deployment": name, **stream_summary(record, elapsed, workload)}
 
 
 def engine_args(model_path: str, args) -> list[str]:
@@ -102,29 +85,15 @@ def run_disaggregated(model_path: str, workload, args, backend: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model-path")
-    source.add_argument("--preset")
-    parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--min-len", type=int, default=100)
-    parser.add_argument("--max-len", type=int, default=1024)
+    add_workload_args(parser)
     parser.add_argument(
         "--transfer-backends", nargs="+", default=["nccl"], choices=["nccl", "tcp", "gloo"]
     )
     parser.add_argument("--prefill-device", default="cuda:0", help="also the colocated one's")
     parser.add_argument("--decode-device", default="cuda:1")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
-        model_path = args.model_path
-        if model_path is None:
-            from pdserve.engine.random_model import make_random_model
-
-            model_path = str(make_random_model(Path(scratch) / args.preset, args.preset))
-        vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
-        workload = make_workload(args.num_prompts, args.min_len, args.max_len, vocab, args.seed)
+        model_path, workload = model_and_workload(args, Path(scratch))
         colocated = run_colocated(model_path, workload, args)
         print(json.dumps(colocated), flush=True)
         split = []

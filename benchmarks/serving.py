@@ -105,6 +105,22 @@ def percentile(values, q):
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
+def stream_summary(record, elapsed: float, workload) -> dict:
+    """Throughput, time to first token and inter-token latency of one `drive`."""
+    gaps = [g for r in record for g in r["gaps"]]
+    ttfts = [r["ttft"] for r in record if r["ttft"] is not None]
+    tokens = sum(r["tokens"] for r in record)
+    assert tokens == sum(n for _, n in workload), "server produced the wrong token count"
+    return {
+        "seconds": round(elapsed, 2),
+        "output_tokens_per_s": round(tokens / elapsed, 1),
+        "ttft_median_ms": round(statistics.median(ttfts) * 1e3, 1),
+        "ttft_p99_ms": round(percentile(ttfts, 0.99) * 1e3, 1),
+        "itl_median_ms": round(statistics.median(gaps) * 1e3, 2),
+        "itl_p99_ms": round(percentile(gaps, 0.99) * 1e3, 2),
+    }
+
+
 def _engine_counters(url: str) -> dict:
     return httpx.get(url + "/get_server_info", timeout=10).json()["internal_states"][0]
 
@@ -132,18 +148,9 @@ def run_http(model_path: str, workload, args) -> dict:
         after = _engine_counters(url)
     finally:
         server.stop(timeout_s=60)
-    gaps = [g for r in record for g in r["gaps"]]
-    ttfts = [r["ttft"] for r in record if r["ttft"] is not None]
-    tokens = sum(r["tokens"] for r in record)
-    assert tokens == sum(n for _, n in workload), "server produced the wrong token count"
     return {
         "engine": "pdserve serve (HTTP, streaming)",
-        "seconds": round(elapsed, 2),
-        "output_tokens_per_s": round(tokens / elapsed, 1),
-        "ttft_median_ms": round(statistics.median(ttfts) * 1e3, 1),
-        "ttft_p99_ms": round(percentile(ttfts, 0.99) * 1e3, 1),
-        "itl_median_ms": round(statistics.median(gaps) * 1e3, 2),
-        "itl_p99_ms": round(percentile(gaps, 0.99) * 1e3, 2),
+        **stream_summary(record, elapsed, workload),
         "mean_running_batch": round(statistics.mean(running), 1) if running else None,
         "engine_mean_step_ms": round(
             (after["step_seconds"] - before["step_seconds"])
@@ -188,8 +195,8 @@ def run_offline(model_path: str, workload, args) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The model and the streaming workload, shared with disagg_serving.py."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model-path")
     source.add_argument("--preset")
@@ -199,15 +206,27 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output")
+
+
+def model_and_workload(args, scratch: Path):
+    """The model directory (a random one written to `scratch` for --preset) and the
+    workload for its vocabulary."""
+    model_path = args.model_path
+    if model_path is None:
+        from pdserve.engine.random_model import make_random_model
+
+        model_path = str(make_random_model(scratch / args.preset, args.preset))
+    vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+    workload = make_workload(args.num_prompts, args.min_len, args.max_len, vocab, args.seed)
+    return model_path, workload
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
-        model_path = args.model_path
-        if model_path is None:
-            from pdserve.engine.random_model import make_random_model
-
-            model_path = str(make_random_model(Path(scratch) / args.preset, args.preset))
-        vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
-        workload = make_workload(args.num_prompts, args.min_len, args.max_len, vocab, args.seed)
+        model_path, workload = model_and_workload(args, Path(scratch))
         results = [run_http(model_path, workload, args)]
         print(json.dumps(results[-1]), flush=True)
         results.append(run_offline(model_path, workload, args))

@@ -31,6 +31,7 @@ from pdserve.transfer.handoff_common import (
     engine_kv_layout,
     failed_output,
     failure_kind,
+    room_in_use,
 )
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metadata_spec import MetadataSpec
@@ -83,12 +84,7 @@ class DecodeHandoff:
     ) -> RequestOutput | None:
         """Queue a request for pages; returns a failure output if it is refused at once."""
         if bootstrap.room in self._rooms:
-            return failed_output(
-                request_id,
-                prompt_ids,
-                f"bootstrap_room {bootstrap.room} is already in use",
-                "invalid",
-            )
+            return room_in_use(request_id, prompt_ids, bootstrap.room)
         try:
             self.engine.validate_prompt(prompt_ids)
         except InvalidRequestError as e:

@@ -26,6 +26,7 @@ from pdserve.transfer.handoff_common import (
     FailureCounts,
     engine_kv_layout,
     failed_output,
+    room_in_use,
 )
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metadata import MetadataRecord
@@ -77,12 +78,7 @@ class PrefillHandoff:
         """Queue a request; returns a failure output if it is refused at once (the room is
         failed too, so the decode side is told)."""
         if bootstrap.room in self._rooms:
-            return failed_output(
-                request_id,
-                prompt_ids,
-                f"bootstrap_room {bootstrap.room} is already in use",
-                "invalid",
-            )
+            return room_in_use(request_id, prompt_ids, bootstrap.room)
         sender = self.server.sender(bootstrap.room)
         try:
             self.engine.validate_prompt(prompt_ids)

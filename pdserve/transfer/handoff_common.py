@@ -57,6 +57,11 @@ class FailureCounts:
         self.counts[f"{stage}/{failure_kind(reason)}"] += 1
 
 
+def room_in_use(request_id: str, prompt_ids: list[int], room: int) -> RequestOutput:
+    reason = f"bootstrap_room {room} is already in use"
+    return failed_output(request_id, prompt_ids, reason, "invalid")
+
+
 def failed_output(
     request_id: str, prompt_ids: list[int], reason: str, kind: str = "unavailable"
 ) -> RequestOutput:

@@ -30,6 +30,12 @@ def _generate_body(prompt, max_new_tokens=8, stream=False):
     }
 
 
+def _direct_body(body: dict, cluster, room: int) -> dict:
+    """A body for sending both legs straight to the workers, as SGLang's router does."""
+    port = cluster.bootstrap_ports[0]
+    return {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": room}
+
+
 def _kill(server) -> None:
     os.killpg(server.process.pid, signal.SIGKILL)
     server.process.wait(timeout=10)
@@ -111,12 +117,7 @@ def test_decode_alone_fails_its_room_when_prefill_dies(fresh):
     fast: the dead prefill peer stops answering heartbeats."""
     cluster = fresh(prefill_args=SLOW_PREFILL)
     prefill, decode = cluster.prefill[0], cluster.decode[0]
-    body = {
-        **_generate_body(LONG_PROMPT),
-        "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": cluster.bootstrap_ports[0],
-        "bootstrap_room": 12345,
-    }
+    body = _direct_body(_generate_body(LONG_PROMPT), cluster, room=12345)
     join_decode = _in_background(lambda: decode.post("/generate", body))
     join_prefill = _in_background(lambda: prefill.post("/generate", body))
     wait_until(lambda: cluster.state(prefill)["num_prefilling"] == 1, "the prefill to start")
@@ -162,12 +163,7 @@ def test_prefill_rejection_fails_the_decode_room_at_once(shared):
     """Both legs sent directly (SGLang's router does that): the decode leg learns from the
     prefill worker that the prompt was rejected, without waiting for its transfer deadline."""
     prefill, decode = shared.prefill[0], shared.decode[0]
-    body = {
-        **_generate_body([9] * 100),
-        "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": shared.bootstrap_ports[0],
-        "bootstrap_room": 777,
-    }
+    body = _direct_body(_generate_body([9] * 100), shared, room=777)
     join_decode = _in_background(lambda: decode.post("/generate", body))
     assert prefill.post("/generate", body).status_code == 400
     response, seconds = join_decode()
@@ -182,12 +178,9 @@ def test_decode_rejection_ends_the_prefill_leg_at_once(shared, prefill_first):
     """Both legs sent directly: decode refuses (too many tokens for its context, which the
     prefill worker does not check) and tells the prefill worker, whichever leg came first."""
     prefill, decode = shared.prefill[0], shared.decode[0]
-    body = {
-        **_generate_body([9, 9, 9], max_new_tokens=5000),
-        "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": shared.bootstrap_ports[0],
-        "bootstrap_room": 4242 + prefill_first,
-    }
+    body = _direct_body(
+        _generate_body([9, 9, 9], max_new_tokens=5000), shared, room=4242 + prefill_first
+    )
     if prefill_first:
         join_prefill = _in_background(lambda: prefill.post("/generate", body))
         wait_until(lambda: shared.state(prefill)["num_bootstrapping"] == 1, "the prefill leg")

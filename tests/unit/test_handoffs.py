@@ -11,7 +11,7 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.decode.handoff import DecodeHandoff
 from pdserve.prefill.handoff import PrefillHandoff
-from pdserve.protocol.engine_messages import Bootstrap
+from pdserve.protocol.engine_messages import Bootstrap, FailRoom
 from pdserve.transfer.config import TransferConfig
 from tests.conftest import random_prompts
 from tests.e2e.pd_cluster import wait_until
@@ -141,7 +141,7 @@ def test_refused_prompt_fails_the_decode_room_at_once(pair):
 def test_fail_room_from_the_front_end_reaches_decode(pair):
     prefill, decode, _ = pair
     decode.add("d", [5, 6], GREEDY, boot(prefill, 9))
-    prefill.fail_room(9, "invalid request body")
+    prefill.fail_room(FailRoom(9, "invalid request body"))
     outputs = drive(prefill, decode, lambda o: finished(o, "d"), deadline_s=2)
     assert "invalid request body" in outputs["d"][-1].error
 
@@ -152,3 +152,12 @@ def test_a_room_in_use_is_refused(pair):
     assert "already in use" in decode.add("b", [5], GREEDY, boot(prefill, 10)).error
     assert prefill.add("pa", [5], GREEDY, boot(prefill, 10)) is None
     assert "already in use" in prefill.add("pb", [5], GREEDY, boot(prefill, 10)).error
+
+
+def test_decode_refusal_fails_the_prefill_room(pair):
+    prefill, decode, _ = pair
+    prefill.add("p", [5, 6], GREEDY, boot(prefill, 11))
+    decode.fail_room(FailRoom(11, "too many tokens", "127.0.0.1", prefill.bootstrap_port))
+    outputs = drive(prefill, decode, lambda o: finished(o, "p"), deadline_s=2)
+    assert "decode rejected the request: too many tokens" in outputs["p"][-1].error
+    assert prefill.engine.allocator.num_used == 0
