@@ -25,7 +25,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
 from pdserve.transfer.config import TransferConfig
-from pdserve.transfer.decode_side import DecodeTransferClient, ReceiverRoom
+from pdserve.transfer.decode_side import DecodeTransferClient
 from pdserve.transfer.handoff_common import (
     FailureCounts,
     engine_kv_layout,
@@ -36,6 +36,7 @@ from pdserve.transfer.handoff_common import (
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metadata_spec import MetadataSpec
 from pdserve.transfer.metrics import TransferMetrics
+from pdserve.transfer.receiver_room import ReceiverRoom
 from pdserve.transfer.room_state import TransferState
 
 logger = logging.getLogger(__name__)
