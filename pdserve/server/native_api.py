@@ -245,10 +245,19 @@ async def server_info(request: Request) -> dict:
                 "num_steps": stats.num_steps,
                 "step_seconds": stats.step_seconds,
                 "batched_tokens": stats.batched_tokens,
-                **(dataclasses.asdict(stats.disagg) if stats.disagg is not None else {}),
+                **_disagg_counters(stats),
             }
         ],
     }
+
+
+def _disagg_counters(stats) -> dict:
+    """The handoff's queues and counters (latencies go to /metrics, not here)."""
+    if stats.disagg is None:
+        return {}
+    counters = dataclasses.asdict(stats.disagg)
+    del counters["transfer_latencies"]
+    return counters
 
 
 @router.get("/health_generate")
