@@ -1,0 +1,164 @@
+"""Speculative decoding's core pieces (issue 6, first part): the algorithm registry and its
+refusals, buffer sizing from configs alone, NGRAM proposals, and lossless verification
+(greedy exactness; the sampling verifier's output distribution against the target's)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+import torch
+
+from pdserve.speculative import registry
+from pdserve.speculative.algorithm import (
+    Capabilities,
+    SpecSettings,
+    SpeculativeAlgorithm,
+    SpeculativeConfigError,
+)
+from pdserve.speculative.ngram import propose_ngram
+from pdserve.speculative.verify import verify_greedy, verify_sampling
+
+EAGLE_LIKE = Capabilities(has_draft_kv=True, carries_hidden=True, seeds_topk=True)
+
+
+class _Plugin(SpeculativeAlgorithm):
+    name: ClassVar[str] = "TEST_PLUGIN"
+    capabilities: ClassVar[Capabilities] = EAGLE_LIKE
+
+    def build_disagg_draft_input(self, batch, last_tokens, records):
+        if not records:
+            raise ValueError("empty batch")
+        return [r.hidden_states for r in records]
+
+
+@pytest.fixture
+def plugin():
+    registry.register(_Plugin)
+    yield _Plugin
+    registry.unregister(_Plugin.name)
+
+
+def test_a_decorated_plugin_is_found_by_name(plugin):
+    assert registry.get("TEST_PLUGIN") is plugin
+    assert "TEST_PLUGIN" in registry.names()
+
+
+def test_registration_refuses_what_cannot_work(plugin):
+    with pytest.raises(registry.RegistrationError, match="is registered"):
+        registry.register(plugin)
+
+    class Reserved(_Plugin):
+        name = "EAGLE"
+
+    with pytest.raises(registry.RegistrationError, match="reserved"):
+        registry.register(Reserved)
+
+    class NoHook(SpeculativeAlgorithm):
+        name = "NO_HOOK"
+        capabilities = EAGLE_LIKE
+
+    with pytest.raises(registry.RegistrationError, match="build_disagg_draft_input"):
+        registry.register(NoHook)
+
+    class NoCapabilities(_Plugin):
+        name = "NO_CAPS"
+        capabilities = None
+
+    with pytest.raises(registry.RegistrationError, match="capabilities"):
+        registry.register(NoCapabilities)
+    with pytest.raises(registry.RegistrationError, match="not a SpeculativeAlgorithm"):
+        registry.register(dict)
+    with pytest.raises(registry.UnknownAlgorithm, match="NOPE"):
+        registry.get("NOPE")
+
+
+def test_buffers_are_sized_from_the_draft_config_alone(plugin):
+    algorithm = plugin(SpecSettings("TEST_PLUGIN", num_steps=3, eagle_topk=4, num_draft_tokens=8))
+    spec = algorithm.metadata_spec({"hidden_size": 32}, "bfloat16")
+    assert (spec.topk, spec.hidden_size, spec.hidden_dtype) == (4, 32, "bfloat16")
+    # hc_mult = 2 doubles the width that crosses prefill -> decode.
+    assert algorithm.metadata_spec({"hidden_size": 32, "hc_mult": 2}, "bfloat16").hidden_size == 64
+    with pytest.raises(SpeculativeConfigError, match="draft-model-path"):
+        algorithm.metadata_spec(None, "bfloat16")
+
+
+def test_an_algorithm_without_hidden_state_carries_none():
+    class Standalone(_Plugin):
+        name = "TEST_STANDALONE"
+        capabilities = Capabilities(has_draft_kv=True, carries_hidden=False, seeds_topk=True)
+
+    spec = Standalone(SpecSettings("TEST_STANDALONE")).metadata_spec({"hidden_size": 32}, "bf16")
+    assert spec.hidden_size is None and spec.hidden_dtype is None and spec.topk == 1
+
+
+def test_settings_name_the_bad_flag():
+    with pytest.raises(SpeculativeConfigError, match="num-steps"):
+        SpecSettings("EAGLE", num_steps=0)
+    with pytest.raises(SpeculativeConfigError, match="eagle-topk"):
+        SpecSettings("EAGLE", eagle_topk=17)
+    with pytest.raises(SpeculativeConfigError, match="num-draft-tokens must be"):
+        SpecSettings("EAGLE", num_steps=3, eagle_topk=1, num_draft_tokens=3)
+
+
+def test_ngram_proposes_what_followed_the_latest_repeat_of_the_suffix():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert propose_ngram(tokens, num_draft=2) == [7, 8]  # latest earlier [1, 2, 3]
+    assert propose_ngram([4, 5, 6], num_draft=3) == []
+    assert propose_ngram([5, 5, 5], num_draft=4) == [5]
+    with pytest.raises(ValueError):
+        propose_ngram(tokens, num_draft=0)
+
+
+def test_greedy_verification_keeps_exactly_the_targets_tokens():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 5, 11, generator=generator)
+    target = logits.argmax(-1)
+    draft = target[:, :4].clone()
+    # Corrupt each row's draft from a random position on (or not at all).
+    cut = torch.randint(0, 5, (64,), generator=generator)
+    for row, position in enumerate(cut.tolist()):
+        if position < 4:
+            draft[row, position] = (draft[row, position] + 1) % 11
+    accepted, next_token = verify_greedy(logits, draft)
+    assert accepted.tolist() == cut.tolist()
+    assert next_token.tolist() == target[torch.arange(64), cut].tolist()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_sampling_verifier_emits_the_target_distribution(k):
+    """Fixed p (target) and q (draft) at every position, so the target's own output would be
+    i.i.d. p: the first two emitted tokens must each be p-distributed (total variation < 0.01
+    over 1e5 draws), and the acceptance rate must be the overlap of p and q."""
+    vocab, draws = 8, 100_000
+    generator = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(vocab, generator=generator) * 1.5, -1)
+    q = torch.softmax(torch.randn(vocab, generator=generator) * 1.5, -1)
+
+    def round_of(n: int):
+        draft = torch.multinomial(q, n * k, replacement=True, generator=generator).view(n, k)
+        target, proposal = p.expand(n, k + 1, vocab), q.expand(n, k, vocab)
+        return (draft, *verify_sampling(target, proposal, draft, generator))
+
+    def tv(tokens) -> float:
+        empirical = torch.bincount(tokens, minlength=vocab).double() / tokens.numel()
+        return 0.5 * (empirical - p.double()).abs().sum().item()
+
+    draft, accepted, next_token = round_of(draws)
+    # Emitted: the accepted draft tokens, then next_token; the next round goes on from there.
+    first = torch.where(accepted > 0, draft[:, 0], next_token)
+    second = torch.where(accepted > 1, draft[:, min(1, k - 1)], next_token)
+    restart = accepted == 0  # one token this round: the second comes from a new round
+    fresh_draft, fresh_accepted, fresh_next = round_of(int(restart.sum()))
+    second[restart] = torch.where(fresh_accepted > 0, fresh_draft[:, 0], fresh_next)
+    assert tv(first) < 0.01
+    assert tv(second) < 0.01
+    overlap = torch.minimum(p, q).sum().item()
+    assert abs((accepted > 0).double().mean().item() - overlap) < 0.01
+
+
+def test_sampling_verifier_accepts_everything_when_draft_equals_target():
+    probs = torch.softmax(torch.randn(4, 3, 6), -1)
+    draft = torch.stack([torch.multinomial(probs[:, i], 1).squeeze(1) for i in range(2)], 1)
+    accepted, next_token = verify_sampling(probs, probs[:, :2], draft)
+    assert accepted.tolist() == [2, 2, 2, 2] and (next_token >= 0).all()
