@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -156,8 +157,6 @@ def _check(url: str) -> int:
 
 def watch_parent() -> None:
     """Exit (SIGTERM to ourselves) when the launching process is gone, if asked to."""
-    import os
-
     expected = os.environ.get("PDSERVE_EXIT_WITH_PARENT")
     if not expected:
         return

@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 from fastapi.responses import Response, StreamingResponse
@@ -47,7 +47,6 @@ class _Legs:
     decode: httpx.Response
     head: bytes  # the first SSE event (stream) or the whole body
     chunks: AsyncIterator[bytes] | None = None
-    released: list[Worker] = field(default_factory=list)
 
 
 class Proxy:

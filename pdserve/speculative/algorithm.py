@@ -72,9 +72,6 @@ class SpeculativeAlgorithm(abc.ABC):
     def __init__(self, settings: SpecSettings):
         self.settings = settings
 
-    def needs_draft_model(self) -> bool:
-        return self.capabilities.has_draft_kv or self.capabilities.carries_hidden
-
     def metadata_spec(
         self, draft_config: dict[str, Any] | None, hidden_dtype: str | None
     ) -> MetadataSpec:

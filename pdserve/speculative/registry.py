@@ -34,12 +34,7 @@ _entry_points_loaded = False
 
 def register(cls: type[SpeculativeAlgorithm]) -> type[SpeculativeAlgorithm]:
     """Class decorator for third-party algorithms."""
-    _add(cls, builtin=False)
-    return cls
-
-
-def register_builtin(cls: type[SpeculativeAlgorithm]) -> type[SpeculativeAlgorithm]:
-    _add(cls, builtin=True)
+    _add(cls)
     return cls
 
 
@@ -84,13 +79,13 @@ def unregister(name: str) -> None:
         _algorithms.pop(name, None)
 
 
-def _add(cls: type, *, builtin: bool) -> None:
+def _add(cls: type) -> None:
     if not isinstance(cls, type) or not issubclass(cls, SpeculativeAlgorithm):
         raise RegistrationError(f"{cls!r} is not a SpeculativeAlgorithm subclass")
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
         raise RegistrationError(f"{cls.__name__} has no `name`")
-    if not builtin and name.upper() in RESERVED:
+    if name.upper() in RESERVED:
         raise RegistrationError(f"{name!r} is reserved for pdserve's built-in algorithms")
     if not isinstance(getattr(cls, "capabilities", None), Capabilities):
         raise RegistrationError(f"{cls.__name__} has no `capabilities` (a Capabilities)")
