@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.spec_config import SpecSettings
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -35,6 +37,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     cpu_kv_cache_cap: int = 1 << 30
+    speculative: SpecSettings | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -32,7 +32,13 @@ logger = logging.getLogger(__name__)
 
 
 class Engine:
+    speculative = False  # SpeculativeEngine (pdserve.speculative) drafts and verifies
+
     def __init__(self, config: EngineConfig):
+        if config.speculative is not None and not self.speculative:
+            raise ValueError(
+                "speculative settings need pdserve.speculative.build_engine, not Engine"
+            )
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         self.device = resolve_device(config.device)
@@ -49,14 +55,10 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
-        self.model = load_model(
-            config.model_path, self.model_config, self.device, self.dtype, self.max_model_len
-        )
+        self.model = self._load_models()
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids)
-        self.kv_pool: KVPool = build_kv_pool(
-            config, self.model_config, self.model, self.device, self.dtype, self.max_model_len
-        )
+        self.kv_pool: KVPool = self._build_kv_pools()
         self.allocator = PageAllocator(self.kv_pool.num_pages)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -64,6 +66,7 @@ class Engine:
                 max_running_requests=config.max_running_requests,
                 prefill_token_budget=config.prefill_token_budget,
                 split_prompts=config.split_prompts,
+                lookahead=self._lookahead_slots(),
             ),
             self.allocator,
         )
@@ -81,6 +84,33 @@ class Engine:
             config.page_size,
             self.max_model_len,
         )
+
+    # ---- start-up steps a speculative engine extends ---------------------------------------
+
+    def _load_models(self):
+        return load_model(
+            self.config.model_path, self.model_config, self.device, self.dtype, self.max_model_len
+        )
+
+    def _build_kv_pools(self, extra_page_bytes: int = 0) -> KVPool:
+        """The target's pool; `extra_page_bytes` is what other pools sharing its page ids
+        (a draft model's) take per page."""
+        return build_kv_pool(
+            self.config,
+            self.model_config,
+            self.model,
+            self.device,
+            self.dtype,
+            self.max_model_len,
+            extra_page_bytes=extra_page_bytes,
+        )
+
+    def _lookahead_slots(self) -> int:
+        return 0
+
+    def kv_tokens_for_transfer(self, num_prompt_tokens: int) -> int:
+        """Token slots of KV a handoff moves for a prompt of this length."""
+        return num_prompt_tokens
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
@@ -150,10 +180,12 @@ class Engine:
         first_token: int,
         first_logprob: float | None = None,
         first_top_logprobs: dict[int, float] | None = None,
+        draft_state=None,
     ) -> RequestOutput:
         """Join the running batch with the prompt's KV already in `pages` (the decode side of
         a handoff) and the first token sampled elsewhere. No forward pass: the next step
         decodes from here. Returns the first token's output (it may already finish).
+        `draft_state` is the speculative algorithm's first draft input (decode side).
         NOTE: admission (max_running_requests, free pages) is the decode worker's job: it
         reserved these pages before the transfer started."""
         token_ids = self.validate_prompt(prompt_token_ids)
@@ -164,6 +196,7 @@ class Engine:
         request = self._new_request(request_id, token_ids, params)
         request.pages = list(pages)
         request.num_computed_tokens = len(token_ids)
+        request.draft_state = draft_state
         self.scheduler.add_running(request)
         if params.logprobs and first_logprob is not None and first_top_logprobs is None:
             first_top_logprobs = {}  # NOTE: keeps one top-N entry per token, even if empty
@@ -246,6 +279,11 @@ class Engine:
 
     def _accept_token(self, request: Request, token: int, logprob, top) -> RequestOutput:
         """Append a sampled token, apply stop conditions, and report it."""
+        self._append_token(request, token, logprob, top)
+        return self._output(request, [token])
+
+    def _append_token(self, request: Request, token: int, logprob, top) -> None:
+        """Append a token and apply stop conditions (the request may finish)."""
         request.append_token(token)
         if logprob is not None:
             request.logprobs.append(logprob)
@@ -260,7 +298,6 @@ class Engine:
             self.requests.pop(request.request_id, None)
             if request.hold_pages:
                 self.held[request.request_id] = request
-        return self._output(request, [token])
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         p = request.sampling_params
@@ -295,4 +332,6 @@ class Engine:
             # growing while the request runs.
             logprobs=request.logprobs if want_logprobs else None,
             top_logprobs=request.top_logprobs if request.sampling_params.logprobs else None,
+            spec_verify_ct=request.spec_verify_steps,
+            spec_emitted_tokens=request.spec_emitted_tokens,
         )

@@ -33,7 +33,14 @@ class LLM:
         return llm
 
     def _start(self, config: EngineConfig) -> None:
-        self.engine = Engine(config)
+        if config.speculative is None:
+            self.engine = Engine(config)
+        else:
+            # NOTE: the one place the engine package reaches into speculative/ (which builds
+            # on the engine): the offline entry point composes the two, like the CLI does.
+            from pdserve.speculative.engine import SpeculativeEngine
+
+            self.engine = SpeculativeEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -76,14 +76,18 @@ def build_kv_pool(
     device: torch.device,
     dtype: torch.dtype,
     max_model_len: int,
+    extra_page_bytes: int = 0,
 ) -> KVPool:
-    page_bytes = KVPool.bytes_per_page(
+    """The target's KV pool. `extra_page_bytes`: bytes per page of other pools that share
+    its page ids (a draft model's), counted against the same budget."""
+    target_page_bytes = KVPool.bytes_per_page(
         model_config.num_layers,
         config.page_size,
         model_config.num_kv_heads,
         model_config.head_dim,
         dtype,
     )
+    page_bytes = target_page_bytes + extra_page_bytes
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
     elif device.type == "cuda":

@@ -22,10 +22,19 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int], SampleResult]:
         """Compute the batch's new tokens; return the indices (into the batch) of requests that
         sampled a token and what they sampled."""
+        sampling, result, _ = self.run_with_features(batch, None)
+        return sampling, result
+
+    @torch.inference_mode()
+    def run_with_features(
+        self, batch: ScheduledBatch, capture: str | tuple[int, ...] | None
+    ) -> tuple[list[int], SampleResult, torch.Tensor | None]:
+        """`run`, also returning the target features a draft model reads, one row per new
+        token: the final hidden states (capture "final"), the outputs of the given layers
+        side by side (a tuple of layer ids), or None."""
         requests = batch.requests
         input_ids = [
             token
@@ -42,8 +51,15 @@ class ModelRunner:
             device=self.device,
         )
         ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        hidden = self.model(ids, ctx.positions, self.kv_pool, ctx)
+        features = None
+        if isinstance(capture, tuple):
+            hidden, features = self.model.forward_capture(
+                ids, ctx.positions, self.kv_pool, ctx, capture
+            )
+        else:
+            hidden = self.model(ids, ctx.positions, self.kv_pool, ctx)
+            features = hidden if capture == "final" else None
         sampling = [i for i in range(len(batch)) if batch.samples(i)]
         last_rows = [ctx.query_starts[i] + ctx.query_lens[i] - 1 for i in sampling]
         logits = self.model.compute_logits(hidden[last_rows])
-        return sampling, self.sampler(logits, [requests[i] for i in sampling])
+        return sampling, self.sampler(logits, [requests[i] for i in sampling]), features

@@ -27,3 +27,6 @@ class RequestOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     prompt: str | None = None
+    # Speculative decoding: verify steps so far and the tokens they emitted.
+    spec_verify_ct: int = 0
+    spec_emitted_tokens: int = 0

@@ -47,6 +47,11 @@ class Request:
     num_preemptions: int = 0
     # Prefill worker: keep the pages when the request ends, until its KV was sent.
     hold_pages: bool = False
+    # Speculative decoding: the algorithm's state for the next draft (None until the draft
+    # has seen the sequence: fresh, preempted), verify steps run and tokens they emitted.
+    draft_state: Any = None
+    spec_verify_steps: int = 0
+    spec_emitted_tokens: int = 0
     # Per-request state owned by other components (sampler generator, detokenizer).
     generator: Any = None
     detokenizer: Any = None

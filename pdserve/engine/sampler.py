@@ -39,15 +39,12 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
-        self._suppress_stop_tokens(logits, requests)
-        for row, request in enumerate(requests):
-            if request.sampling_params.uses_penalties:
-                _apply_penalties(logits[row], request)
+        self.process_logits(logits, requests)
 
         tokens = logits.argmax(dim=-1)
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sample_rows:
-            probs = _filtered_probs(logits[sample_rows], [params[i] for i in sample_rows])
+            probs = filtered_probs(logits[sample_rows], [params[i] for i in sample_rows])
             tokens[sample_rows] = self._draw(probs, [requests[i] for i in sample_rows])
 
         token_ids = tokens.tolist()
@@ -63,6 +60,14 @@ class Sampler:
                     values, ids = raw_logprobs[j].topk(n)
                     top[row] = dict(zip(ids.tolist(), values.tolist(), strict=True))
         return SampleResult(token_ids, logprobs, top)
+
+    def process_logits(self, logits: torch.Tensor, requests) -> None:
+        """In place: stop tokens suppressed before min_new_tokens, then penalties. `requests`
+        need `sampling_params`, `token_ids`, `output_token_ids` and `num_output_tokens`."""
+        self._suppress_stop_tokens(logits, requests)
+        for row, request in enumerate(requests):
+            if request.sampling_params.uses_penalties:
+                _apply_penalties(logits[row], request)
 
     def _suppress_stop_tokens(self, logits: torch.Tensor, requests: list[Request]) -> None:
         for row, request in enumerate(requests):
@@ -100,7 +105,7 @@ def _apply_penalties(row_logits: torch.Tensor, request: Request) -> None:
         row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
-def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p, renormalized."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device)

@@ -43,6 +43,9 @@ class SchedulerConfig:
     max_running_requests: int
     prefill_token_budget: int
     split_prompts: bool
+    # Pages for this many slots beyond the scheduled tokens (speculative decoding writes
+    # draft and verification KV there; the engine trims what was rejected).
+    lookahead: int = 0
 
 
 class Scheduler:
@@ -109,7 +112,8 @@ class Scheduler:
         return 0 if batch_has_work else remaining
 
     def _pages_for(self, request: Request, count: int) -> int:
-        total = pages_needed(request.num_computed_tokens + count, self.config.page_size)
+        slots = request.num_computed_tokens + count + self.config.lookahead
+        total = pages_needed(slots, self.config.page_size)
         return max(total - len(request.pages), 0)
 
     def _reserve(self, request: Request, count: int, scheduled: set[int]) -> bool:
@@ -134,6 +138,7 @@ class Scheduler:
         self.running.remove(request)
         self._release_pages(request)
         request.num_computed_tokens = 0
+        request.draft_state = None  # its draft KV went with its pages
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -157,6 +162,13 @@ class Scheduler:
         the running batch directly: no prefill, the next step decodes its first token."""
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+
+    def trim_pages(self, request: Request, num_slots: int) -> None:
+        """Free the pages past the first `num_slots` slots (rejected speculative KV)."""
+        keep = pages_needed(num_slots, self.config.page_size)
+        if len(request.pages) > keep:
+            self.allocator.free(request.pages[keep:])
+            del request.pages[keep:]
 
     def _release_pages(self, request: Request) -> None:
         if request.pages:

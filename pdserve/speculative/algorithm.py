@@ -1,76 +1,93 @@
-"""What a speculative algorithm is: its capabilities, its settings, the metadata it moves from
-prefill to decode, and the hook that turns that metadata into its first draft input.
+"""What a speculative algorithm is: its capabilities, its settings, how it drafts, the metadata
+it moves from prefill to decode, and the hook that turns that metadata into its first draft
+input.
 
 Buffers are sized from configs alone (the draft's `spec_hidden_size`, hc_mult aware), so a
 rank that has not loaded the draft sizes them the same way. Two hidden widths exist and are
 never confused: the draft's recurrent width (what crosses prefill -> decode, sized here) and
-the target's capture width (extend phase; the algorithm's own business).
+the target's capture width (extend phase: `ExtendItem.features`, the algorithm's own business).
+
+The speculative engine drives an algorithm through four calls: `load` (draft models, before
+the KV pools are sized), `build_pools` (draft KV sharing the target's page ids), `extend`
+(after the target computed tokens: catch the draft up, return each request's next
+`DraftState`) and `propose` (a `DraftTree` per request). Algorithms without a draft model
+(NGRAM, most plugins) implement only `propose` and the disaggregation hook.
 """
 
 from __future__ import annotations
 
 import abc
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
-from pdserve.transfer.metadata_spec import MAX_TOPK, MetadataSpec
+from pdserve.engine.spec_config import SpecSettings, SpeculativeConfigError
+from pdserve.speculative.state import DraftBatch, DraftState, ExtendItem
+from pdserve.speculative.tree import DraftTree
+from pdserve.transfer.metadata_spec import MetadataSpec
+
+__all__ = [
+    "Capabilities",
+    "DraftInputError",
+    "SpecSettings",
+    "SpeculativeAlgorithm",
+    "SpeculativeConfigError",
+]
 
 
-class SpeculativeConfigError(ValueError):
-    """Speculative settings that cannot work; the message names the setting."""
+class DraftInputError(ValueError):
+    """Metadata from prefill that cannot seed this algorithm's first draft step."""
 
 
 @dataclass(frozen=True)
 class Capabilities:
     """has_draft_kv: the draft keeps its own KV cache (moved prefill -> decode with the target's).
     carries_hidden: a hidden-state row seeds the first draft step (EAGLE family).
-    seeds_topk: the target's top-k (probabilities, ids) seeds the first draft step."""
+    seeds_topk: the draft's top-k (probabilities, ids) seeds the first draft step."""
 
     has_draft_kv: bool
     carries_hidden: bool
     seeds_topk: bool
 
 
-@dataclass(frozen=True)
-class SpecSettings:
-    """The `--speculative-*` flags (SGLang's names)."""
-
-    algorithm: str
-    draft_model_path: str | None = None
-    num_steps: int = 3
-    eagle_topk: int = 1
-    num_draft_tokens: int = 4
-
-    def __post_init__(self) -> None:
-        if self.num_steps < 1:
-            raise SpeculativeConfigError(
-                f"--speculative-num-steps must be at least 1, got {self.num_steps}"
-            )
-        if not 1 <= self.eagle_topk <= MAX_TOPK:
-            raise SpeculativeConfigError(
-                f"--speculative-eagle-topk must be in [1, {MAX_TOPK}], got {self.eagle_topk}"
-            )
-        if self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
-            raise SpeculativeConfigError(
-                "with --speculative-eagle-topk 1 (a chain) --speculative-num-draft-tokens must "
-                f"be --speculative-num-steps + 1 = {self.num_steps + 1}, got "
-                f"{self.num_draft_tokens}"
-            )
-        if self.num_draft_tokens < 2:
-            raise SpeculativeConfigError(
-                f"--speculative-num-draft-tokens must be at least 2, got {self.num_draft_tokens}"
-            )
-
-
 class SpeculativeAlgorithm(abc.ABC):
-    """Subclass, set `name` and `capabilities`, implement the hook, and register it
-    (`pdserve.speculative.registry.register`, or the `pdserve.speculative` entry points)."""
+    """Subclass, set `name` and `capabilities`, implement `propose` and
+    `build_disagg_draft_input`, and register it (`pdserve.speculative.registry.register`, or
+    the `pdserve.speculative` entry points)."""
 
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
 
     def __init__(self, settings: SpecSettings):
         self.settings = settings
+        self.check_settings()
+
+    # ---- configuration, from configs alone ------------------------------------------
+
+    def check_settings(self) -> None:
+        caps = self.capabilities
+        needs_draft = caps.has_draft_kv or caps.carries_hidden
+        if needs_draft and not self.settings.draft_model_path:
+            raise SpeculativeConfigError(
+                f"{self.name} drafts with a model: it needs --speculative-draft-model-path"
+            )
+        if not needs_draft and self.settings.draft_model_path:
+            raise SpeculativeConfigError(
+                f"{self.name} has no draft model; drop --speculative-draft-model-path"
+            )
+
+    def draft_config(self) -> dict[str, Any] | None:
+        """The draft's HF config, read from --speculative-draft-model-path (None if none)."""
+        path = self.settings.draft_model_path
+        if not path:
+            return None
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise SpeculativeConfigError(
+                f"--speculative-draft-model-path {path}: no config.json there"
+            )
+        return json.loads(config_file.read_text())
 
     def metadata_spec(
         self, draft_config: dict[str, Any] | None, hidden_dtype: str | None
@@ -89,9 +106,99 @@ class SpeculativeAlgorithm(abc.ABC):
             hidden_dtype=hidden_dtype if caps.carries_hidden else None,
         )
 
+    def lookahead_slots(self) -> int:
+        """KV slots past the last committed token one step may write: the verified tokens,
+        and the draft's tree nodes (draft models)."""
+        s = self.settings
+        fed = (s.num_steps - 1) * s.eagle_topk
+        return max(s.num_draft_tokens, fed + 1) + 1
+
+    # ---- runtime: the speculative engine calls these ---------------------------------
+
+    def target_capture(self) -> str | tuple[int, ...] | None:
+        """Target features the draft reads: None, "final" hidden states, or layer ids."""
+        return None
+
+    def load(self, engine) -> None:
+        """Load draft models (before the KV pools are sized). Default: nothing."""
+        self.engine = engine
+
+    def draft_page_bytes(self) -> int:
+        """Bytes per page of the draft's KV (0 without draft KV)."""
+        return 0
+
+    def build_pools(self, num_pages: int) -> None:
+        """Allocate the draft's KV pools, `num_pages` pages sharing the target's page ids.
+        Default: none."""
+        return None
+
+    def draft_pools(self) -> list:
+        return []
+
+    def extend(self, items: list[ExtendItem]) -> list[DraftState]:
+        """Catch the draft up on target tokens computed this step; the next draft input of
+        each item's request (used once the request is fully computed)."""
+        return [DraftState() for _ in items]
+
     @abc.abstractmethod
-    def build_disagg_draft_input(self, batch: Any, last_tokens: Any, records: list) -> Any:
+    def propose(self, requests: list) -> list[DraftTree]:
+        """A draft tree per request, from `request.token_ids` and `request.draft_state`.
+        At most `num_draft_tokens - 1` nodes and depth `num_steps`."""
+
+    @abc.abstractmethod
+    def build_disagg_draft_input(
+        self, batch: DraftBatch, last_tokens: list[int], records: list
+    ) -> list[DraftState]:
         """Turn the metadata records received from prefill into this algorithm's first draft
-        input on the decode side. Required: raise a clear error where it cannot proceed (an
-        empty batch it cannot handle, a missing hidden state, a width or topk that disagrees
-        with the handshake); never return None."""
+        input on the decode side, one per record. Required: raise a clear error where it
+        cannot proceed (an empty batch it cannot handle, a missing hidden state, a width or
+        topk that disagrees with the handshake); never return None."""
+
+
+def draft_states_from_records(
+    algorithm: SpeculativeAlgorithm, batch: DraftBatch, last_tokens: list[int], records: list
+) -> list[DraftState]:
+    """The built-ins' hook body: check every record against the handshake and the
+    algorithm's capabilities, and move its tensors to the engine's device."""
+    if not len(records) == len(last_tokens) == len(batch.request_ids):
+        raise DraftInputError(
+            f"{len(records)} records, {len(last_tokens)} last tokens and "
+            f"{len(batch.request_ids)} requests: they must match one to one"
+        )
+    caps, spec = algorithm.capabilities, batch.spec
+    states = []
+    for request_id, record in zip(batch.request_ids, records, strict=True):
+        where = f"{algorithm.name} request {request_id}"
+        hidden = record.hidden_states
+        if caps.carries_hidden:
+            if hidden is None:
+                raise DraftInputError(f"{where}: the metadata has no hidden_states, needed")
+            if spec.hidden_size is None or hidden.numel() != spec.hidden_size:
+                raise DraftInputError(
+                    f"{where}: hidden_states width {hidden.numel()} != spec_hidden_size "
+                    f"{spec.hidden_size} agreed in the handshake"
+                )
+        elif hidden is not None:
+            raise DraftInputError(f"{where}: hidden_states given, but it carries none")
+        if caps.seeds_topk:
+            for name in ("topk_p", "topk_index"):
+                value = getattr(record, name)
+                count = None if value is None else value.numel()
+                if count != spec.topk or count != algorithm.settings.eagle_topk:
+                    raise DraftInputError(
+                        f"{where}: {name} has {count} entries; the handshake agreed topk "
+                        f"{spec.topk} and this worker drafts with topk "
+                        f"{algorithm.settings.eagle_topk}"
+                    )
+        states.append(
+            DraftState(
+                topk_p=_to(record.topk_p, batch.device) if caps.seeds_topk else None,
+                topk_index=_to(record.topk_index, batch.device) if caps.seeds_topk else None,
+                hidden=_to(hidden, batch.device) if caps.carries_hidden else None,
+            )
+        )
+    return states
+
+
+def _to(tensor, device):
+    return tensor.to(device).clone()

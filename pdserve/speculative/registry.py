@@ -30,6 +30,7 @@ class UnknownAlgorithm(KeyError):
 _algorithms: dict[str, type[SpeculativeAlgorithm]] = {}
 _lock = threading.Lock()
 _entry_points_loaded = False
+_builtins_loaded = False
 
 
 def register(cls: type[SpeculativeAlgorithm]) -> type[SpeculativeAlgorithm]:
@@ -39,6 +40,7 @@ def register(cls: type[SpeculativeAlgorithm]) -> type[SpeculativeAlgorithm]:
 
 
 def get(name: str) -> type[SpeculativeAlgorithm]:
+    _load_builtins()
     load_entry_points()
     with _lock:
         if name not in _algorithms:
@@ -48,6 +50,7 @@ def get(name: str) -> type[SpeculativeAlgorithm]:
 
 
 def names() -> list[str]:
+    _load_builtins()
     load_entry_points()
     with _lock:
         return sorted(_algorithms)
@@ -79,13 +82,29 @@ def unregister(name: str) -> None:
         _algorithms.pop(name, None)
 
 
-def _add(cls: type) -> None:
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    from pdserve.speculative.eagle import Eagle, Eagle3
+    from pdserve.speculative.ngram import Ngram
+    from pdserve.speculative.standalone import Standalone
+
+    with _lock:
+        if _builtins_loaded:
+            return
+        _builtins_loaded = True
+    for cls in (Eagle, Eagle3, Standalone, Ngram):
+        _add(cls, builtin=True)
+
+
+def _add(cls: type, *, builtin: bool = False) -> None:
     if not isinstance(cls, type) or not issubclass(cls, SpeculativeAlgorithm):
         raise RegistrationError(f"{cls!r} is not a SpeculativeAlgorithm subclass")
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
         raise RegistrationError(f"{cls.__name__} has no `name`")
-    if name.upper() in RESERVED:
+    if name.upper() in RESERVED and not builtin:
         raise RegistrationError(f"{name!r} is reserved for pdserve's built-in algorithms")
     if not isinstance(getattr(cls, "capabilities", None), Capabilities):
         raise RegistrationError(f"{cls.__name__} has no `capabilities` (a Capabilities)")
@@ -95,6 +114,9 @@ def _add(cls: type) -> None:
             f"{cls.__name__} does not implement build_disagg_draft_input; every algorithm "
             "must, so that disaggregated decode never starts from a missing draft input"
         )
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        raise RegistrationError(f"{cls.__name__} does not implement {', '.join(missing)}")
     with _lock:
         if name in _algorithms:
             raise RegistrationError(f"a speculative algorithm named {name!r} is registered")

@@ -84,3 +84,61 @@ def _check(target: torch.Tensor, draft: torch.Tensor) -> None:
             f"target has {list(target.shape[:2])} rows/positions; draft {list(draft.shape)} "
             "needs [B, k+1]"
         )
+
+
+# ---- trees of deterministic proposals (what the engine verifies) ---------------------------
+#
+# Drafts in the engine are deterministic (a draft model's top-k, an n-gram match): the
+# proposal distribution of each candidate is a point mass. Rows are 0 for the root (the last
+# committed token) and i + 1 for tree node i; row r's distribution is the target's next-token
+# distribution after the root's path to r.
+#
+# - greedy: from the root, follow the child whose token is the target's choice at the current
+#   row; stop at the first row none matches and emit the target's choice there. Exactly the
+#   target's greedy tokens.
+# - sampling (recursive rejection with point-mass proposals): at row r with distribution p and
+#   children c_1..c_m, accept c_1 with probability p(c_1); if rejected, set p(c_1) = 0,
+#   renormalize and try c_2, and so on; after the last rejection emit a draw from the
+#   renormalized residual. For a point mass q = delta_c the speculative-sampling rule accepts
+#   with min(1, p(c) / 1) = p(c) and the residual norm(max(p - q, 0)) is p without c, so each
+#   emitted token is distributed exactly as p: P(c_1) = p(c_1) and, for x not c_1,
+#   P(x) = (1 - p(c_1)) * p(x) / (1 - p(c_1)) = p(x), applied recursively.
+
+
+def accept_greedy(tree, choices: list[int]) -> tuple[list[int], int]:
+    """choices[r]: the target's token at row r. -> (accepted nodes root to leaf, bonus)."""
+    path: list[int] = []
+    row = 0
+    while True:
+        want = choices[row]
+        parent = path[-1] if path else -1
+        nxt = next((c for c in tree.children(parent) if tree.tokens[c] == want), None)
+        if nxt is None:
+            return path, want
+        path.append(nxt)
+        row = nxt + 1
+
+
+def accept_sampling(tree, probs_of_row, generator: torch.Generator | None = None):
+    """probs_of_row(r) -> the target's distribution [V] at row r (normalized). -> (accepted
+    nodes root to leaf, the token emitted after them)."""
+    path: list[int] = []
+    row = 0
+    while True:
+        p = probs_of_row(row).clone()
+        parent = path[-1] if path else -1
+        accepted = None
+        for child in tree.children(parent):
+            token = tree.tokens[child]
+            total = float(p.sum())
+            if total <= 0:
+                break
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if u * total < float(p[token]):
+                accepted = child
+                break
+            p[token] = 0.0
+        if accepted is None:
+            return path, int(_sample(p[None, :], generator)[0])
+        path.append(accepted)
+        row = accepted + 1

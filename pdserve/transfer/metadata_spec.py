@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.model_config import spec_hidden_size_of
-
-MAX_TOPK = 16
+from pdserve.engine.spec_config import MAX_TOPK
 
 
 class MetadataSpecError(ValueError):

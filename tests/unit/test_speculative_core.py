@@ -16,8 +16,14 @@ from pdserve.speculative.algorithm import (
     SpeculativeAlgorithm,
     SpeculativeConfigError,
 )
-from pdserve.speculative.ngram import propose_ngram
-from pdserve.speculative.verify import verify_greedy, verify_sampling
+from pdserve.speculative.ngram import propose_ngram, propose_ngram_tree
+from pdserve.speculative.tree import ROOT, DraftTree
+from pdserve.speculative.verify import (
+    accept_greedy,
+    accept_sampling,
+    verify_greedy,
+    verify_sampling,
+)
 
 EAGLE_LIKE = Capabilities(has_draft_kv=True, carries_hidden=True, seeds_topk=True)
 
@@ -25,6 +31,9 @@ EAGLE_LIKE = Capabilities(has_draft_kv=True, carries_hidden=True, seeds_topk=Tru
 class _Plugin(SpeculativeAlgorithm):
     name: ClassVar[str] = "TEST_PLUGIN"
     capabilities: ClassVar[Capabilities] = EAGLE_LIKE
+
+    def propose(self, requests):
+        return [DraftTree.empty() for _ in requests]
 
     def build_disagg_draft_input(self, batch, last_tokens, records):
         if not records:
@@ -61,6 +70,16 @@ def test_registration_refuses_what_cannot_work(plugin):
     with pytest.raises(registry.RegistrationError, match="build_disagg_draft_input"):
         registry.register(NoHook)
 
+    class NoPropose(SpeculativeAlgorithm):
+        name = "NO_PROPOSE"
+        capabilities = EAGLE_LIKE
+
+        def build_disagg_draft_input(self, batch, last_tokens, records):
+            return []
+
+    with pytest.raises(registry.RegistrationError, match="does not implement propose"):
+        registry.register(NoPropose)
+
     class NoCapabilities(_Plugin):
         name = "NO_CAPS"
         capabilities = None
@@ -74,7 +93,9 @@ def test_registration_refuses_what_cannot_work(plugin):
 
 
 def test_buffers_are_sized_from_the_draft_config_alone(plugin):
-    algorithm = plugin(SpecSettings("TEST_PLUGIN", num_steps=3, eagle_topk=4, num_draft_tokens=8))
+    algorithm = plugin(
+        SpecSettings("TEST_PLUGIN", "draft", num_steps=3, eagle_topk=4, num_draft_tokens=8)
+    )
     spec = algorithm.metadata_spec({"hidden_size": 32}, "bfloat16")
     assert (spec.topk, spec.hidden_size, spec.hidden_dtype) == (4, 32, "bfloat16")
     # hc_mult = 2 doubles the width that crosses prefill -> decode.
@@ -88,7 +109,9 @@ def test_an_algorithm_without_hidden_state_carries_none():
         name = "TEST_STANDALONE"
         capabilities = Capabilities(has_draft_kv=True, carries_hidden=False, seeds_topk=True)
 
-    spec = Standalone(SpecSettings("TEST_STANDALONE")).metadata_spec({"hidden_size": 32}, "bf16")
+    spec = Standalone(SpecSettings("TEST_STANDALONE", "draft")).metadata_spec(
+        {"hidden_size": 32}, "bf16"
+    )
     assert spec.hidden_size is None and spec.hidden_dtype is None and spec.topk == 1
 
 
@@ -162,3 +185,71 @@ def test_sampling_verifier_accepts_everything_when_draft_equals_target():
     draft = torch.stack([torch.multinomial(probs[:, i], 1).squeeze(1) for i in range(2)], 1)
     accepted, next_token = verify_sampling(probs, probs[:, :2], draft)
     assert accepted.tolist() == [2, 2, 2, 2] and (next_token >= 0).all()
+
+
+def test_builtins_are_registered_and_cannot_be_unregistered():
+    assert {"EAGLE", "EAGLE3", "STANDALONE", "NGRAM"} <= set(registry.names())
+    with pytest.raises(registry.RegistrationError, match="built-in"):
+        registry.unregister("EAGLE")
+
+
+def test_settings_refuse_more_draft_tokens_than_the_tree_holds():
+    assert SpecSettings("X", num_steps=3, eagle_topk=2, num_draft_tokens=11).tree_capacity == 10
+    with pytest.raises(SpeculativeConfigError, match="more than the 10 draft tokens"):
+        SpecSettings("X", num_steps=3, eagle_topk=2, num_draft_tokens=12)
+
+
+def test_draft_trees_know_depths_masks_and_truncation():
+    tree = DraftTree([7, 8, 9, 5], [ROOT, ROOT, 0, 2])
+    assert tree.depths == [1, 1, 2, 3] and not tree.is_chain
+    mask = tree.attention_mask()
+    assert mask[4] == [True, True, False, True, True]  # node 3: root, 0, 2, itself
+    assert mask[2] == [True, False, True, False, False]
+    assert tree.truncated(2) == DraftTree([7, 8, 9], [ROOT, ROOT, 0])
+    assert tree.path_tokens(3) == [7, 9, 5]
+    assert DraftTree.chain([4, 5, 6]).is_chain
+    with pytest.raises(ValueError, match="parents come first"):
+        DraftTree([1, 2], [1, ROOT])
+
+
+def test_ngram_tree_merges_distinct_continuations_into_a_trie():
+    tokens = [1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 1, 2]
+    tree = propose_ngram_tree(tokens, depth=2, topk=3, max_nodes=8)
+    paths = {tuple(tree.path_tokens(i)) for i in range(len(tree)) if not tree.children(i)}
+    assert paths == {(3, 5), (4, 1), (3, 1)}
+    assert tree.tokens[:1] == [3] and len(tree.children(ROOT)) == 2  # 3 is shared
+    assert len(propose_ngram_tree(tokens, depth=2, topk=3, max_nodes=2)) == 2
+
+
+def test_tree_greedy_acceptance_follows_the_targets_choices():
+    tree = DraftTree([7, 8, 9, 5], [ROOT, ROOT, 1, 2])
+    # rows: root, node0, node1, node2, node3; the target picks 8 at the root, then 9, then 6.
+    choices = [8, 0, 9, 6, 0]
+    assert accept_greedy(tree, choices) == ([1, 2], 6)
+    assert accept_greedy(tree, [3, 0, 0, 0, 0]) == ([], 3)
+    assert accept_greedy(tree, [8, 0, 9, 5, 4]) == ([1, 2, 3], 4)
+
+
+def test_tree_sampling_verifier_emits_the_target_distribution():
+    """Point-mass proposals (three siblings at the root, one grandchild) against a fixed p at
+    every row: the first and second emitted tokens must each be p-distributed (total
+    variation < 0.01 over 1e5 draws)."""
+    vocab, draws = 6, 100_000
+    generator = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(vocab, generator=generator) * 1.5, -1)
+    tree = DraftTree([2, 0, 4, 2], [ROOT, ROOT, ROOT, 0])
+    first, second = torch.empty(draws, dtype=torch.long), torch.empty(draws, dtype=torch.long)
+    for i in range(draws):
+        path, bonus = accept_sampling(tree, lambda row: p, generator)
+        emitted = [tree.tokens[n] for n in path] + [bonus]
+        if len(emitted) == 1:  # the next round starts afresh from the same p
+            path, bonus = accept_sampling(tree, lambda row: p, generator)
+            emitted += [tree.tokens[n] for n in path] + [bonus]
+        first[i], second[i] = emitted[0], emitted[1]
+
+    def tv(tokens) -> float:
+        empirical = torch.bincount(tokens, minlength=vocab).double() / draws
+        return 0.5 * (empirical - p.double()).abs().sum().item()
+
+    assert tv(first) < 0.01
+    assert tv(second) < 0.01

@@ -5,6 +5,11 @@ tokens mixed). Sequence i owns rows `query_starts[i] : query_starts[i] + query_l
 this step it has `kv_lens[i]` tokens of KV, the last `query_lens[i]` of them new. Decode-shaped
 sequences (one new token) are also described by dense tensors, so a backend can run them as one
 batched call and a CUDA graph can later capture that path with static shapes.
+
+Speculative decoding adds two things: explicit positions (a tree node's position is its depth,
+while its KV goes to the next free slot) and per-sequence masks (a tree node sees the cached
+prefix, its ancestors and itself). New tokens always occupy consecutive slots after the
+`num_computed` cached ones.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ class AttentionContext:
     decode_page_table: torch.Tensor  # [D, max_pages]
     decode_kv_lens: torch.Tensor  # [D]
     max_decode_kv_len: int
+    # Sequence index -> [query_len, kv_len] bool: which cached slots each new token may see
+    # (replaces the causal mask). Such sequences run on the multi-token path.
+    masks: dict[int, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -44,9 +52,12 @@ class AttentionContext:
         num_computed: list[int],
         query_lens: list[int],
         device: torch.device,
+        positions: list[list[int]] | None = None,
+        masks: dict[int, torch.Tensor] | None = None,
     ) -> AttentionContext:
         """Metadata for sequences that own `pages` and compute `query_lens` new tokens after
-        `num_computed` cached ones."""
+        `num_computed` cached ones, at slots num_computed.. and (unless `positions` says
+        otherwise) the same positions."""
         num_seqs = len(query_lens)
         kv_lens = [c + q for c, q in zip(num_computed, query_lens, strict=True)]
         max_pages = max((len(p) for p in pages), default=1) or 1
@@ -54,7 +65,7 @@ class AttentionContext:
         query_starts = [0] * num_seqs
         for i in range(1, num_seqs):
             query_starts[i] = query_starts[i - 1] + query_lens[i - 1]
-        positions = torch.cat(
+        storage = torch.cat(
             [
                 torch.arange(c, c + q, dtype=torch.int64)
                 for c, q in zip(num_computed, query_lens, strict=True)
@@ -63,8 +74,11 @@ class AttentionContext:
         seq_of_token = torch.repeat_interleave(
             torch.arange(num_seqs), torch.tensor(query_lens, dtype=torch.int64)
         )
-        slots = table[seq_of_token, positions // page_size] * page_size + positions % page_size
-        decode = [i for i, q in enumerate(query_lens) if q == 1]
+        slots = table[seq_of_token, storage // page_size] * page_size + storage % page_size
+        if positions is not None:
+            storage = torch.tensor([p for seq in positions for p in seq], dtype=torch.int64)
+        masks = masks or {}
+        decode = [i for i, q in enumerate(query_lens) if q == 1 and i not in masks]
         decode_index = torch.tensor(decode, dtype=torch.int64)
         decode_rows = torch.tensor([query_starts[i] for i in decode], dtype=torch.int64)
         decode_kv = torch.tensor([kv_lens[i] for i in decode], dtype=torch.int64)
@@ -74,15 +88,16 @@ class AttentionContext:
 
         return cls(
             page_size=page_size,
-            positions=to_device(positions),
+            positions=to_device(storage),
             slot_mapping=to_device(slots),
             query_starts=query_starts,
             query_lens=list(query_lens),
             kv_lens=kv_lens,
             page_table=to_device(table),
-            prefill_seqs=[i for i, q in enumerate(query_lens) if q > 1],
+            prefill_seqs=[i for i, q in enumerate(query_lens) if q > 1 or i in masks],
             decode_token_rows=to_device(decode_rows),
             decode_page_table=to_device(table[decode_index]),
             decode_kv_lens=to_device(decode_kv),
             max_decode_kv_len=max((kv_lens[i] for i in decode), default=0),
+            masks={i: to_device(m) for i, m in masks.items()} or None,
         )

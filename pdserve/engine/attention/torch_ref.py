@@ -69,8 +69,12 @@ def _prefill_one(q, k_cache, v_cache, ctx, seq, scale, sliding_window):
     pages = ctx.page_table[seq, : -(-kv_len // ctx.page_size)]
     keys = k_cache[pages].flatten(0, 1)[:kv_len].transpose(0, 1)  # [kv_heads, kv_len, head_dim]
     values = v_cache[pages].flatten(0, 1)[:kv_len].transpose(0, 1)
-    key_pos = torch.arange(kv_len, device=q.device)
-    mask = _allowed_keys(key_pos[kv_len - q_len :], key_pos, sliding_window).repeat(group, 1)
+    if ctx.masks is not None and seq in ctx.masks:
+        # NOTE: an explicit (tree) mask; the engine refuses speculation with sliding windows.
+        mask = ctx.masks[seq].repeat(group, 1)
+    else:
+        key_pos = torch.arange(kv_len, device=q.device)
+        mask = _allowed_keys(key_pos[kv_len - q_len :], key_pos, sliding_window).repeat(group, 1)
     grouped_q = q.transpose(0, 1).reshape(kv_heads, group * q_len, head_dim)
     attn = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask, scale=scale)
     return attn.reshape(num_heads, q_len, head_dim).transpose(0, 1)

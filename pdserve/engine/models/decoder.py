@@ -75,11 +75,16 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, kv_pool, ctx):
+    def forward(self, input_ids, positions, kv_pool, ctx, capture: tuple[int, ...] = ()):
+        """Normed final hidden states, and the outputs of the `capture` layers (in the order
+        given; what EAGLE-3 drafts read)."""
         h = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        captured: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(self.layers):
             h = layer(h, positions, kv_pool, ctx)
-        return self.norm(h)
+            if index in capture:
+                captured[index] = h
+        return self.norm(h), [captured[i] for i in capture]
 
 
 class CausalLM(nn.Module):
@@ -99,57 +104,84 @@ class CausalLM(nn.Module):
         ctx: AttentionContext,
     ) -> torch.Tensor:
         """Hidden states `[T, hidden]` of the flattened batch."""
-        return self.model(input_ids, positions, kv_pool, ctx)
+        return self.model(input_ids, positions, kv_pool, ctx)[0]
+
+    def forward_capture(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_pool: KVPool,
+        ctx: AttentionContext,
+        layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states, and the `layers`' outputs side by side `[T, len * hidden]`."""
+        hidden, captured = self.model(input_ids, positions, kv_pool, ctx, tuple(layers))
+        return hidden, torch.cat(captured, dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in; raise if any parameter stayed unset."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue  # tied: the embedding is the head
-            target, part = self._param_for(name)
-            if target not in params:
-                raise MissingWeightsError(f"checkpoint tensor {name!r} has no place in the model")
-            param = params[target]
-            dest = param if part is None else param.narrow(0, *self._slice_of(target, part))
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise MissingWeightsError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
-            loaded.add(f"{target}:{part}")
-        expected = set()
-        for target in params:
-            if target.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-                expected.update(f"{target}:{i}" for i in range(3))
-            elif target.endswith("gate_up_proj.weight"):
-                expected.update(f"{target}:{i}" for i in range(2))
-            elif not (target == "lm_head.weight" and self.config.tie_word_embeddings):
-                expected.add(f"{target}:None")
-        missing = sorted(expected - loaded)
-        if missing:
+        tied = self.config.tie_word_embeddings
+        load_checkpoint(
+            self,
+            self.config,
+            ((n, t) for n, t in weights if not (tied and n == "lm_head.weight")),
+            not_in_checkpoint={"lm_head.weight"} if tied else set(),
+        )
+
+
+@torch.no_grad()
+def load_checkpoint(
+    module: nn.Module,
+    config: ModelConfig,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    not_in_checkpoint: set[str] = frozenset(),
+) -> None:
+    """Copy checkpoint tensors (HF names; q/k/v and gate/up separate) into `module`'s
+    parameters (fused) and buffers; raise if a tensor has no place or a parameter stayed
+    unset (except those named in `not_in_checkpoint`)."""
+    params = dict(module.named_parameters())
+    params.update(module.named_buffers())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name:
+            continue
+        target, part = _param_for(name)
+        if target not in params:
+            raise MissingWeightsError(f"checkpoint tensor {name!r} has no place in the model")
+        param = params[target]
+        dest = param if part is None else param.narrow(0, *_slice_of(config, target, part))
+        if tuple(dest.shape) != tuple(tensor.shape):
             raise MissingWeightsError(
-                f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}"
+                f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}"
             )
+        dest.copy_(tensor)
+        loaded.add(f"{target}:{part}")
+    expected = set()
+    for target, _ in module.named_parameters():
+        if target.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+            expected.update(f"{target}:{i}" for i in range(3))
+        elif target.endswith("gate_up_proj.weight"):
+            expected.update(f"{target}:{i}" for i in range(2))
+        elif target not in not_in_checkpoint:
+            expected.add(f"{target}:None")
+    missing = sorted(expected - loaded)
+    if missing:
+        raise MissingWeightsError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
 
-    @staticmethod
-    def _param_for(name: str) -> tuple[str, int | None]:
-        parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in _FUSED:
-            fused, index = _FUSED[parts[-2]]
-            return ".".join([*parts[:-2], fused, parts[-1]]), index
-        return name, None
 
-    def _slice_of(self, target: str, part: int) -> tuple[int, int]:
-        c = self.config
-        if "qkv_proj" in target:
-            q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-            return [(0, q), (q, kv), (q + kv, kv)][part]
-        return (part * c.intermediate_size, c.intermediate_size)
+def _param_for(name: str) -> tuple[str, int | None]:
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _FUSED:
+        fused, index = _FUSED[parts[-2]]
+        return ".".join([*parts[:-2], fused, parts[-1]]), index
+    return name, None
+
+
+def _slice_of(c: ModelConfig, target: str, part: int) -> tuple[int, int]:
+    if "qkv_proj" in target:
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        return [(0, q), (q, kv), (q + kv, kv)][part]
+    return (part * c.intermediate_size, c.intermediate_size)

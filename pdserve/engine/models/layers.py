@@ -95,12 +95,15 @@ class Attention(nn.Module):
         sliding_window: int | None,
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
+        input_size: int | None = None,
     ):
+        """input_size: width of what q/k/v are projected from (default hidden_size)."""
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        in_features = input_size or hidden_size
+        self.qkv_proj = nn.Linear(in_features, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
         # Qwen3 normalizes each head of q and k before the rotary embedding.
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None

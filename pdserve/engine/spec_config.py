@@ -1,0 +1,66 @@
+"""Speculative decoding settings (the `--speculative-*` flags, SGLang's names). Torch-free.
+
+They live with the engine's config because an engine is configured with them; what they mean
+(the algorithms, drafting and verification) is `pdserve.speculative`'s business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_TOPK = 16  # the most topk entries a metadata record (and a tree level) carries
+
+
+class SpeculativeConfigError(ValueError):
+    """Speculative settings that cannot work; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """num_steps: draft steps (tree depth). eagle_topk: branches per step (1 = a chain).
+    num_draft_tokens: tokens verified per step, the last committed one included."""
+
+    algorithm: str
+    draft_model_path: str | None = None
+    num_steps: int = 3
+    eagle_topk: int = 1
+    num_draft_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.algorithm:
+            raise SpeculativeConfigError("--speculative-algorithm must name an algorithm")
+        if self.num_steps < 1:
+            raise SpeculativeConfigError(
+                f"--speculative-num-steps must be at least 1, got {self.num_steps}"
+            )
+        if not 1 <= self.eagle_topk <= MAX_TOPK:
+            raise SpeculativeConfigError(
+                f"--speculative-eagle-topk must be in [1, {MAX_TOPK}], got {self.eagle_topk}"
+            )
+        if self.num_draft_tokens < 2:
+            raise SpeculativeConfigError(
+                f"--speculative-num-draft-tokens must be at least 2, got {self.num_draft_tokens}"
+            )
+        if self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            raise SpeculativeConfigError(
+                "with --speculative-eagle-topk 1 (a chain) --speculative-num-draft-tokens must "
+                f"be --speculative-num-steps + 1 = {self.num_steps + 1}, got "
+                f"{self.num_draft_tokens}"
+            )
+        most = self.tree_capacity
+        if self.num_draft_tokens - 1 > most:
+            raise SpeculativeConfigError(
+                f"--speculative-num-draft-tokens {self.num_draft_tokens} asks for more than the "
+                f"{most} draft tokens that {self.num_steps} steps of topk {self.eagle_topk} "
+                f"propose (at most {most + 1})"
+            )
+
+    @property
+    def tree_capacity(self) -> int:
+        """Draft tokens a tree of this shape proposes: topk at the first step, topk^2
+        candidates at each later one."""
+        return self.eagle_topk + (self.num_steps - 1) * self.eagle_topk**2
+
+    @property
+    def is_chain(self) -> bool:
+        return self.eagle_topk == 1

@@ -1,0 +1,279 @@
+"""Drafting with a model of its own (EAGLE, EAGLE-3, STANDALONE): the draft's KV pool, catching
+it up on what the target computed, and proposing a chain or a tree.
+
+The draft's KV pool shares the target's page ids (a request's pages hold its draft KV too), so
+pages, preemption and transfer need no second allocator. Invariant between steps, for a
+request with committed tokens x_0..x_m (x_m not yet in the target's KV): the draft's KV covers
+positions [0, m - 1 + offset] and `request.draft_state` holds the draft's top-k (and hidden
+state) for the token after x_m. EAGLE drafts (offset 0) read at position i the pair
+(x_{i+1}, target feature at i); STANDALONE (offset 1) reads x_i, like any language model.
+
+Drafting (num_steps S, topk K): the first level is the seed's top-k. Each later step feeds the
+K best leaves (by cumulative log-probability) through the draft at once, each attending to the
+cached prefix, its ancestors and itself (a tree mask; K = 1 is a plain chain), and adds their
+top-K children. The `num_draft_tokens - 1` best nodes form the tree: a node never scores above
+its parent, so the best nodes always include their ancestors.
+"""
+
+from __future__ import annotations
+
+import abc
+import heapq
+
+import torch
+
+from pdserve.engine.attention import AttentionContext
+from pdserve.engine.kv_pool import KVPool
+from pdserve.speculative.algorithm import SpeculativeAlgorithm
+from pdserve.speculative.state import DraftState, ExtendItem
+from pdserve.speculative.tree import ROOT, DraftTree
+
+
+class DraftNet(abc.ABC):
+    """What drafting needs from a draft model, whatever its kind."""
+
+    model: torch.nn.Module
+
+    @abc.abstractmethod
+    def forward(self, ids, positions, features, from_target: bool, kv_pool, ctx) -> torch.Tensor:
+        """Recurrent hidden states [T, width] of the new tokens."""
+
+    @abc.abstractmethod
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, draft vocab] float32."""
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+
+class DraftModelAlgorithm(SpeculativeAlgorithm):
+    """Shared by the built-in draft-model algorithms; a subclass loads its `DraftNet`."""
+
+    offset: int = 0  # see the module docstring
+
+    def load(self, engine) -> None:
+        super().load(engine)
+        if engine.model_config.sliding_window is not None:
+            raise ValueError("speculative decoding with sliding-window attention is not supported")
+        self.device, self.dtype = engine.device, engine.dtype
+        self.net = self.load_net(engine)
+        self.pool: KVPool | None = None
+
+    @abc.abstractmethod
+    def load_net(self, engine) -> DraftNet: ...
+
+    @abc.abstractmethod
+    def draft_kv_shape(self) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim) of the draft's KV."""
+
+    def draft_page_bytes(self) -> int:
+        layers, heads, dim = self.draft_kv_shape()
+        return KVPool.bytes_per_page(layers, self.engine.config.page_size, heads, dim, self.dtype)
+
+    def build_pools(self, num_pages: int) -> None:
+        layers, heads, dim = self.draft_kv_shape()
+        self.pool = KVPool(
+            num_layers=layers,
+            num_pages=num_pages,
+            page_size=self.engine.config.page_size,
+            num_kv_heads=heads,
+            head_dim=dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def draft_pools(self) -> list[KVPool]:
+        return [self.pool]
+
+    # ---- catching up -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def extend(self, items: list[ExtendItem]) -> list[DraftState]:
+        if not items:
+            return []
+        ids, positions, starts, lens, features = [], [], [], [], []
+        for item in items:
+            tokens, first = self.extend_tokens(item)
+            ids.extend(tokens)
+            positions.append(list(range(first, first + len(tokens))))
+            starts.append(first)
+            lens.append(len(tokens))
+            if item.features is not None:
+                features.append(item.features)
+        ctx = AttentionContext.build(
+            page_size=self.pool.page_size,
+            pages=[item.request.pages for item in items],
+            num_computed=starts,
+            query_lens=lens,
+            device=self.device,
+        )
+        hidden = self.net.forward(
+            torch.tensor(ids, device=self.device),
+            ctx.positions,
+            torch.cat(features) if features else None,
+            True,
+            self.pool,
+            ctx,
+        )
+        last = [s + n - 1 for s, n in zip(ctx.query_starts, lens, strict=True)]
+        return self._states(hidden[last])
+
+    def extend_tokens(self, item: ExtendItem) -> tuple[list[int], int]:
+        """The draft's tokens for an extend and the position of the first."""
+        return list(item.next_tokens), item.start
+
+    def _states(self, hidden: torch.Tensor) -> list[DraftState]:
+        probs = self.net.logits(hidden).softmax(dim=-1)
+        topk_p, topk_ids = probs.topk(self.settings.eagle_topk, dim=-1)
+        topk_index = self.net.to_target_ids(topk_ids)
+        carries = self.capabilities.carries_hidden
+        return [
+            DraftState(
+                topk_p=topk_p[i].float(),
+                topk_index=topk_index[i],
+                hidden=hidden[i] if carries else None,
+            )
+            for i in range(hidden.shape[0])
+        ]
+
+    # ---- proposing -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, requests: list) -> list[DraftTree]:
+        if not requests:
+            return []
+        states = [r.draft_state for r in requests]
+        tokens = torch.stack([s.topk_index for s in states])  # [B, K]
+        scores = torch.stack([s.topk_p for s in states]).clamp_min(1e-30).log()
+        hidden = (
+            torch.stack([s.hidden for s in states]) if self.capabilities.carries_hidden else None
+        )
+        prefix = [r.num_computed_tokens + self.offset for r in requests]
+        if self.settings.is_chain:
+            return self._propose_chain(requests, tokens[:, 0], hidden, prefix)
+        return self._propose_tree(requests, tokens, scores, hidden, prefix)
+
+    def _propose_chain(self, requests, token, hidden, prefix) -> list[DraftTree]:
+        drafted = [token]
+        for step in range(1, self.settings.num_steps):
+            at = [p + step - 1 for p in prefix]
+            ctx = AttentionContext.build(
+                page_size=self.pool.page_size,
+                pages=[r.pages for r in requests],
+                num_computed=at,
+                query_lens=[1] * len(requests),
+                device=self.device,
+            )
+            out = self.net.forward(token, ctx.positions, hidden, False, self.pool, ctx)
+            token = self.net.to_target_ids(self.net.logits(out).argmax(dim=-1))
+            hidden = out
+            drafted.append(token)
+        return [DraftTree.chain(row) for row in torch.stack(drafted, dim=1).tolist()]
+
+    def _propose_tree(self, requests, tokens, scores, hidden, prefix) -> list[DraftTree]:
+        batch, topk = tokens.shape
+        nodes = [_Nodes() for _ in requests]
+        token_rows, score_rows = tokens.tolist(), scores.tolist()
+        frontier = []  # per request: the node ids being fed this step
+        for b in range(batch):
+            frontier.append(
+                [
+                    nodes[b].add(t, ROOT, s)
+                    for t, s in zip(token_rows[b], score_rows[b], strict=True)
+                ]
+            )
+        fed: list[list[int]] = [[] for _ in requests]  # node ids in draft-KV slot order
+        if hidden is not None:
+            hidden = hidden[:, None, :].expand(batch, topk, hidden.shape[-1])
+        for step in range(1, self.settings.num_steps):
+            masks = {}
+            for b in range(batch):
+                masks[b] = _feed_mask(nodes[b], fed[b], frontier[b], prefix[b], self.device)
+            starts = [prefix[b] + len(fed[b]) for b in range(batch)]
+            depth_position = [[prefix[b] + step - 1] * topk for b in range(batch)]
+            for b in range(batch):
+                fed[b].extend(frontier[b])
+            ctx = AttentionContext.build(
+                page_size=self.pool.page_size,
+                pages=[r.pages for r in requests],
+                num_computed=starts,
+                query_lens=[topk] * batch,
+                device=self.device,
+                positions=depth_position,
+                masks=masks,
+            )
+            flat_hidden = None if hidden is None else hidden.reshape(batch * topk, -1)
+            out = self.net.forward(
+                tokens.reshape(-1), ctx.positions, flat_hidden, False, self.pool, ctx
+            )
+            logp = self.net.logits(out).log_softmax(dim=-1)
+            child_lp, child_ids = logp.topk(topk, dim=-1)  # [B*K, K]
+            child_ids = self.net.to_target_ids(child_ids).view(batch, topk * topk)
+            child_scores = (scores[:, :, None] + child_lp.view(batch, topk, topk)).view(batch, -1)
+            best = child_scores.topk(topk, dim=-1).indices  # [B, K] into the K*K children
+            ids_rows, score_rows = child_ids.tolist(), child_scores.tolist()
+            best_rows = best.tolist()
+            new_frontier = []
+            for b in range(batch):
+                children = [
+                    nodes[b].add(ids_rows[b][c], frontier[b][c // topk], score_rows[b][c])
+                    for c in range(topk * topk)
+                ]
+                new_frontier.append([children[c] for c in best_rows[b]])
+            frontier = new_frontier
+            tokens = child_ids.gather(1, best)
+            scores = child_scores.gather(1, best)
+            if hidden is not None:
+                parents = (best // topk)[:, :, None].expand(batch, topk, out.shape[-1])
+                hidden = out.view(batch, topk, -1).gather(1, parents)
+        size = self.settings.num_draft_tokens - 1
+        return [n.best_tree(size) for n in nodes]
+
+
+class _Nodes:
+    """Host-side bookkeeping of one request's drafted nodes."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []
+        self.depths: list[int] = []
+
+    def add(self, token: int, parent: int, score: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(score)
+        self.depths.append(1 if parent == ROOT else self.depths[parent] + 1)
+        return len(self.tokens) - 1
+
+    def ancestors_and_self(self, node: int) -> set[int]:
+        found = set()
+        while node != ROOT:
+            found.add(node)
+            node = self.parents[node]
+        return found
+
+    def best_tree(self, size: int) -> DraftTree:
+        # NOTE: scores never rise along a path, and ties go to the shallower node, so the
+        # chosen set contains every chosen node's ancestors.
+        chosen = heapq.nsmallest(
+            size, range(len(self.tokens)), key=lambda i: (-self.scores[i], self.depths[i], i)
+        )
+        chosen.sort(key=lambda i: (self.depths[i], i))
+        index = {old: new for new, old in enumerate(chosen)}
+        parents = [ROOT if self.parents[i] == ROOT else index[self.parents[i]] for i in chosen]
+        return DraftTree([self.tokens[i] for i in chosen], parents)
+
+
+def _feed_mask(nodes: _Nodes, fed: list[int], frontier: list[int], prefix: int, device):
+    """[K, prefix + fed + K]: the cached prefix, fed ancestors, and the node itself."""
+    width = prefix + len(fed) + len(frontier)
+    mask = torch.zeros(len(frontier), width, dtype=torch.bool)
+    mask[:, :prefix] = True
+    slot_of = {node: prefix + i for i, node in enumerate([*fed, *frontier])}
+    for row, node in enumerate(frontier):
+        for ancestor in nodes.ancestors_and_self(node):
+            if ancestor in slot_of:
+                mask[row, slot_of[ancestor]] = True
+    mask[range(len(frontier)), [prefix + len(fed) + i for i in range(len(frontier))]] = True
+    return mask
