@@ -9,6 +9,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from pdserve.engine.spec_config import SpeculativeConfigError
+
 POLICY_CHOICES = ("round_robin", "random", "least_load")
 
 
@@ -52,6 +54,72 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="context length (default: the model's max_position_embeddings)",
     )
     g.add_argument("--seed", type=int, default=0)
+    add_speculative_args(parser)
+
+
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("speculative decoding (SGLang's flags)")
+    g.add_argument(
+        "--speculative-algorithm",
+        default=None,
+        help="EAGLE, EAGLE3, STANDALONE, NGRAM or a registered plugin (default: off)",
+    )
+    g.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        help="the draft model (EAGLE/EAGLE3 head, or a small LLM for STANDALONE)",
+    )
+    g.add_argument(
+        "--speculative-num-steps", type=int, default=None, help="draft steps (default 3)"
+    )
+    g.add_argument(
+        "--speculative-eagle-topk",
+        type=int,
+        default=None,
+        help="branches per draft step; 1 drafts a chain, more a tree (default 1)",
+    )
+    g.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=None,
+        help="tokens verified per step, the last committed one included (default: "
+        "num-steps + 1 for a chain, min(num-steps x topk, tree size) + 1 for a tree)",
+    )
+
+
+def spec_settings_from_args(args: argparse.Namespace):
+    """SpecSettings from the --speculative-* flags, None when speculation is off."""
+    from pdserve.engine.spec_config import SpecSettings, SpeculativeConfigError
+
+    algorithm = getattr(args, "speculative_algorithm", None)
+    shape = {
+        "num_steps": args.speculative_num_steps,
+        "eagle_topk": args.speculative_eagle_topk,
+        "num_draft_tokens": args.speculative_num_draft_tokens,
+    }
+    if algorithm is None:
+        given = [k for k, v in shape.items() if v is not None]
+        if given or args.speculative_draft_model_path:
+            raise SpeculativeConfigError(
+                "--speculative-* settings given without --speculative-algorithm"
+            )
+        return None
+    steps = 3 if shape["num_steps"] is None else shape["num_steps"]
+    topk = 1 if shape["eagle_topk"] is None else shape["eagle_topk"]
+    draft_tokens = shape["num_draft_tokens"]
+    if draft_tokens is None and steps >= 1 and topk >= 1:
+        capacity = topk + (steps - 1) * topk * topk
+        draft_tokens = steps + 1 if topk == 1 else min(steps * topk, capacity) + 1
+    return SpecSettings(
+        algorithm=algorithm.upper() if algorithm.upper() in _BUILTIN_SPEC else algorithm,
+        draft_model_path=args.speculative_draft_model_path,
+        num_steps=steps,
+        eagle_topk=topk,
+        num_draft_tokens=steps + 1 if draft_tokens is None else draft_tokens,
+    )
+
+
+_BUILTIN_SPEC = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -74,6 +142,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_prefill_tokens=args.max_prefill_tokens,
         max_model_len=args.max_model_len,
         seed=args.seed,
+        speculative=spec_settings_from_args(args),
     )
 
 
@@ -411,7 +480,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     # NOTE: httpx logs every request at INFO: the router and launcher make many.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
-    return args.func(args)
+    try:
+        return args.func(args)
+    except SpeculativeConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

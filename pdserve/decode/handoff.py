@@ -24,17 +24,16 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
+from pdserve.speculative.state import DraftBatch
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.decode_side import DecodeTransferClient
 from pdserve.transfer.handoff_common import (
     FailureCounts,
-    engine_kv_layout,
+    engine_transfer_layout,
     failed_output,
     failure_kind,
     room_in_use,
 )
-from pdserve.transfer.kv_staging import KVStager
-from pdserve.transfer.metadata_spec import MetadataSpec
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.receiver_room import ReceiverRoom
 from pdserve.transfer.room_state import TransferState
@@ -59,13 +58,14 @@ class DecodeHandoff:
         self.engine = engine
         self.config = config
         self.metrics = TransferMetrics()
-        self.stager = KVStager([engine.kv_pool])
+        self.transfer = engine_transfer_layout(engine)
+        self.stager = self.transfer.stager
         # NOTE: tcp and gloo receive into host memory (commit copies to the pool's device).
         receive_device = engine.device if config.backend == "nccl" else torch.device("cpu")
         self.client = DecodeTransferClient(
             config,
-            engine_kv_layout(engine),
-            MetadataSpec(),
+            self.transfer.layout,
+            self.transfer.metadata,
             f"decode-{uuid.uuid4().hex[:8]}",
             self.stager.page_bytes,
             self.metrics,
@@ -125,15 +125,18 @@ class DecodeHandoff:
     def poll(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         self._admit(outputs)
+        arrived = []
         for pending in list(self.transferring.values()):
             state = pending.receiver.poll()
             if state is TransferState.TRANSFERRING:
                 pending.moved_bytes = True
             elif state is TransferState.SUCCESS:
-                outputs.append(self._commit(pending))
+                arrived.append(pending)
             elif state is TransferState.FAILED:
                 reason = pending.receiver.failure_reason or "the transfer failed"
                 outputs.append(self._fail(pending, reason))
+        if arrived:
+            outputs.extend(self._commit(arrived))
         return outputs
 
     def _admit(self, outputs: list[RequestOutput]) -> None:
@@ -155,37 +158,76 @@ class DecodeHandoff:
             if running + len(self.transferring) >= self.engine.config.max_running_requests:
                 return
             pending = next(iter(self.prealloc.values()))
-            pages = self.engine.reserve_pages(len(pending.prompt_ids))
+            pages = self.engine.reserve_pages(
+                self.engine.kv_tokens_for_transfer(len(pending.prompt_ids))
+            )
             if pages is None:
                 return  # FIFO: later requests wait behind the oldest
             del self.prealloc[pending.request_id]
             pending.pages = pages
             boot = pending.bootstrap
             try:
-                pending.receiver = self.client.receiver(boot.room, boot.host, boot.port, pages)
+                draft_pages = pages if len(self.stager.pools) > 1 else None
+                pending.receiver = self.client.receiver(
+                    boot.room, boot.host, boot.port, pages, draft_pages
+                )
             except ValueError as e:
                 outputs.append(self._fail(pending, str(e)))
                 continue
             self.transferring[pending.request_id] = pending
 
-    def _commit(self, pending: _Pending) -> RequestOutput:
+    def _commit(self, arrived: list[_Pending]) -> list[RequestOutput]:
+        """Write the rooms' KV into their pages and join them to the running batch; with
+        speculative decoding, the algorithm's hook first turns their metadata into the first
+        draft inputs (all rooms of this poll at once)."""
+        outputs, records, ready = [], [], []
+        for pending in arrived:
+            try:
+                records.append(pending.receiver.commit(self.stager))
+                ready.append(pending)
+            except (ValueError, RuntimeError) as e:
+                outputs.append(self._fail(pending, f"could not commit the KV: {e}"))
         try:
-            record = pending.receiver.commit(self.stager)
-            output = self.engine.add_prebuilt(
-                pending.request_id,
-                pending.prompt_ids,
-                pending.params,
-                pending.pages,
-                record.first_token,
-                record.first_logprob,
-                record.first_top_logprobs,
+            states = self._draft_inputs(ready, records)
+        except ValueError as e:
+            return outputs + [self._fail(p, f"could not seed the draft: {e}") for p in ready]
+        for pending, record, state in zip(ready, records, states, strict=True):
+            try:
+                output = self.engine.add_prebuilt(
+                    pending.request_id,
+                    pending.prompt_ids,
+                    pending.params,
+                    pending.pages,
+                    record.first_token,
+                    record.first_logprob,
+                    record.first_top_logprobs,
+                    draft_state=state,
+                )
+            except (InvalidRequestError, RuntimeError) as e:
+                outputs.append(self._fail(pending, f"could not join the batch: {e}"))
+                continue
+            # NOTE: the engine owns the pages now (freed when the request ends).
+            pending.pages = []
+            self._end(pending)
+            outputs.append(output)
+        return outputs
+
+    def _draft_inputs(self, ready: list[_Pending], records: list) -> list:
+        algorithm = getattr(self.engine, "algorithm", None)
+        if algorithm is None or not ready:
+            return [None] * len(ready)
+        batch = DraftBatch(
+            [p.request_id for p in ready], self.transfer.metadata, self.engine.device
+        )
+        states = algorithm.build_disagg_draft_input(
+            batch, [r.first_token for r in records], records
+        )
+        if states is None or len(states) != len(ready):
+            raise ValueError(
+                f"{algorithm.name}.build_disagg_draft_input returned "
+                f"{'None' if states is None else len(states)} inputs for {len(ready)} requests"
             )
-        except (InvalidRequestError, RuntimeError) as e:
-            return self._fail(pending, f"could not join the batch: {e}")
-        # NOTE: the engine owns the pages now (freed when the request ends).
-        pending.pages = []
-        self._end(pending)
-        return output
+        return states
 
     # ---- endings ---------------------------------------------------------------------
 

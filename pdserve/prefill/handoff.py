@@ -24,13 +24,11 @@ from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.handoff_common import (
     FailureCounts,
-    engine_kv_layout,
+    engine_transfer_layout,
     failed_output,
     room_in_use,
 )
-from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metadata import MetadataRecord
-from pdserve.transfer.metadata_spec import MetadataSpec
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.prefill_side import PrefillTransferServer, SenderRoom
 from pdserve.transfer.room_state import TransferState
@@ -54,16 +52,16 @@ class PrefillHandoff:
         self.metrics = TransferMetrics()
         # NOTE: tcp sends from host memory; nccl from the GPU; gloo (CPU stand-in) from host.
         self.send_device = engine.device if config.backend == "nccl" else torch.device("cpu")
+        self.transfer = engine_transfer_layout(engine)
         self.server = PrefillTransferServer(
             config,
-            engine_kv_layout(engine),
-            MetadataSpec(),
+            self.transfer.layout,
+            self.transfer.metadata,
             f"prefill-{uuid.uuid4().hex[:8]}",
             self.metrics,
             device=self.send_device,
         )
         self.bootstrap_port = self.server.start()
-        self.stager = KVStager([engine.kv_pool])
         self.bootstrapping: dict[str, _Pending] = {}
         self.prefilling: dict[str, _Pending] = {}
         self.sending: dict[str, _Pending] = {}
@@ -179,18 +177,24 @@ class PrefillHandoff:
             self._release_room(pending)
             passed.append(failed_output(pending.request_id, pending.prompt_ids, reason))
             return
-        pages = self.engine.held[pending.request_id].pages
-        kv = self.stager.gather([pages])
+        request = self.engine.held[pending.request_id]
+        pages = self.transfer.transfer_pages(self.engine, request.pages, len(pending.prompt_ids))
+        kv = self.transfer.stager.gather(self.transfer.page_lists(pages))
         if kv.device != self.send_device:
             kv = kv.to(self.send_device)
         elif kv.device.type == "cuda":
             # NOTE: the data thread's send must not start before the gather finished.
             torch.cuda.current_stream(kv.device).synchronize()
         top = output.top_logprobs[0] if output.top_logprobs else None
+        seed = request.draft_state
         record = MetadataRecord(
             first_token=output.token_ids[0],
             first_logprob=output.logprobs[0] if output.logprobs else None,
             first_top_logprobs=dict(top) if top is not None else None,
+            # The draft's state after the prompt (speculative decoding): seeds decode's draft.
+            topk_p=None if seed is None else seed.topk_p,
+            topk_index=None if seed is None else seed.topk_index,
+            hidden_states=None if seed is None else seed.hidden,
         )
         pending.first = output
         pending.sender.send(kv, record)

@@ -70,6 +70,9 @@ class TokenOutput:
     # One entry per new token: its logprob, and (token id, logprob) pairs of the top-N.
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[list[list[int | float]]] | None = None
+    # Speculative decoding, cumulative: verify steps and the tokens they emitted.
+    spec_verify_ct: int = 0
+    spec_emitted_tokens: int = 0
 
 
 @message("disagg_stats")

@@ -16,10 +16,12 @@ class SpecLayout:
     algorithm: str | None = None
     topk: int = 0
     num_steps: int = 0
+    num_draft_tokens: int = 0
     spec_hidden_size: int | None = None
     hidden_dtype: str | None = None
     has_draft_kv: bool = False
     draft_num_layers: int = 0
+    draft_fingerprint: str = ""  # the draft model's config, hashed ("" without one)
 
 
 @message("kv_layout")

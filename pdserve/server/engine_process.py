@@ -53,9 +53,9 @@ def run_engine_process(
     outbox.setsockopt(zmq.LINGER, 0)
     outbox.connect(outputs_addr)
     try:
-        from pdserve.engine.engine import Engine
+        from pdserve.speculative.engine import build_engine
 
-        engine = Engine(config)
+        engine = build_engine(config)
         handoff = _build_handoff(engine, role)
     except Exception as e:
         outbox.send(encode(EngineFailed(f"{type(e).__name__}: {e}")))
@@ -256,4 +256,6 @@ def _to_wire(output: RequestOutput) -> TokenOutput:
         error_kind=output.error_kind,
         new_logprobs=output.logprobs[-count:] if output.logprobs is not None else None,
         new_top_logprobs=top,
+        spec_verify_ct=output.spec_verify_ct,
+        spec_emitted_tokens=output.spec_emitted_tokens,
     )

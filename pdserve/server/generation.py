@@ -220,6 +220,10 @@ async def run_one(
                 finished = True
                 metrics.e2e_request_latency.observe(now - arrival)
                 metrics.request_finished(output.finish_reason or "abort")
+                if output.spec_verify_ct:
+                    metrics.spec_accept_length.observe(
+                        output.spec_emitted_tokens / output.spec_verify_ct
+                    )
             yield output
     except EngineUnavailable as e:
         raise APIError(503, f"engine unavailable: {e}") from None

@@ -30,6 +30,8 @@ LATENCY_BUCKETS = (
     80.0,
 )
 
+ACCEPT_LENGTH_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
+
 
 class ServerMetrics:
     def __init__(self, model_name: str, disaggregated: bool = False):
@@ -46,12 +48,12 @@ class ServerMetrics:
             metric = Counter(f"pdserve:{name}", doc, [*labels, *extra], registry=self.registry)
             return metric if extra else metric.labels(**labels)
 
-        def histogram(name, doc):
+        def histogram(name, doc, buckets=LATENCY_BUCKETS):
             return Histogram(
                 f"pdserve:{name}",
                 doc,
                 list(labels),
-                buckets=LATENCY_BUCKETS,
+                buckets=buckets,
                 registry=self.registry,
             ).labels(**labels)
 
@@ -72,6 +74,11 @@ class ServerMetrics:
         )
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Time from request arrival to its last token"
+        )
+        self.spec_accept_length = histogram(
+            "spec_accept_length",
+            "Speculative decoding: a finished request's mean tokens per verify step",
+            ACCEPT_LENGTH_BUCKETS,
         )
         self.disagg = _DisaggMetrics(gauge, counter, histogram, labels) if disaggregated else None
 

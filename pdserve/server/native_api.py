@@ -129,6 +129,10 @@ def _result(job, state: dict, arrival: float) -> dict:
         "cached_tokens": 0,
         "e2e_latency": time.monotonic() - arrival,
     }
+    if state["spec_verify_ct"]:
+        # SGLang's fields: verify steps, and tokens per verify step.
+        meta["spec_verify_ct"] = state["spec_verify_ct"]
+        meta["spec_accept_length"] = state["spec_emitted_tokens"] / state["spec_verify_ct"]
     if state["logprobs"] is not None:
         meta["output_token_logprobs"] = [
             [lp, t, None] for lp, t in zip(state["logprobs"], state["ids"], strict=True)
@@ -150,6 +154,8 @@ def _new_states(jobs) -> list[dict]:
             "completion_tokens": 0,
             "logprobs": None,
             "top_logprobs": [],
+            "spec_verify_ct": 0,
+            "spec_emitted_tokens": 0,
         }
         for _ in jobs
     ]
@@ -159,6 +165,8 @@ def _update(state: dict, output) -> None:
     state["text"] += output.new_text
     state["ids"].extend(output.new_token_ids)
     state["completion_tokens"] = output.num_output_tokens
+    state["spec_verify_ct"] = output.spec_verify_ct
+    state["spec_emitted_tokens"] = output.spec_emitted_tokens
     if output.new_logprobs is not None:
         state["logprobs"] = (state["logprobs"] or []) + list(output.new_logprobs)
         state["top_logprobs"].extend(output.new_top_logprobs or [[]] * len(output.new_token_ids))

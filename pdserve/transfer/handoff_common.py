@@ -4,27 +4,73 @@ failure outputs, and failure counting by stage and kind. Bookkeeping here is tor
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.page_allocator import pages_needed
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
 from pdserve.transfer.handshake import model_fingerprint
+from pdserve.transfer.kv_staging import KVStager
+from pdserve.transfer.metadata_spec import MetadataSpec
 
 # Failure kinds, a closed set so metric labels stay bounded.
 FAILURE_KINDS = ("timeout", "peer_lost", "handshake", "aborted", "rejected", "no_pages", "error")
 
 
-def engine_kv_layout(engine) -> KVLayout:
-    """The layout both sides compare at registration (target model, no speculation yet)."""
+@dataclass(frozen=True)
+class EngineTransferLayout:
+    """What a worker's engine moves per request: the layout compared at registration, the
+    metadata record's sizes, and the KV pools (target, then the draft's if any) whose pages
+    travel, all sharing one list of page ids."""
+
+    layout: KVLayout
+    metadata: MetadataSpec
+    stager: KVStager
+
+    def page_lists(self, pages: list[int]) -> list[list[int]]:
+        return [pages] * len(self.stager.pools)
+
+    def transfer_pages(self, engine, pages: list[int], num_prompt_tokens: int) -> list[int]:
+        """The pages that hold the KV a handoff moves for this prompt."""
+        count = pages_needed(
+            engine.kv_tokens_for_transfer(num_prompt_tokens), engine.config.page_size
+        )
+        if len(pages) < count:
+            raise RuntimeError(f"{len(pages)} pages held, the transfer needs {count}")
+        return pages[:count]
+
+
+def engine_transfer_layout(engine) -> EngineTransferLayout:
+    """The engine's layout, metadata record and pools, speculative settings included."""
     pool = engine.kv_pool
-    return KVLayout(
+    algorithm = getattr(engine, "algorithm", None)
+    spec, metadata, draft_pools = SpecLayout(), MetadataSpec(), []
+    if algorithm is not None:
+        settings = algorithm.settings
+        draft_config = algorithm.draft_config()
+        metadata = algorithm.metadata_spec(draft_config, str(engine.dtype).removeprefix("torch."))
+        draft_pools = algorithm.draft_pools()
+        spec = SpecLayout(
+            algorithm=algorithm.name,
+            topk=settings.eagle_topk,
+            num_steps=settings.num_steps,
+            num_draft_tokens=settings.num_draft_tokens,
+            spec_hidden_size=metadata.hidden_size,
+            hidden_dtype=metadata.hidden_dtype,
+            has_draft_kv=bool(draft_pools),
+            draft_num_layers=sum(p.num_layers for p in draft_pools),
+            draft_fingerprint=model_fingerprint(draft_config) if draft_config else "",
+        )
+    layout = KVLayout(
         model_fingerprint=model_fingerprint(engine.model_config.hf_config),
         num_layers=pool.num_layers,
         num_kv_heads=pool.num_kv_heads,
         head_dim=pool.head_dim,
         page_size=pool.page_size,
         kv_dtype=str(pool.dtype).removeprefix("torch."),
-        spec=SpecLayout(),
+        spec=spec,
     )
+    return EngineTransferLayout(layout, metadata, KVStager([pool, *draft_pools]))
 
 
 def failure_kind(reason: str) -> str:

@@ -1,0 +1,125 @@
+"""Speculative decoding across prefill and decode, in one process over tcp: the prefill side
+runs the draft extend and ships the draft KV and seed metadata; the decode side rebuilds the
+first draft input with the algorithm's hook. Every algorithm, chain and tree, is exactly the
+target's greedy output; mismatched settings are refused at the handshake, naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.decode.handoff import DecodeHandoff
+from pdserve.engine.spec_config import SpecSettings
+from pdserve.prefill.handoff import PrefillHandoff
+from pdserve.speculative.checkpoints import make_tiny_eagle_draft
+from tests.conftest import random_prompts
+from tests.unit.test_handoffs import CONFIG, boot, drive, finished
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+CHAIN = {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}
+TREE = {"num_steps": 3, "eagle_topk": 2, "num_draft_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_model_dirs, tmp_path_factory):
+    target = tiny_model_dirs("llama")
+    root = tmp_path_factory.mktemp("pd-drafts")
+    return {
+        "NGRAM": None,
+        "STANDALONE": target,
+        "EAGLE": str(make_tiny_eagle_draft(root / "eagle", target, eagle3=False, seed=1)),
+        "EAGLE3": str(
+            make_tiny_eagle_draft(
+                root / "eagle3", target, aux_layer_ids=[1, 0], hidden_size=32, seed=2
+            )
+        ),
+    }
+
+
+def engine(model, algorithm, draft, shape):
+    settings = SpecSettings(algorithm, draft_model_path=draft, **shape)
+    return LLM(model, device="cpu", page_size=4, speculative=settings).engine
+
+
+def run_pair(prefill, decode, prompts):
+    for i, prompt in enumerate(prompts):
+        assert prefill.add(f"p{i}", prompt, GREEDY, boot(prefill, 100 + i)) is None
+        assert decode.add(f"d{i}", prompt, GREEDY, boot(prefill, 100 + i)) is None
+    names = [f"d{i}" for i in range(len(prompts))] + [f"p{i}" for i in range(len(prompts))]
+    return drive(prefill, decode, lambda o: all(finished(o, n) for n in names))
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE", "EAGLE", "EAGLE3"])
+def test_disaggregated_speculation_is_exactly_the_targets(
+    algorithm, shape, drafts, tiny_model_dirs
+):
+    model = tiny_model_dirs("llama")
+    prompts = [*random_prompts((1, 6, 21), 250, seed=11), [7, 8, 9] * 5]
+    expected = [o.token_ids for o in LLM(model, device="cpu").generate(prompts, GREEDY)]
+    prefill = PrefillHandoff(engine(model, algorithm, drafts[algorithm], shape), CONFIG)
+    decode = DecodeHandoff(engine(model, algorithm, drafts[algorithm], shape), CONFIG)
+    try:
+        outputs = run_pair(prefill, decode, prompts)
+        for i, want in enumerate(expected):
+            assert [t for o in outputs[f"d{i}"] for t in o.new_token_ids] == want, f"prompt {i}"
+            assert outputs[f"d{i}"][-1].spec_verify_ct > 0
+        assert prefill.engine.allocator.num_used == 0
+        assert decode.engine.allocator.num_used == 0
+        if algorithm != "NGRAM":
+            assert len(prefill.transfer.stager.pools) == 2  # target and draft KV moved
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_a_copy_draft_keeps_accepting_everything_after_the_handoff(tiny_model_dirs):
+    """The draft KV and seed that crossed are right: a copy of the target accepts every
+    drafted token from the first decode step on."""
+    model = tiny_model_dirs("llama")
+    shape = {"num_steps": 4, "eagle_topk": 1, "num_draft_tokens": 5}
+    prefill = PrefillHandoff(engine(model, "STANDALONE", model, shape), CONFIG)
+    decode = DecodeHandoff(engine(model, "STANDALONE", model, shape), CONFIG)
+    try:
+        outputs = run_pair(prefill, decode, random_prompts((5, 18), 250, seed=12))
+        for name in ("d0", "d1"):
+            last = outputs[name][-1]  # 12 tokens: 1 from prefill, then 5 + 5 + 1
+            assert last.spec_verify_ct == 3 and last.spec_emitted_tokens == 11
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.mark.parametrize(
+    ("prefill_spec", "decode_spec", "field"),
+    [
+        (("EAGLE3", CHAIN), ("EAGLE3", {**TREE, "num_draft_tokens": 4}), "spec.topk"),
+        (("NGRAM", CHAIN), None, "spec.algorithm"),
+        (("EAGLE3", CHAIN), ("EAGLE", CHAIN), "spec.algorithm"),
+    ],
+)
+def test_the_handshake_refuses_mismatched_speculation(
+    prefill_spec, decode_spec, field, drafts, tiny_model_dirs
+):
+    model = tiny_model_dirs("llama")
+
+    def build(spec):
+        if spec is None:
+            return LLM(model, device="cpu", page_size=4).engine
+        algorithm, shape = spec
+        return engine(model, algorithm, drafts[algorithm], shape)
+
+    prefill = PrefillHandoff(build(prefill_spec), CONFIG)
+    decode = DecodeHandoff(build(decode_spec), CONFIG)
+    try:
+        prompt = [5, 6, 7, 8]
+        prefill.add("p", prompt, GREEDY, boot(prefill, 7))
+        decode.add("d", prompt, GREEDY, boot(prefill, 7))
+        outputs = drive(prefill, decode, lambda o: finished(o, "d") and finished(o, "p"))
+        error = outputs["d"][-1].error
+        assert error is not None and field in error, error
+        assert prefill.engine.allocator.num_used == 0
+        assert decode.engine.allocator.num_used == 0
+    finally:
+        prefill.stop()
+        decode.stop()
