@@ -45,7 +45,20 @@ def _imports(folder: str) -> set[str]:
         ("router", ("pdserve.router", "pdserve.protocol")),
         ("protocol", ("pdserve.protocol",)),
         ("prefill", ("pdserve.prefill", "pdserve.engine", "pdserve.transfer", "pdserve.protocol")),
-        ("decode", ("pdserve.decode", "pdserve.engine", "pdserve.transfer", "pdserve.protocol")),
+        (
+            "decode",
+            (
+                "pdserve.decode",
+                "pdserve.engine",
+                "pdserve.transfer",
+                "pdserve.protocol",
+                "pdserve.speculative",  # the algorithm's build_disagg_draft_input hook
+            ),
+        ),
+        (
+            "speculative",
+            ("pdserve.speculative", "pdserve.engine", "pdserve.transfer", "pdserve.protocol"),
+        ),
     ],
 )
 def test_dependency_direction(folder, allowed_pdserve):
