@@ -31,6 +31,11 @@ ENGINE_FLAGS = (
     "max_prefill_tokens",
     "max_model_len",
     "seed",
+    "speculative_algorithm",
+    "speculative_draft_model_path",
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
 )
 
 

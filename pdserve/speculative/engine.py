@@ -207,9 +207,15 @@ class SpeculativeEngine(Engine):
         return hidden, (hidden if capture == "final" else None)
 
     def _accept(self, request, tree: DraftTree, logits: torch.Tensor):
-        """-> (accepted node ids, [(token, logprob, top logprobs)] emitted in order)."""
+        """-> (accepted node ids, [(token, logprob, top logprobs)] emitted in order). Rows
+        see the history down to them: stop tokens before min_new_tokens, penalties."""
         params = request.sampling_params
         raw = logits.log_softmax(dim=-1) if params.logprobs is not None else None
+        plain = not params.uses_penalties and request.num_output_tokens >= params.min_new_tokens
+        if params.greedy and plain:
+            # NOTE: the common case needs no per-row history: the target's argmax per row.
+            path, bonus = accept_greedy(tree, logits.argmax(dim=-1).tolist())
+            return path, self._emitted(tree, path, bonus, raw, params)
         views = [
             _RowView(
                 params,
@@ -226,6 +232,10 @@ class SpeculativeEngine(Engine):
             path, bonus = accept_sampling(
                 tree, lambda r: filtered_probs(logits[r : r + 1], [params])[0], request.generator
             )
+        return path, self._emitted(tree, path, bonus, raw, params)
+
+    @staticmethod
+    def _emitted(tree, path, bonus, raw, params):
         tokens = [tree.tokens[i] for i in path] + [bonus]
         rows = [0] + [i + 1 for i in path]
         emitted = []
@@ -237,7 +247,7 @@ class SpeculativeEngine(Engine):
                     values, ids = raw[r].topk(params.logprobs)
                     top = dict(zip(ids.tolist(), values.tolist(), strict=True))
             emitted.append((token, logprob, top))
-        return path, emitted
+        return emitted
 
     def _emit(self, request, emitted) -> RequestOutput:
         request.spec_verify_steps += 1
