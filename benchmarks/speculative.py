@@ -1,7 +1,10 @@
 """Speculative vs plain decoding at batch 1, in one run on one machine.
 
-A random-weight target with a real config (default Llama-3.2-1B) gets an EAGLE-3 head trained
-by `pdserve train-eagle` on its own generations (or `--draft DIR`). Then the same prompts run
+A random-weight target gets an EAGLE-3 head trained by `pdserve train-eagle` on its own
+generations (or `--draft DIR`): a real config (`--preset llama-3.2-1b`), or a small random
+model of the tiny tokenizer's vocabulary (`--tiny HIDDENxLAYERSxINIT_STDxRESIDUAL_SCALE`; a
+small residual scale makes each token mostly decide the next, so the target's own text is
+learnable, which a normally initialized random network's is not). Then the same prompts run
 one at a time (batch 1, greedy, EOS ignored) through the plain engine and through each
 speculative setting; tokens/s counts output tokens over wall time, and the mean acceptance
 length is tokens per verify step (the first token comes from the prefill, not a verify step).
@@ -10,6 +13,7 @@ that); in bfloat16 verification runs other kernels than one-token decoding, so a
 flip late in a sequence: the report gives the tokens agreeing with plain before the first
 difference.
 
+    python benchmarks/speculative.py --tiny 512x16x0.05x0.001 --out results.json
     python benchmarks/speculative.py --preset llama-3.2-1b --out results.json
 """
 
@@ -75,10 +79,30 @@ def _agreeing(result: dict, plain: dict) -> float:
     return same / max(1, sum(len(t) for t in plain["token_ids"]))
 
 
+def _tiny_target(path: Path, spec: str) -> Path:
+    from pdserve.engine.tiny_model import make_tiny_model
+
+    hidden, layers, std, scale = spec.split("x")
+    heads = max(4, int(hidden) // 64)
+    return make_tiny_model(
+        path,
+        "llama",
+        hidden_size=int(hidden),
+        num_layers=int(layers),
+        num_heads=heads,
+        num_kv_heads=max(1, heads // 4),
+        intermediate_size=4 * int(hidden),
+        init_std=float(std),
+        residual_scale=float(scale),
+        dtype="bfloat16",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="llama-3.2-1b")
     parser.add_argument("--model-path", default=None, help="a target (default: random preset)")
+    parser.add_argument("--tiny", default=None, help="HIDDENxLAYERSxINIT_STDxRESIDUAL_SCALE")
     parser.add_argument("--draft", default=None, help="an EAGLE-3 draft (default: train one)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-prompts", type=int, default=8)
@@ -95,7 +119,12 @@ def main() -> None:
     from pdserve.speculative.train_eagle import TrainConfig, train_eagle
 
     work = Path(tempfile.mkdtemp(prefix="pdserve-spec-"))
-    model_path = args.model_path or str(make_random_model(work / "target", args.preset))
+    if args.tiny:
+        model_path = str(_tiny_target(work / "target", args.tiny))
+        target_name = f"tiny random {args.tiny}"
+    else:
+        model_path = args.model_path or str(make_random_model(work / "target", args.preset))
+        target_name = args.model_path or f"random {args.preset}"
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     draft = args.draft
     if draft is None:
@@ -148,7 +177,7 @@ def main() -> None:
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
         "dtype": args.dtype,
-        "target": args.model_path or f"random {args.preset}",
+        "target": target_name,
     }
     text = json.dumps(report, indent=2)
     print(text)

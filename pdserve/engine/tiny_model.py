@@ -104,9 +104,12 @@ def _check_arch_and_overrides(arch: str, overrides: dict[str, Any]) -> None:
 
 
 @torch.no_grad()
-def _reinitialize(model: torch.nn.Module, seed: int, init_std: float) -> None:
-    """Overwrite every parameter with seeded values: normal(0, init_std) for matrices,
-    1 + small noise for norm weights, small random biases."""
+def _reinitialize(
+    model: torch.nn.Module, seed: int, init_std: float, residual_scale: float = 1.0
+) -> None:
+    """Overwrite every parameter with seeded values: normal(0, init_std) for matrices (times
+    `residual_scale` for the projections that write into the residual stream), 1 + small
+    noise for norm weights, small random biases."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
@@ -114,6 +117,8 @@ def _reinitialize(model: torch.nn.Module, seed: int, init_std: float) -> None:
             values = 1.0 + _NORM_NOISE_STD * values
         elif name.endswith(".bias"):
             values = values * (_BIAS_STD_FRACTION * init_std)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            values = values * init_std * residual_scale
         else:
             values = values * init_std
         param.copy_(values)
@@ -133,6 +138,7 @@ def make_tiny_model(
     dtype: str = "float32",
     init_std: float = 0.1,
     shard_size: int | str | None = None,
+    residual_scale: float = 1.0,
     **overrides: Any,
 ) -> Path:
     """Write a seeded random `arch` model with the tiny tokenizer to `out_dir`.
@@ -142,6 +148,9 @@ def make_tiny_model(
     into shards with a `model.safetensors.index.json`. The vocabulary is the tokenizer's,
     rounded up to a multiple of 8 (extra ids are never produced by the tokenizer).
     `generation_config.json` stops on both `<|end_of_text|>` and `<|im_end|>`.
+    `residual_scale` < 1 makes the layers write weakly into the residual stream, so each token
+    mostly decides the next one: the model's own text then falls into predictable loops (a
+    random target a draft head can learn).
     """
     _check_arch_and_overrides(arch, overrides)
     torch_dtype = parse_dtype(dtype)
@@ -171,7 +180,7 @@ def make_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _reinitialize(model, seed, init_std)
+    _reinitialize(model, seed, init_std, residual_scale)
     model = model.to(torch_dtype)
     stop_ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(IM_END_TOKEN)]
     model.generation_config = GenerationConfig(**{**token_ids, "eos_token_id": stop_ids})

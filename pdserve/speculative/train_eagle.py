@@ -279,7 +279,7 @@ def _train(model, data, config: TrainConfig) -> float:
         optimizer.step()
         scheduler.step()
         if step % 100 == 0 or step == config.steps - 1:
-            loss_value = float(loss)
+            loss_value = float(loss.detach())
             logger.info("step %d/%d loss %.4f", step, config.steps, loss_value)
     return loss_value
 

@@ -4,6 +4,10 @@ refusals, buffer sizing from configs alone, NGRAM proposals, and lossless verifi
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 from typing import ClassVar
 
 import pytest
@@ -253,3 +257,52 @@ def test_tree_sampling_verifier_emits_the_target_distribution():
 
     assert tv(first) < 0.01
     assert tv(second) < 0.01
+
+
+def test_a_plugin_registers_through_the_entry_point_group(tmp_path):
+    """An installed distribution naming its class in the `pdserve.speculative` group is found
+    by name; one whose entry point name disagrees with the class is refused."""
+    (tmp_path / "my_plugin.py").write_text(
+        textwrap.dedent(
+            """
+            from pdserve.speculative.algorithm import Capabilities, SpeculativeAlgorithm
+            from pdserve.speculative.tree import DraftTree
+
+            class MyDraft(SpeculativeAlgorithm):
+                name = "MY_DRAFT"
+                capabilities = Capabilities(False, False, False)
+
+                def propose(self, requests):
+                    return [DraftTree.empty() for _ in requests]
+
+                def build_disagg_draft_input(self, batch, last_tokens, records):
+                    return [None for _ in records]
+            """
+        )
+    )
+    info = tmp_path / "my_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[pdserve.speculative]\nMY_DRAFT = my_plugin:MyDraft\n")
+    code = (
+        "from pdserve.speculative import registry; "
+        "print(registry.get('MY_DRAFT').__module__, 'MY_DRAFT' in registry.names())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["my_plugin", "True"]
+    (info / "entry_points.txt").write_text("[pdserve.speculative]\nOTHER = my_plugin:MyDraft\n")
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        timeout=120,
+    )
+    assert done.returncode != 0 and "they must match" in done.stderr
