@@ -33,6 +33,35 @@ def tiny_model_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def spec_drafts(tiny_model_dirs, tmp_path_factory):
+    """--speculative-draft-model-path per built-in algorithm for the tiny llama target: seeded
+    random drafts (verification keeps any draft's output exact). The EAGLE-3 draft is
+    narrower than the target (32 vs 64), has two layers, per-layer fc_norm, legacy `midlayer`
+    names and a reduced vocabulary with d2t; STANDALONE drafts with a copy of the target."""
+    from pdserve.speculative.checkpoints import make_tiny_eagle_draft
+
+    target = tiny_model_dirs("llama")
+    root = tmp_path_factory.mktemp("drafts")
+    return {
+        "NGRAM": None,
+        "STANDALONE": target,
+        "EAGLE": str(make_tiny_eagle_draft(root / "eagle", target, eagle3=False)),
+        "EAGLE3": str(
+            make_tiny_eagle_draft(
+                root / "eagle3",
+                target,
+                aux_layer_ids=[1, 0],
+                hidden_size=32,
+                num_layers=2,
+                fc_norm=True,
+                legacy_midlayer=True,
+                draft_vocab_ids=list(range(0, 1000, 3)),
+            )
+        ),
+    }
+
+
+@pytest.fixture(scope="session")
 def hf_greedy():
     """Callable (model_dir, prompt_ids, n, device, dtype) -> transformers' greedy tokens."""
     from transformers import AutoModelForCausalLM

@@ -227,6 +227,11 @@ class DecodeHandoff:
                 f"{algorithm.name}.build_disagg_draft_input returned "
                 f"{'None' if states is None else len(states)} inputs for {len(ready)} requests"
             )
+        missing = [p.request_id for p, s in zip(ready, states, strict=True) if s is None]
+        if missing:
+            raise ValueError(
+                f"{algorithm.name}.build_disagg_draft_input returned None for {missing[:3]}"
+            )
         return states
 
     # ---- endings ---------------------------------------------------------------------

@@ -12,7 +12,6 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.spec_config import SpecSettings
 from pdserve.server.local_process import LocalServer
-from pdserve.speculative.checkpoints import make_tiny_eagle_draft
 from tests.conftest import random_prompts
 from tests.e2e.conftest import START_DEADLINE_S, Server
 from tests.e2e.pd_cluster import begin_cluster
@@ -25,15 +24,8 @@ OPTIONS = {"device": "cuda", "dtype": "float32", "kv_cache_memory": 1 << 28}
 
 
 @pytest.fixture(scope="module")
-def drafts(tiny_model_dirs, tmp_path_factory):
-    target = tiny_model_dirs("llama")
-    root = tmp_path_factory.mktemp("gpu-drafts")
-    return {
-        "NGRAM": None,
-        "STANDALONE": target,
-        "EAGLE": str(make_tiny_eagle_draft(root / "e", target, eagle3=False, seed=5)),
-        "EAGLE3": str(make_tiny_eagle_draft(root / "e3", target, aux_layer_ids=[1, 0], seed=6)),
-    }
+def drafts(spec_drafts):
+    return spec_drafts
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

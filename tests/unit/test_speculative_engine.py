@@ -27,27 +27,8 @@ TREE = {"num_steps": 3, "eagle_topk": 3, "num_draft_tokens": 8}
 
 
 @pytest.fixture(scope="module")
-def drafts(tiny_model_dirs, tmp_path_factory):
-    """Draft paths per algorithm for the tiny llama target (random drafts)."""
-    target = tiny_model_dirs("llama")
-    root = tmp_path_factory.mktemp("drafts")
-    return {
-        "NGRAM": None,
-        "STANDALONE": target,
-        "EAGLE": str(make_tiny_eagle_draft(root / "eagle", target, eagle3=False)),
-        "EAGLE3": str(
-            make_tiny_eagle_draft(
-                root / "eagle3",
-                target,
-                aux_layer_ids=[0, 1],
-                hidden_size=32,
-                num_layers=2,
-                fc_norm=True,
-                legacy_midlayer=True,
-                draft_vocab_ids=list(range(0, 1000, 3)),
-            )
-        ),
-    }
+def drafts(spec_drafts):
+    return spec_drafts
 
 
 @pytest.fixture(scope="module")
@@ -315,3 +296,14 @@ def test_metadata_for_a_disaggregated_start_is_checked(drafts):
         eagle.build_disagg_draft_input(batch, [5], [few])
     with pytest.raises(ValueError, match="must match one to one"):
         eagle.build_disagg_draft_input(batch, [5, 6], [Record()])
+
+
+def test_a_hyper_connection_draft_is_refused_by_name(drafts, tiny_model_dirs, tmp_path):
+    import shutil
+
+    wide = tmp_path / "hc"
+    shutil.copytree(drafts["EAGLE3"], wide)
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**config, "hc_mult": 2}))
+    with pytest.raises(ValueError, match="hyper-connections"):
+        spec_llm(tiny_model_dirs("llama"), "EAGLE3", str(wide), CHAIN)

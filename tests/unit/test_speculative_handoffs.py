@@ -11,7 +11,6 @@ from pdserve import LLM, SamplingParams
 from pdserve.decode.handoff import DecodeHandoff
 from pdserve.engine.spec_config import SpecSettings
 from pdserve.prefill.handoff import PrefillHandoff
-from pdserve.speculative.checkpoints import make_tiny_eagle_draft
 from tests.conftest import random_prompts
 from tests.unit.test_handoffs import CONFIG, boot, drive, finished
 
@@ -21,19 +20,8 @@ TREE = {"num_steps": 3, "eagle_topk": 2, "num_draft_tokens": 6}
 
 
 @pytest.fixture(scope="module")
-def drafts(tiny_model_dirs, tmp_path_factory):
-    target = tiny_model_dirs("llama")
-    root = tmp_path_factory.mktemp("pd-drafts")
-    return {
-        "NGRAM": None,
-        "STANDALONE": target,
-        "EAGLE": str(make_tiny_eagle_draft(root / "eagle", target, eagle3=False, seed=1)),
-        "EAGLE3": str(
-            make_tiny_eagle_draft(
-                root / "eagle3", target, aux_layer_ids=[1, 0], hidden_size=32, seed=2
-            )
-        ),
-    }
+def drafts(spec_drafts):
+    return spec_drafts
 
 
 def engine(model, algorithm, draft, shape):
@@ -46,7 +34,8 @@ def run_pair(prefill, decode, prompts):
         assert prefill.add(f"p{i}", prompt, GREEDY, boot(prefill, 100 + i)) is None
         assert decode.add(f"d{i}", prompt, GREEDY, boot(prefill, 100 + i)) is None
     names = [f"d{i}" for i in range(len(prompts))] + [f"p{i}" for i in range(len(prompts))]
-    return drive(prefill, decode, lambda o: all(finished(o, n) for n in names))
+    # NOTE: a generous deadline: two engines and two transfer threads share a 2-core CI box.
+    return drive(prefill, decode, lambda o: all(finished(o, n) for n in names), deadline_s=90)
 
 
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
@@ -119,6 +108,20 @@ def test_the_handshake_refuses_mismatched_speculation(
         error = outputs["d"][-1].error
         assert error is not None and field in error, error
         assert prefill.engine.allocator.num_used == 0
+        assert decode.engine.allocator.num_used == 0
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_a_hook_that_returns_none_fails_the_room_not_the_worker(drafts, tiny_model_dirs):
+    model = tiny_model_dirs("llama")
+    prefill = PrefillHandoff(engine(model, "NGRAM", None, CHAIN), CONFIG)
+    decode = DecodeHandoff(engine(model, "NGRAM", None, CHAIN), CONFIG)
+    decode.engine.algorithm.build_disagg_draft_input = lambda batch, last, records: [None]
+    try:
+        outputs = run_pair(prefill, decode, [[5, 6, 7, 8]])
+        assert "returned None" in outputs["d0"][-1].error
         assert decode.engine.allocator.num_used == 0
     finally:
         prefill.stop()

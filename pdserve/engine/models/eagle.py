@@ -77,6 +77,11 @@ class EagleConfig:
                 + ", ".join(EAGLE_ARCHITECTURES)
             )
         eagle3 = EAGLE_ARCHITECTURES[arch]
+        if int(hf.get("hc_mult") or 1) > 1:
+            raise UnsupportedModelError(
+                f"drafts with hyper-connections (hc_mult {hf['hc_mult']}) are not implemented; "
+                "their transfer width is sized (spec_hidden_size), their layers are not"
+            )
         layers = ModelConfig.from_dict({**hf, "architectures": ["LlamaForCausalLM"]})
         target_hidden = int(hf.get("target_hidden_size") or target.hidden_size)
         if target_hidden != target.hidden_size:
