@@ -110,13 +110,21 @@ def spec_settings_from_args(args: argparse.Namespace):
     if draft_tokens is None and steps >= 1 and topk >= 1:
         capacity = topk + (steps - 1) * topk * topk
         draft_tokens = steps + 1 if topk == 1 else min(steps * topk, capacity) + 1
-    return SpecSettings(
+    settings = SpecSettings(
         algorithm=algorithm.upper() if algorithm.upper() in _BUILTIN_SPEC else algorithm,
         draft_model_path=args.speculative_draft_model_path,
         num_steps=steps,
         eagle_topk=topk,
         num_draft_tokens=steps + 1 if draft_tokens is None else draft_tokens,
     )
+    # NOTE: check the algorithm and its draft path here, before any worker process starts.
+    from pdserve.speculative import registry
+
+    try:
+        registry.get(settings.algorithm)(settings)
+    except registry.UnknownAlgorithm as e:
+        raise SpeculativeConfigError(e.args[0]) from None
+    return settings
 
 
 _BUILTIN_SPEC = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")

@@ -111,3 +111,10 @@ def test_bad_speculative_flags_fail_with_the_reason(tiny_model_dirs):
         )  # fmt: skip
         assert done.returncode == 2, done.stderr
         assert message in done.stderr
+    # A server refuses before starting any process.
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "serve", "--model-path", model,
+         "--speculative-algorithm", "NOPE"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "unknown speculative algorithm 'NOPE'" in done.stderr
