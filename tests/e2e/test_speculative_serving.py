@@ -15,6 +15,7 @@ from pdserve.speculative.checkpoints import make_tiny_eagle_draft
 from tests.conftest import random_prompts
 from tests.e2e.conftest import START_DEADLINE_S, Server
 from tests.e2e.pd_cluster import begin_cluster
+from tests.e2e.sse import stream_post
 
 ARGS = ("--max-model-len", "256", "--chunked-prefill-size", "16")
 MAX_TOKENS = 13  # the first token from the prefill, then 3 verify steps of 4
@@ -78,6 +79,23 @@ def test_colocated_speculation_reports_acceptance(servers):
     assert servers["spec"].metric("spec_accept_length_sum") == 4.0 * len(PROMPTS)
     info = servers["spec"].get("/server_info").json()
     assert info["speculative_algorithm"] == "STANDALONE"
+
+
+def test_streams_carry_several_tokens_per_event_and_the_same_text(servers):
+    """A verify step emits several tokens at once: streamed chunks join to the plain text,
+    with one logprob per token."""
+    body = {
+        "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+        "logprobs": 1,
+    }  # fmt: skip
+    want = servers["plain"].post("/v1/completions", body).json()["choices"][0]
+    status, chunks = stream_post(servers["spec"].url + "/v1/completions", {**body, "stream": True})
+    assert status == 200
+    choices = [c["choices"][0] for c in chunks if c.get("choices")]
+    assert "".join(c["text"] for c in choices) == want["text"]
+    tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    assert tokens == want["logprobs"]["tokens"]
+    assert any(c["logprobs"] and len(c["logprobs"]["tokens"]) > 1 for c in choices)
 
 
 def test_disaggregated_speculation_through_the_router(servers):
