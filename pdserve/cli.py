@@ -104,30 +104,19 @@ def spec_settings_from_args(args: argparse.Namespace):
                 "--speculative-* settings given without --speculative-algorithm"
             )
         return None
-    steps = 3 if shape["num_steps"] is None else shape["num_steps"]
-    topk = 1 if shape["eagle_topk"] is None else shape["eagle_topk"]
-    draft_tokens = shape["num_draft_tokens"]
-    if draft_tokens is None and steps >= 1 and topk >= 1:
-        capacity = topk + (steps - 1) * topk * topk
-        draft_tokens = steps + 1 if topk == 1 else min(steps * topk, capacity) + 1
-    settings = SpecSettings(
-        algorithm=algorithm.upper() if algorithm.upper() in _BUILTIN_SPEC else algorithm,
-        draft_model_path=args.speculative_draft_model_path,
-        num_steps=steps,
-        eagle_topk=topk,
-        num_draft_tokens=steps + 1 if draft_tokens is None else draft_tokens,
-    )
-    # NOTE: check the algorithm and its draft path here, before any worker process starts.
     from pdserve.speculative import registry
 
+    # Built-in names in any case, as SGLang takes them; plugins by their exact name.
+    if algorithm.upper() in registry.RESERVED:
+        algorithm = algorithm.upper()
+    given = {k: v for k, v in shape.items() if v is not None}
+    settings = SpecSettings(algorithm, args.speculative_draft_model_path, **given)
+    # NOTE: check the algorithm and its draft path here, before any worker process starts.
     try:
         registry.get(settings.algorithm)(settings)
     except registry.UnknownAlgorithm as e:
         raise SpeculativeConfigError(e.args[0]) from None
     return settings
-
-
-_BUILTIN_SPEC = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 
 
 def engine_config_from_args(args: argparse.Namespace):

@@ -46,7 +46,7 @@ def resolve_dtype(name: str, device: torch.device, model_config: ModelConfig) ->
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -63,7 +63,7 @@ def load_model(
     max_positions: int,
 ) -> CausalLM:
     cls = model_class(model_config.architecture)
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         model = cls(model_config, TorchReferenceBackend(), max_positions)
     model.load_weights(iterate_weights(model_path, device))
     return model.eval()

@@ -18,15 +18,19 @@ class SpeculativeConfigError(ValueError):
 @dataclass(frozen=True)
 class SpecSettings:
     """num_steps: draft steps (tree depth). eagle_topk: branches per step (1 = a chain).
-    num_draft_tokens: tokens verified per step, the last committed one included."""
+    num_draft_tokens: tokens verified per step, the last committed one included (None: steps
+    + 1 for a chain, min(steps x topk, what the tree holds) + 1 for a tree)."""
 
     algorithm: str
     draft_model_path: str | None = None
     num_steps: int = 3
     eagle_topk: int = 1
-    num_draft_tokens: int = 4
+    num_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.num_draft_tokens is None and self.num_steps >= 1 and self.eagle_topk >= 1:
+            tokens = min(self.num_steps * self.eagle_topk, self.tree_capacity) + 1
+            object.__setattr__(self, "num_draft_tokens", tokens)
         if not self.algorithm:
             raise SpeculativeConfigError("--speculative-algorithm must name an algorithm")
         if self.num_steps < 1:
@@ -37,7 +41,7 @@ class SpecSettings:
             raise SpeculativeConfigError(
                 f"--speculative-eagle-topk must be in [1, {MAX_TOPK}], got {self.eagle_topk}"
             )
-        if self.num_draft_tokens < 2:
+        if self.num_draft_tokens is None or self.num_draft_tokens < 2:
             raise SpeculativeConfigError(
                 f"--speculative-num-draft-tokens must be at least 2, got {self.num_draft_tokens}"
             )

@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 
 from pdserve.engine.attention import TorchReferenceBackend
-from pdserve.engine.loader import _default_dtype
+from pdserve.engine.loader import default_dtype
 from pdserve.engine.models.eagle import EagleConfig, EagleDraftModel
 from pdserve.engine.weights import iterate_weights
 from pdserve.speculative.algorithm import Capabilities, draft_states_from_records
@@ -49,7 +49,7 @@ class Eagle(DraftModelAlgorithm):
                 f"{'LlamaForCausalLMEagle3' if self.config.eagle3 else 'LlamaForCausalLMEagle'}"
             )
         positions = engine.max_model_len + self.lookahead_slots()
-        with torch.device(engine.device), _default_dtype(engine.dtype):
+        with torch.device(engine.device), default_dtype(engine.dtype):
             model = EagleDraftModel(self.config, TorchReferenceBackend(), positions)
         model.load_weights(
             iterate_weights(self.settings.draft_model_path, engine.device), engine.model

@@ -1,33 +1,23 @@
-"""Lossless verification of a drafted chain (one draft token per step, topk 1).
+"""Lossless verification.
 
-Given k draft tokens d_1..d_k, the target's distributions p_0..p_k (p_i after the prefix and
-d_1..d_i) and the draft's q_0..q_{k-1} (q_i proposed d_{i+1}):
+A chain drawn from a stochastic draft (`verify_sampling`): given k draft tokens d_1..d_k, the
+target's distributions p_0..p_k (p_i after the prefix and d_1..d_i) and the draft's
+q_0..q_{k-1} (q_i proposed d_{i+1}):
 
-- greedy: accept d_{i+1} while it equals argmax p_i; then emit argmax p_j at the first
-  mismatch j (or p_k's argmax when all k were accepted). The output is exactly the target's.
-- sampling (speculative sampling): accept d_{i+1} with probability min(1, p_i(d) / q_i(d));
+- speculative sampling: accept d_{i+1} with probability min(1, p_i(d) / q_i(d));
   at the first rejection emit a sample of norm(max(p_i - q_i, 0)) and stop; when all k were
   accepted emit a sample of p_k. Every emitted token is distributed exactly as the target's
   would be: P(emit x) = q(x) min(1, p(x)/q(x)) + (1 - sum_y min(p(y), q(y))) r(x) = p(x),
   with r the normalized residual.
 
-Each function verifies a batch of chains at once and returns, per row, how many draft tokens
-were accepted and the one token emitted after them.
+It verifies a batch of chains at once and returns, per row, how many draft tokens were accepted
+and the one token emitted after them. The engine's drafts are deterministic trees; they are
+verified by `accept_greedy` and `accept_sampling` below.
 """
 
 from __future__ import annotations
 
 import torch
-
-
-def verify_greedy(target_logits: torch.Tensor, draft: torch.Tensor):
-    """target_logits [B, k+1, V], draft [B, k] -> (accepted [B], next_token [B])."""
-    _check(target_logits, draft)
-    best = target_logits.argmax(dim=-1)  # [B, k+1]
-    matches = (best[:, :-1] == draft).long()
-    accepted = matches.cumprod(dim=1).sum(dim=1)  # leading run of matches
-    next_token = best.gather(1, accepted.unsqueeze(1)).squeeze(1)
-    return accepted, next_token
 
 
 def verify_sampling(

@@ -25,7 +25,6 @@ from pdserve.speculative.tree import ROOT, DraftTree
 from pdserve.speculative.verify import (
     accept_greedy,
     accept_sampling,
-    verify_greedy,
     verify_sampling,
 )
 
@@ -147,9 +146,14 @@ def test_greedy_verification_keeps_exactly_the_targets_tokens():
     for row, position in enumerate(cut.tolist()):
         if position < 4:
             draft[row, position] = (draft[row, position] + 1) % 11
-    accepted, next_token = verify_greedy(logits, draft)
-    assert accepted.tolist() == cut.tolist()
-    assert next_token.tolist() == target[torch.arange(64), cut].tolist()
+    results = [
+        accept_greedy(DraftTree.chain(row), choices)
+        for row, choices in zip(draft.tolist(), target.tolist(), strict=True)
+    ]
+    accepted = [len(path) for path, _ in results]
+    next_token = [bonus for _, bonus in results]
+    assert accepted == cut.tolist()
+    assert next_token == target[torch.arange(64), cut].tolist()
 
 
 @pytest.mark.parametrize("k", [1, 3])
