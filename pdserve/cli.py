@@ -213,7 +213,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' (/health and /metrics stay open)",
+        help="require 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY; /health, "
+        "/health_generate and /metrics stay open)",
     )
     g.add_argument(
         "--max-queued-requests",
@@ -288,17 +289,22 @@ def _serve(args: argparse.Namespace, kind: str = "colocated") -> int:
 
     from pdserve.server.app import build_app
 
-    config = engine_config_from_args(args)
+    try:
+        config = engine_config_from_args(args)
+        role = worker_role_from_args(args, kind)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     hidden = ("func", "api_key", "transfer_token")
     server_args = {k: v for k, v in vars(args).items() if k not in hidden}
     server_args["model_path"] = config.model_path
     app = build_app(
         config,
         served_model_name=args.served_model_name,
-        api_key=args.api_key,
+        api_key=api_key_from(args),
         max_queued_requests=args.max_queued_requests,
         server_args=server_args,
-        role=worker_role_from_args(args, kind),
+        role=role,
     )
     uvicorn.run(
         app,
@@ -317,26 +323,58 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         "--prefill",
         nargs="+",
         action="append",
-        required=True,
+        default=[],
         metavar=("URL", "BOOTSTRAP_PORT"),
         help="a prefill worker and, optionally, its bootstrap port (default: asked from the "
         "worker); repeat for several",
     )
     parser.add_argument(
-        "--decode", action="append", required=True, metavar="URL", help="repeat for several"
+        "--decode", action="append", default=[], metavar="URL", help="repeat for several"
+    )
+    parser.add_argument(
+        "--prefill-service",
+        action="append",
+        default=[],
+        metavar="NAME:PORT",
+        help="discover prefill workers: every address NAME resolves to (e.g. a Kubernetes "
+        "headless Service) is a worker serving on PORT; re-resolved every health check",
+    )
+    parser.add_argument(
+        "--decode-service",
+        action="append",
+        default=[],
+        metavar="NAME:PORT",
+        help="discover decode workers the same way",
     )
     parser.add_argument("--policy", default="round_robin", choices=POLICY_CHOICES)
     parser.add_argument("--prefill-policy", default=None, choices=POLICY_CHOICES)
     parser.add_argument("--decode-policy", default=None, choices=POLICY_CHOICES)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY)",
+    )
     parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds a request may take"
     )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=5.0,
+        help="seconds to open a connection to a worker before it counts as unreachable",
+    )
     parser.add_argument("--health-check-interval", type=float, default=2.0)
+    parser.add_argument(
+        "--health-check-timeout",
+        type=float,
+        default=2.0,
+        help="seconds a worker's /health (and a DNS lookup) may take",
+    )
 
 
 def router_config_from_args(args: argparse.Namespace):
     from pdserve.router.config import RouterConfig
+    from pdserve.router.discovery import ServiceName
 
     prefill = []
     for entry in args.prefill:
@@ -352,12 +390,24 @@ def router_config_from_args(args: argparse.Namespace):
     return RouterConfig(
         prefill=tuple(prefill),
         decode=tuple(args.decode),
+        prefill_services=tuple(ServiceName.parse(s) for s in args.prefill_service),
+        decode_services=tuple(ServiceName.parse(s) for s in args.decode_service),
         prefill_policy=args.prefill_policy or args.policy,
         decode_policy=args.decode_policy or args.policy,
-        api_key=args.api_key,
+        api_key=api_key_from(args),
         request_timeout_s=args.request_timeout,
+        connect_timeout_s=args.connect_timeout,
         health_check_interval_s=args.health_check_interval,
+        health_check_timeout_s=args.health_check_timeout,
     )
+
+
+def api_key_from(args: argparse.Namespace) -> str | None:
+    """--api-key, else $PDSERVE_API_KEY (a Secret mounted as env stays off the command
+    line, where `ps` would show it)."""
+    import os
+
+    return args.api_key or os.environ.get("PDSERVE_API_KEY") or None
 
 
 def _router(args: argparse.Namespace) -> int:

@@ -1,7 +1,11 @@
 """The router's HTTP app: OpenAI endpoints and SGLang's /generate through a prefill/decode
-pair, /v1/models and model info from the workers, /health, /metrics. Torch-free.
+pair, /v1/models and model info from the workers, /health, /liveness, /workers, /metrics.
+Torch-free.
 
-`/health` is 200 while at least one prefill and one decode worker are in rotation. `/health`
+`/health` is 200 while at least one prefill and one decode worker are in rotation (for
+monitoring and load balancers in front of several routers); `/liveness` is 200 while this
+process serves (the probe: a router must not be restarted because its workers are down, it
+answers their absence with a clear 503). `/workers` lists the pools. `/health`, `/liveness`
 and `/metrics` stay open when an API key is set; the key is checked here and the client's
 Authorization header is passed on to the workers (give them the same key, or none).
 """
@@ -20,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.router.config import RouterConfig
+from pdserve.router.discovery import Discovery
 from pdserve.router.errors import error_response
 from pdserve.router.health import HealthChecker
 from pdserve.router.metrics import RouterMetrics
@@ -28,7 +33,7 @@ from pdserve.router.workers import Role, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = {"/health", "/metrics"}
+OPEN_PATHS = {"/health", "/liveness", "/metrics"}
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
 INFO_PATHS = ("/get_model_info", "/model_info", "/get_server_info", "/server_info")
 MAX_BODY_BYTES = 64 << 20
@@ -47,6 +52,11 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     decode = WorkerPool(
         Role.DECODE, [Worker(url.rstrip("/"), Role.DECODE, healthy=False) for url in config.decode]
     )
+    discovery = Discovery(
+        [(prefill, service) for service in config.prefill_services]
+        + [(decode, service) for service in config.decode_services],
+        timeout_s=config.health_check_timeout_s,
+    )
     metrics = RouterMetrics()
 
     @contextlib.asynccontextmanager
@@ -59,7 +69,9 @@ def build_router_app(config: RouterConfig) -> FastAPI:
         )
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            checker = HealthChecker(config, [prefill, decode], client)
+            checker = HealthChecker(
+                config, [prefill, decode], client, discovery if discovery.sources else None
+            )
             await checker.check_all()
             health_task = asyncio.create_task(checker.run(), name="health-checks")
             app.state.proxy = Proxy(config, prefill, decode, client, metrics)
@@ -85,6 +97,14 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     async def health() -> Response:
         up = bool(prefill.healthy()) and bool(decode.healthy())
         return Response(status_code=200 if up else 503)
+
+    @app.get("/liveness")
+    async def liveness() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/workers")
+    async def workers() -> JSONResponse:
+        return JSONResponse({pool.role.value: _describe(pool) for pool in (prefill, decode)})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -127,6 +147,20 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     for path in ("/v1/models", *INFO_PATHS):
         app.add_api_route(path, from_decode, methods=["GET"])
     return app
+
+
+def _describe(pool: WorkerPool) -> list[dict]:
+    return [
+        {
+            "url": w.url,
+            "healthy": w.healthy,
+            "last_error": w.last_error,
+            "in_flight": w.in_flight,
+            "bootstrap_port": w.bootstrap_port,
+            "discovered": w.discovered,
+        }
+        for w in pool.workers
+    ]
 
 
 def _leg_headers(request: Request) -> dict[str, str]:

@@ -5,19 +5,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.router.discovery import ServiceName
 from pdserve.router.policies import POLICIES
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     """prefill: (url, bootstrap port or None to ask the worker's /server_info).
+    prefill_services / decode_services: DNS names whose addresses are workers (discovery).
     request_timeout_s: the most a request may take, both legs and all of its stream.
     health_check_interval_s / health_failure_threshold: a worker leaves rotation after that
     many failed checks in a row (or at once when a request cannot reach it) and comes back
     after one good check."""
 
-    prefill: tuple[tuple[str, int | None], ...]
-    decode: tuple[str, ...]
+    prefill: tuple[tuple[str, int | None], ...] = ()
+    decode: tuple[str, ...] = ()
+    prefill_services: tuple[ServiceName, ...] = ()
+    decode_services: tuple[ServiceName, ...] = ()
     prefill_policy: str = "round_robin"
     decode_policy: str = "round_robin"
     api_key: str | None = None
@@ -29,10 +33,10 @@ class RouterConfig:
     max_retries: int = 1
 
     def __post_init__(self) -> None:
-        if not self.prefill:
-            raise ValueError("give at least one --prefill worker URL")
-        if not self.decode:
-            raise ValueError("give at least one --decode worker URL")
+        if not self.prefill and not self.prefill_services:
+            raise ValueError("give at least one --prefill worker URL or --prefill-service")
+        if not self.decode and not self.decode_services:
+            raise ValueError("give at least one --decode worker URL or --decode-service")
         for url in [u for u, _ in self.prefill] + list(self.decode):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"worker URL must start with http:// or https://, got {url!r}")

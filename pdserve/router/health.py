@@ -1,7 +1,8 @@
 """Periodic health checks: a worker leaves rotation after `health_failure_threshold` failed
 `/health` checks in a row (or at once when a request could not reach it, see `proxy`) and
 returns after one good check. A prefill worker whose bootstrap port was not given is asked for
-it (`/server_info`) until it answers. Torch-free."""
+it (`/server_info`) until it answers. With DNS discovery, each round first refreshes the pools
+from DNS (`discovery`). Torch-free."""
 
 from __future__ import annotations
 
@@ -11,16 +12,24 @@ import logging
 import httpx
 
 from pdserve.router.config import RouterConfig
+from pdserve.router.discovery import Discovery
 from pdserve.router.workers import Role, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
 
 class HealthChecker:
-    def __init__(self, config: RouterConfig, pools: list[WorkerPool], client: httpx.AsyncClient):
+    def __init__(
+        self,
+        config: RouterConfig,
+        pools: list[WorkerPool],
+        client: httpx.AsyncClient,
+        discovery: Discovery | None = None,
+    ):
         self.config = config
         self.pools = pools
         self.client = client
+        self.discovery = discovery
 
     async def run(self) -> None:
         while True:
@@ -28,6 +37,8 @@ class HealthChecker:
             await asyncio.sleep(self.config.health_check_interval_s)
 
     async def check_all(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.refresh()
         checks = [self._check(pool, w) for pool in self.pools for w in pool.workers]
         await asyncio.gather(*checks)
 
@@ -54,8 +65,12 @@ class HealthChecker:
             logger.warning("%s worker %s out of rotation: %s", pool.role.value, worker.url, error)
 
     async def _discover_bootstrap_port(self, worker: Worker) -> str | None:
+        # NOTE: /server_info is behind the API key the router and its workers share.
+        key = self.config.api_key
         response = await self.client.get(
-            worker.url + "/server_info", timeout=self.config.health_check_timeout_s
+            worker.url + "/server_info",
+            headers={"Authorization": f"Bearer {key}"} if key else None,
+            timeout=self.config.health_check_timeout_s,
         )
         port = response.json().get("disaggregation_bootstrap_port")
         if response.status_code != 200 or not isinstance(port, int):

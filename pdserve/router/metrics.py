@@ -10,6 +10,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 
 
 class RouterMetrics:
     def __init__(self) -> None:
+        self._rendered: set[tuple[str, str]] = set()
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -55,9 +56,15 @@ class RouterMetrics:
         )
 
     def render(self, pools) -> bytes:
+        current = set()
         for pool in pools:
             for worker in pool.workers:
-                labels = {"role": pool.role.value, "url": worker.url}
-                self.worker_healthy.labels(**labels).set(1 if worker.healthy else 0)
-                self.worker_in_flight.labels(**labels).set(worker.in_flight)
+                labels = (pool.role.value, worker.url)
+                current.add(labels)
+                self.worker_healthy.labels(*labels).set(1 if worker.healthy else 0)
+                self.worker_in_flight.labels(*labels).set(worker.in_flight)
+        for labels in self._rendered - current:  # NOTE: workers DNS discovery dropped
+            self.worker_healthy.remove(*labels)
+            self.worker_in_flight.remove(*labels)
+        self._rendered = current
         return generate_latest(self.registry)

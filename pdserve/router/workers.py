@@ -27,6 +27,7 @@ class Worker:
     changed_at: float = field(default_factory=time.monotonic)
     in_flight: int = 0
     failed_checks: int = 0  # consecutive failed health checks
+    discovered: bool = False  # found through DNS (leaves the pool when DNS drops it)
 
     @property
     def bootstrap_host(self) -> str:
@@ -36,15 +37,27 @@ class Worker:
 
 
 class WorkerPool:
-    """Workers of one role. Health checks move workers out of and back into rotation;
+    """Workers of one role: the ones given on the command line, plus the ones DNS discovery
+    found (`sync_discovered`). Health checks move workers out of and back into rotation;
     `acquire`/`release` count requests in flight for load-aware policies."""
 
     def __init__(self, role: Role, workers: list[Worker]):
-        if not workers:
-            raise ValueError(f"at least one {role.value} worker is needed")
         self.role = role
         self.workers = workers
         self._lock = threading.Lock()
+
+    def sync_discovered(self, urls: set[str]) -> tuple[list[str], list[str]]:
+        """Make the discovered workers exactly `urls`: new ones join out of rotation (the
+        next health check brings them in), vanished ones leave. Workers given on the
+        command line stay. Returns (added, removed) URLs."""
+        with self._lock:
+            known = {w.url for w in self.workers}
+            removed = [w.url for w in self.workers if w.discovered and w.url not in urls]
+            added = sorted(urls - known)
+            self.workers = [w for w in self.workers if not w.discovered or w.url in urls] + [
+                Worker(url, self.role, healthy=False, discovered=True) for url in added
+            ]
+            return added, removed
 
     def healthy(self) -> list[Worker]:
         with self._lock:

@@ -1,7 +1,8 @@
 """The worker's HTTP app: OpenAI + SGLang-native routes, health, metrics, API key, errors.
 
 The engine runs in its own process (`engine_process`); this process only parses, tokenizes,
-streams and counts. `/health` and `/metrics` stay open when an API key is set.
+streams and counts. `/health`, `/health_generate` and `/metrics` stay open when an API key is
+set (Kubernetes probes and Prometheus scrapes carry no key).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from pdserve.server.role import WorkerRole
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = {"/health", "/metrics"}
+# NOTE: probes carry no credentials: /health_generate is the readiness probe.
+OPEN_PATHS = {"/health", "/health_generate", "/metrics"}
 
 
 def build_app(

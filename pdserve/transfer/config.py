@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BACKENDS = ("tcp", "nccl", "gloo")
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,12 @@ class TransferConfig:
     auth_token: str = ""
 
     def __post_init__(self) -> None:
+        if self.bootstrap_host in WILDCARD_HOSTS:
+            raise ValueError(
+                f"the bootstrap host {self.bootstrap_host!r} is told to peer workers, so it "
+                "must be this node's reachable address, not a wildcard: give --bootstrap-host "
+                "(it defaults to --host)"
+            )
         if self.backend not in BACKENDS:
             raise ValueError(f"transfer backend must be one of {BACKENDS}, got {self.backend!r}")
         for name in (

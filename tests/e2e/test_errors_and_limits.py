@@ -100,6 +100,8 @@ def test_api_key_required_except_health_and_metrics(guarded):
     assert right.status_code == 200
     assert guarded.get("/health").status_code == 200
     assert guarded.get("/metrics").status_code == 200
+    assert guarded.get("/health_generate").status_code == 200  # the readiness probe
+    assert guarded.get("/server_info").status_code == 401
 
 
 def test_full_waiting_queue_answers_429(guarded):
