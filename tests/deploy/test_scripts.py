@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.deploy.k8s_render import require_tool
+from tests.deploy.tooling import require_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "deploy" / "scripts"
