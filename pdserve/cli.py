@@ -222,6 +222,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=1024,
         help="waiting requests beyond this are refused with 429",
     )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="seconds in-flight requests may take to finish after SIGTERM (new connections "
+        "are refused at once); keep it under the pod's terminationGracePeriodSeconds",
+    )
 
 
 def add_transfer_args(parser: argparse.ArgumentParser, role: str) -> None:
@@ -290,6 +297,7 @@ def _serve(args: argparse.Namespace, kind: str = "colocated") -> int:
     from pdserve.server.app import build_app
 
     try:
+        check_shutdown_timeout(args)
         config = engine_config_from_args(args)
         role = worker_role_from_args(args, kind)
     except ValueError as e:
@@ -311,7 +319,7 @@ def _serve(args: argparse.Namespace, kind: str = "colocated") -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=args.shutdown_timeout,
     )
     return 0
 
@@ -365,6 +373,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--health-check-interval", type=float, default=2.0)
     parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="seconds in-flight requests may take to finish after SIGTERM (new connections "
+        "are refused at once); keep it under the pod's terminationGracePeriodSeconds",
+    )
+    parser.add_argument(
         "--health-check-timeout",
         type=float,
         default=2.0,
@@ -402,6 +417,11 @@ def router_config_from_args(args: argparse.Namespace):
     )
 
 
+def check_shutdown_timeout(args: argparse.Namespace) -> None:
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+
+
 def api_key_from(args: argparse.Namespace) -> str | None:
     """--api-key, else $PDSERVE_API_KEY (a Secret mounted as env stays off the command
     line, where `ps` would show it)."""
@@ -416,6 +436,7 @@ def _router(args: argparse.Namespace) -> int:
     from pdserve.router.app import build_router_app
 
     try:
+        check_shutdown_timeout(args)
         config = router_config_from_args(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -425,7 +446,7 @@ def _router(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=args.shutdown_timeout,
     )
     return 0
 

@@ -16,6 +16,8 @@
 #   BOOTSTRAP_PORT    prefill: where decode workers fetch KV                       [8998]
 #   TRANSFER_BACKEND  tcp (ZMQ, anywhere) | nccl (GPU to GPU) | gloo (CPU)          [tcp]
 #   DEVICE            auto | cpu | cuda | cuda:N                                   [auto]
+#   SHUTDOWN_TIMEOUT  seconds in-flight requests may take to finish after SIGTERM; keep it
+#                     under the pod's terminationGracePeriodSeconds        [pdserve's: 5]
 #   PREFILL_SERVICE, DECODE_SERVICE   router: NAME:PORT, every address NAME resolves to is
 #                     a worker (a Kubernetes headless Service); several: space-separated
 #   PREFILL_URLS, DECODE_URLS         router: space-separated worker URLs (bootstrap ports
@@ -111,6 +113,11 @@ if [[ ! "$HOST" =~ ^[0-9.]+$ && "$HOST" != *:* ]]; then
 fi
 PDSERVE_BIN=${PDSERVE_BIN:-pdserve}
 args=(--log-level "${LOG_LEVEL:-INFO}" "$ROLE" --host "$HOST" --port "$PORT")
+if [[ -n "${SHUTDOWN_TIMEOUT:-}" ]]; then
+  [[ "$SHUTDOWN_TIMEOUT" =~ ^[0-9]+([.][0-9]+)?$ ]] ||
+    die "SHUTDOWN_TIMEOUT must be a number of seconds, got '$SHUTDOWN_TIMEOUT'"
+  args+=(--shutdown-timeout "$SHUTDOWN_TIMEOUT")
+fi
 
 if [[ "$ROLE" == router ]]; then
   read -r -a prefill_urls <<<"${PREFILL_URLS:-}"
