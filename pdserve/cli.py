@@ -371,6 +371,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         default=5.0,
         help="seconds to open a connection to a worker before it counts as unreachable",
     )
+    parser.add_argument(
+        "--dead-worker-timeout",
+        type=float,
+        default=15.0,
+        help="seconds after which a connection to a worker that stopped answering (host or "
+        "link down: no TCP keepalive replies, data unacknowledged) fails",
+    )
     parser.add_argument("--health-check-interval", type=float, default=2.0)
     parser.add_argument(
         "--shutdown-timeout",
@@ -412,6 +419,7 @@ def router_config_from_args(args: argparse.Namespace):
         api_key=api_key_from(args),
         request_timeout_s=args.request_timeout,
         connect_timeout_s=args.connect_timeout,
+        dead_worker_timeout_s=args.dead_worker_timeout,
         health_check_interval_s=args.health_check_interval,
         health_check_timeout_s=args.health_check_timeout,
     )

@@ -29,6 +29,7 @@ from pdserve.router.errors import error_response
 from pdserve.router.health import HealthChecker
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.proxy import Proxy
+from pdserve.router.transport import worker_transport
 from pdserve.router.workers import Role, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -67,8 +68,8 @@ def build_router_app(config: RouterConfig) -> FastAPI:
             write=config.connect_timeout_s * 6,
             pool=config.connect_timeout_s,
         )
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        transport = worker_transport(config.dead_worker_timeout_s)
+        async with httpx.AsyncClient(timeout=timeout, transport=transport) as client:
             checker = HealthChecker(
                 config, [prefill, decode], client, discovery if discovery.sources else None
             )

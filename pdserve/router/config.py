@@ -16,7 +16,9 @@ class RouterConfig:
     request_timeout_s: the most a request may take, both legs and all of its stream.
     health_check_interval_s / health_failure_threshold: a worker leaves rotation after that
     many failed checks in a row (or at once when a request cannot reach it) and comes back
-    after one good check."""
+    after one good check.
+    dead_worker_timeout_s: a connection to a worker whose kernel stops answering (host or
+    link down) fails after about this long (see `transport`)."""
 
     prefill: tuple[tuple[str, int | None], ...] = ()
     decode: tuple[str, ...] = ()
@@ -27,6 +29,7 @@ class RouterConfig:
     api_key: str | None = None
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
+    dead_worker_timeout_s: float = 15.0
     health_check_interval_s: float = 2.0
     health_check_timeout_s: float = 2.0
     health_failure_threshold: int = 2
@@ -49,6 +52,7 @@ class RouterConfig:
         for name in (
             "request_timeout_s",
             "connect_timeout_s",
+            "dead_worker_timeout_s",
             "health_check_interval_s",
             "health_check_timeout_s",
         ):

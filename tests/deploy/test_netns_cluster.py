@@ -25,7 +25,8 @@ SCRIPTS = ROOT / "deploy" / "scripts"
 SSH_STAND_IN = pathlib.Path(__file__).with_name("netns_ssh.sh")
 SUBNET = "10.231.0"
 NODES = {"router": 1, "prefill": 2, "decode": 3}  # node -> last address byte
-REQUEST_TIMEOUT_S = 15
+REQUEST_TIMEOUT_S = 120  # longer than any failure below may take: they must not need it
+DEAD_WORKER_S = 6
 START_DEADLINE_S = 240
 
 CLIENT = r"""
@@ -44,6 +45,29 @@ except urllib.error.HTTPError as e:
 except OSError as e:
     status, text = 0, repr(e)
 print(json.dumps({"status": status, "body": text, "seconds": time.monotonic() - start}))
+"""
+
+# Streams a completion; prints FIRST at its first event, then a summary when it ends.
+STREAM_CLIENT = r"""
+import json, sys, time, urllib.request
+request = urllib.request.Request(
+    sys.argv[1], data=sys.argv[2].encode(), headers={"Content-Type": "application/json"}
+)
+tokens, error, first = 0, None, None
+with urllib.request.urlopen(request, timeout=300) as reply:
+    for raw in reply:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[5:])
+        if first is None:
+            first = time.monotonic()
+            print("FIRST", flush=True)
+        if "error" in event:
+            error = event["error"]
+            break
+        tokens += 1
+print(json.dumps({"tokens": tokens, "error": error, "ended": time.monotonic()}), flush=True)
 """
 
 
@@ -152,7 +176,7 @@ def cluster(lab, tiny_model_dirs, tmp_path_factory):
         "TRANSFER_BACKEND": "tcp",
         "EXTRA_ARGS": "--device cpu --transfer-timeout 8 --transfer-peer-timeout 3",
         "ROUTER_ARGS": f"--request-timeout {REQUEST_TIMEOUT_S} --health-check-interval 1 "
-        "--health-check-timeout 1 --connect-timeout 2",
+        f"--health-check-timeout 1 --connect-timeout 2 --dead-worker-timeout {DEAD_WORKER_S}",
         "SSH": str(SSH_STAND_IN),
         "NETNS_HOSTS": " ".join(f"{lab.addr[n]}={lab.ns[n]}" for n in NODES),
         "PDSERVE_BIN": shutil.which("pdserve") or "pdserve",
@@ -232,7 +256,7 @@ def test_request_through_three_hosts_then_the_decode_link_is_cut(lab, cluster, t
         reply = lab.http("POST", router + "/v1/completions", completion, timeout=60)
         assert reply["status"] in (502, 503, 504), reply
         assert "error" in json.loads(reply["body"]), reply
-        assert reply["seconds"] <= REQUEST_TIMEOUT_S + 5, reply
+        assert reply["seconds"] <= DEAD_WORKER_S + 10, reply  # not the request deadline
         _wait_for(
             lambda: _worker_health(lab, router)[decode_url] is False,
             "the router to take the decode worker out of rotation",
@@ -260,6 +284,37 @@ def test_request_through_three_hosts_then_the_decode_link_is_cut(lab, cluster, t
     assert reply["status"] == 200, reply
     _wait_for(lambda: _idle(lab, "decode"), "the decode worker to free every page", 30, log)
     assert script.poll() is None
+
+
+def test_a_stream_whose_decode_link_is_cut_ends_with_an_error_event(lab, cluster, tiny_model_dirs):
+    """Mid-stream, the decode node goes silent (no FIN, no reset): the router's keepalive
+    gives up after about --dead-worker-timeout and ends the stream with an SSE error event,
+    long before the request deadline."""
+    _, router, log = cluster
+    decode_url = f"http://{lab.addr['decode']}:30000"
+    _wait_for(lambda: _worker_health(lab, router)[decode_url], "decode in rotation", 20, log)
+    body = {**_completion(tiny_model_dirs("llama")), "max_tokens": 1900, "ignore_eos": True}
+    client = subprocess.Popen(
+        ["ip", "netns", "exec", lab.ns["router"], sys.executable, "-c", STREAM_CLIENT,
+         router + "/v1/completions", json.dumps({**body, "stream": True})],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert client.stdout.readline().strip() == "FIRST"
+        lab.cable("decode", up=False)
+        cut = time.monotonic()
+        out, _ = client.communicate(timeout=DEAD_WORKER_S + 60)
+        summary = json.loads(out.strip().splitlines()[-1])
+    finally:
+        lab.cable("decode", up=True)
+        if client.poll() is None:
+            client.kill()
+    assert summary["error"] is not None, summary
+    assert summary["tokens"] < 1900, summary
+    assert summary["ended"] - cut <= DEAD_WORKER_S + 15, summary
+    _wait_for(lambda: _worker_health(lab, router)[decode_url], "decode back in rotation", 30, log)
+    _wait_for(lambda: _idle(lab, "decode"), "the decode worker to free every page", 60, log)
 
 
 def test_sigterm_to_the_cluster_script_stops_every_role(lab, cluster):

@@ -170,3 +170,20 @@ def test_router_cli_names_what_is_missing_or_malformed(capsys):
     assert "--prefill-service" in capsys.readouterr().err
     assert main(["router", "--prefill-service", "p", "--decode", "http://d:2"]) == 2
     assert "NAME:PORT" in capsys.readouterr().err
+
+
+def test_dead_worker_timeout_sets_keepalive_and_user_timeout():
+    import socket
+
+    from pdserve.router.transport import dead_peer_socket_options
+
+    options = {(level, name): value for level, name, value in dead_peer_socket_options(15)}
+    assert options[(socket.SOL_SOCKET, socket.SO_KEEPALIVE)] == 1
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux
+        idle = options[(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)]
+        interval = options[(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)]
+        count = options[(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)]
+        assert idle + interval * count <= 15
+        assert options[(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)] == 15000
+    tiny = {name: value for _, name, value in dead_peer_socket_options(0.5)}
+    assert all(value >= 1 for value in tiny.values())
