@@ -222,7 +222,9 @@ class Proxy:
         except httpx.HTTPError as e:
             status = "502"
             self._unreachable("decode", self.decode, legs.pair.decode, e)
-            yield error_event(502, f"the decode worker failed mid-stream: {e}", "worker_failed")
+            reason = f"{type(e).__name__}: {e}".rstrip(": ")
+            message = f"the decode worker failed mid-stream ({reason})"
+            yield error_event(502, message, "worker_failed")
             yield b"data: [DONE]\n\n"
         finally:
             await self._close(legs)

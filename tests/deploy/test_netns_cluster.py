@@ -310,7 +310,7 @@ def test_a_stream_whose_decode_link_is_cut_ends_with_an_error_event(lab, cluster
         lab.cable("decode", up=True)
         if client.poll() is None:
             client.kill()
-    assert summary["error"] is not None, summary
+    assert "failed mid-stream (" in summary["error"]["message"], summary
     assert summary["tokens"] < 1900, summary
     assert summary["ended"] - cut <= DEAD_WORKER_S + 15, summary
     _wait_for(lambda: _worker_health(lab, router)[decode_url], "decode back in rotation", 30, log)
