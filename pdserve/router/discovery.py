@@ -50,12 +50,15 @@ def worker_url(address: str, port: int) -> str:
 
 
 async def resolve(service: ServiceName, timeout_s: float) -> list[str]:
-    """The worker URLs `service` resolves to now, sorted; raises OSError or TimeoutError."""
+    """The worker URLs `service` resolves to now, sorted; raises OSError or TimeoutError.
+    A name with both IPv4 and IPv6 addresses (a dual-stack host) counts by its IPv4 ones, so
+    that one worker is not listed, and load-balanced, twice."""
     loop = asyncio.get_running_loop()
     infos = await asyncio.wait_for(
         loop.getaddrinfo(service.host, service.port, type=socket.SOCK_STREAM), timeout_s
     )
-    return sorted({worker_url(info[4][0], service.port) for info in infos})
+    v4 = [info for info in infos if info[0] == socket.AF_INET]
+    return sorted({worker_url(info[4][0], service.port) for info in v4 or infos})
 
 
 class Discovery:

@@ -70,6 +70,32 @@ def test_a_failed_lookup_keeps_the_workers_the_last_good_one_found(monkeypatch):
     assert [w.url for w in pool.workers] == ["http://10.0.0.2:1"]
 
 
+def test_a_dual_stack_name_counts_each_worker_once(monkeypatch):
+    import socket
+
+    async def both_families(host, port, type):
+        return [
+            (socket.AF_INET6, type, 6, "", ("fd00::5", port, 0, 0)),
+            (socket.AF_INET, type, 6, "", ("10.0.0.5", port)),
+            (socket.AF_INET, type, 6, "", ("10.0.0.5", port)),
+        ]
+
+    async def v6_only(host, port, type):
+        return [(socket.AF_INET6, type, 6, "", ("fd00::5", port, 0, 0))]
+
+    for fake, expected in (
+        (both_families, ["http://10.0.0.5:7"]),
+        (v6_only, ["http://[fd00::5]:7"]),
+    ):
+
+        async def run(fake=fake):
+            loop = asyncio.get_running_loop()
+            monkeypatch.setattr(loop, "getaddrinfo", fake)
+            return await resolve(ServiceName("w", 7), 1.0)
+
+        assert asyncio.run(run()) == expected
+
+
 def test_resolve_asks_the_system_resolver():
     urls = asyncio.run(resolve(ServiceName("localhost", 4321), 5.0))
     assert "http://127.0.0.1:4321" in urls
