@@ -222,13 +222,23 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=1024,
         help="waiting requests beyond this are refused with 429",
     )
-    g.add_argument(
+    add_shutdown_timeout_arg(g)
+
+
+def add_shutdown_timeout_arg(parser) -> None:
+    """Workers and the router: how long SIGTERM waits for requests in flight."""
+    parser.add_argument(
         "--shutdown-timeout",
         type=float,
         default=5.0,
         help="seconds in-flight requests may take to finish after SIGTERM (new connections "
         "are refused at once); keep it under the pod's terminationGracePeriodSeconds",
     )
+
+
+def check_shutdown_timeout(args: argparse.Namespace) -> None:
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
 
 
 def add_transfer_args(parser: argparse.ArgumentParser, role: str) -> None:
@@ -379,13 +389,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         "link down: no TCP keepalive replies, data unacknowledged) fails",
     )
     parser.add_argument("--health-check-interval", type=float, default=2.0)
-    parser.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=5.0,
-        help="seconds in-flight requests may take to finish after SIGTERM (new connections "
-        "are refused at once); keep it under the pod's terminationGracePeriodSeconds",
-    )
+    add_shutdown_timeout_arg(parser)
     parser.add_argument(
         "--health-check-timeout",
         type=float,
@@ -423,11 +427,6 @@ def router_config_from_args(args: argparse.Namespace):
         health_check_interval_s=args.health_check_interval,
         health_check_timeout_s=args.health_check_timeout,
     )
-
-
-def check_shutdown_timeout(args: argparse.Namespace) -> None:
-    if args.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:

@@ -26,6 +26,7 @@
 #                     PDSERVE_API_KEY and PDSERVE_TRANSFER_TOKEN there, so that no secret
 #                     crosses a command line                                         [unset]
 #   PDSERVE_NODE      pdserve-node.sh's path on the hosts                 [this script's dir]
+#   STOP_TIMEOUT      seconds the roles get to exit after SIGTERM before SIGKILL        [60]
 #   SSH               the ssh command; it gets HOST then the remote command
 #                     [ssh -tt -o BatchMode=yes]: -tt, so a closed session hangs up the role
 #   PDSERVE_DRY_RUN   1: print each host and remote command, and exit
@@ -42,6 +43,8 @@ quote() {
   printf "'%s'" "$escaped"
 }
 
+[[ "${STOP_TIMEOUT:-60}" =~ ^[0-9]+$ ]] ||
+  die "STOP_TIMEOUT must be whole seconds, got '$STOP_TIMEOUT'"
 for name in PREFILL_HOSTS DECODE_HOSTS ROUTER_HOST MODEL_PATH; do
   [[ -n "${!name:-}" ]] || die "$name is required (see the top of $0)"
 done
@@ -100,7 +103,13 @@ stop_all() {
   for pid in "${pids[@]}"; do
     kill -TERM "$pid" 2>/dev/null || true
   done
+  # NOTE: a role that outlives STOP_TIMEOUT (a hung ssh session) is killed.
+  local deadline=$((SECONDS + ${STOP_TIMEOUT:-60}))
   for pid in "${pids[@]}"; do
+    while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do
+      sleep 0.2
+    done
+    kill -KILL "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
   done
 }

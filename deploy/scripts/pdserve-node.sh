@@ -134,7 +134,8 @@ if [[ "$ROLE" == router ]]; then
   for name in "${decode_services[@]}"; do args+=(--decode-service "$name"); done
 else
   require MODEL_PATH "the model directory (config.json, safetensors, tokenizer)"
-  [[ "${PDSERVE_DRY_RUN:-0}" == 1 || -d "$MODEL_PATH" ]] || die "MODEL_PATH '$MODEL_PATH' is not a directory on this node"
+  [[ "${PDSERVE_DRY_RUN:-0}" == 1 || -d "$MODEL_PATH" ]] ||
+    die "MODEL_PATH '$MODEL_PATH' is not a directory on this node"
   args+=(--model-path "$MODEL_PATH" --device "${DEVICE:-auto}")
   if [[ "$ROLE" != serve ]]; then
     advertised=$HOST

@@ -70,9 +70,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
         )
         transport = worker_transport(config.dead_worker_timeout_s)
         async with httpx.AsyncClient(timeout=timeout, transport=transport) as client:
-            checker = HealthChecker(
-                config, [prefill, decode], client, discovery if discovery.sources else None
-            )
+            checker = HealthChecker(config, [prefill, decode], client, discovery)
             await checker.check_all()
             health_task = asyncio.create_task(checker.run(), name="health-checks")
             app.state.proxy = Proxy(config, prefill, decode, client, metrics)

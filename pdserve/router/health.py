@@ -1,8 +1,8 @@
 """Periodic health checks: a worker leaves rotation after `health_failure_threshold` failed
 `/health` checks in a row (or at once when a request could not reach it, see `proxy`) and
 returns after one good check. A prefill worker whose bootstrap port was not given is asked for
-it (`/server_info`) until it answers. With DNS discovery, each round first refreshes the pools
-from DNS (`discovery`). Torch-free."""
+it (`/server_info`) until it answers. Each round first refreshes the pools from DNS
+(`discovery`; a no-op without services). Torch-free."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class HealthChecker:
         config: RouterConfig,
         pools: list[WorkerPool],
         client: httpx.AsyncClient,
-        discovery: Discovery | None = None,
+        discovery: Discovery,
     ):
         self.config = config
         self.pools = pools
@@ -37,8 +37,7 @@ class HealthChecker:
             await asyncio.sleep(self.config.health_check_interval_s)
 
     async def check_all(self) -> None:
-        if self.discovery is not None:
-            await self.discovery.refresh()
+        await self.discovery.refresh()  # NOTE: nothing to do without --*-service
         checks = [self._check(pool, w) for pool in self.pools for w in pool.workers]
         await asyncio.gather(*checks)
 
@@ -72,8 +71,13 @@ class HealthChecker:
             headers={"Authorization": f"Bearer {key}"} if key else None,
             timeout=self.config.health_check_timeout_s,
         )
-        port = response.json().get("disaggregation_bootstrap_port")
-        if response.status_code != 200 or not isinstance(port, int):
+        if response.status_code != 200:
+            return f"/server_info answered {response.status_code}"
+        try:
+            port = response.json().get("disaggregation_bootstrap_port")
+        except (ValueError, AttributeError):  # NOTE: not a JSON object: a wrong server
+            port = None
+        if not isinstance(port, int):
             return "the prefill worker did not report its bootstrap port"
         worker.bootstrap_port = port
         return None

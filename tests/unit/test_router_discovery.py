@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -213,3 +214,40 @@ def test_dead_worker_timeout_sets_keepalive_and_user_timeout():
         assert options[(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)] == 15000
     tiny = {name: value for _, name, value in dead_peer_socket_options(0.5)}
     assert all(value >= 1 for value in tiny.values())
+
+
+class _NotAWorker(BaseHTTPRequestHandler):
+    """/health is fine, /server_info is not JSON (something else on the worker's port)."""
+
+    def do_GET(self):
+        body = b"ok" if self.path == "/health" else b"<html>not pdserve</html>"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_prefill_port_that_is_not_a_worker_stays_out_without_stopping_health_checks():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NotAWorker)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    config = RouterConfig(prefill=((url, None),), decode=(url,), health_check_interval_s=0.05)
+    try:
+        with TestClient(build_router_app(config)) as client:
+            # NOTE: last_error is set at the second failed check: the checker survived the
+            # first bad answer (before the fix it raised and health checks stopped).
+            deadline = time.monotonic() + 10
+            while not (prefill := client.get("/workers").json()["prefill"][0])["last_error"]:
+                assert time.monotonic() < deadline, prefill
+                time.sleep(0.05)
+            assert not prefill["healthy"]
+            assert "did not report its bootstrap port" in prefill["last_error"]
+            assert client.get("/workers").json()["decode"][0]["healthy"]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
