@@ -476,6 +476,13 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
         "--start-timeout", type=float, default=600.0, help="seconds to wait for healthy workers"
     )
     parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="restart a worker or the router that exits, on the same ports, at most this many "
+        "times in 10 minutes; past that, stop everything (0: stop at the first exit)",
+    )
+    parser.add_argument(
         "--check",
         action="store_true",
         help="send the example request through the router, print the answer, stop everything",

@@ -2,8 +2,11 @@
 
 Starts the prefill and decode workers, waits until they are healthy, starts the router in
 front, prints its URL and a ready-to-paste curl command, and stops everything on Ctrl-C or
-SIGTERM. Every child runs in its own process group and exits by itself if this process dies
-(`PDSERVE_EXIT_WITH_PARENT`), so nothing is left behind.
+SIGTERM. A child that exits is restarted on the same ports, as a container supervisor would
+(`--max-restarts` within `RESTART_WINDOW_S`; past that everything stops): the router's health
+checks take it out of rotation and put it back, and decode workers re-register with a restarted
+prefill worker. Every child runs in its own process group and exits by itself if this process
+dies (`PDSERVE_EXIT_WITH_PARENT`), so nothing is left behind.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 
 import httpx
 
@@ -48,11 +52,34 @@ def engine_argv(args: argparse.Namespace, model_path: str) -> list[str]:
     return argv
 
 
+RESTART_WINDOW_S = 600.0
+
+
+class RestartBudget:
+    """At most `max_restarts` restarts of one child within `window_s` seconds."""
+
+    def __init__(self, max_restarts: int, window_s: float = RESTART_WINDOW_S):
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self._times: deque[float] = deque()
+
+    def take(self, now: float) -> bool:
+        """Spend one restart at `now`; False when the window's budget is used up."""
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        if len(self._times) >= self.max_restarts:
+            return False
+        self._times.append(now)
+        return True
+
+
 class Deployment:
     """The children of one launch: workers first, the router last; stopped in reverse."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_restarts: int = 0) -> None:
         self.children: list[tuple[str, LocalServer]] = []
+        self.max_restarts = max_restarts
+        self._budgets: dict[str, RestartBudget] = {}
 
     def start(self, name: str, role_args: list[str], *, port: int | None, host: str, env=None):
         server = LocalServer(role_args, port=port, host=host, log_level="warning", env=env)
@@ -66,10 +93,21 @@ class Deployment:
             except ServerStartError as e:
                 raise ServerStartError(f"{name}: {e}") from None
 
-    def first_exited(self) -> str | None:
+    def supervise(self) -> str | None:
+        """Restart every child that exited; return why the deployment must stop instead (a
+        child that exited more often than its restart budget allows), else None."""
         for name, server in self.children:
-            if server.process.poll() is not None:
-                return f"{name} exited with code {server.process.returncode}"
+            code = server.process.poll()
+            if code is None:
+                continue
+            budget = self._budgets.setdefault(name, RestartBudget(self.max_restarts))
+            if not budget.take(time.monotonic()):
+                return (
+                    f"{name} exited with code {code} (restarted {self.max_restarts} times "
+                    f"within {RESTART_WINDOW_S:.0f} s already)"
+                )
+            print(f"{name} exited with code {code}; restarting it", file=sys.stderr, flush=True)
+            server.restart()
         return None
 
     def stop(self) -> None:
@@ -81,6 +119,9 @@ def launch_from_args(args: argparse.Namespace) -> int:
     if args.num_prefill < 1 or args.num_decode < 1:
         print("error: --num-prefill and --num-decode must be at least 1", file=sys.stderr)
         return 2
+    if args.max_restarts < 0:
+        print(f"error: --max-restarts must be >= 0, got {args.max_restarts}", file=sys.stderr)
+        return 2
     model_path = args.model_path
     if model_path is None:
         from pdserve.engine.tiny_model import default_model_dir
@@ -91,7 +132,7 @@ def launch_from_args(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
 
-    deployment = Deployment()
+    deployment = Deployment(args.max_restarts)
     try:
         router_args = _start_workers(deployment, args, model_path, gpus)
         print(f"starting {args.num_prefill} prefill + {args.num_decode} decode workers ...")
@@ -102,7 +143,7 @@ def launch_from_args(args: argparse.Namespace) -> int:
         if args.check:
             return _check(router.url)
         while not stop.is_set():
-            failure = deployment.first_exited()
+            failure = deployment.supervise()
             if failure is not None:
                 print(f"error: {failure}; stopping everything", file=sys.stderr)
                 return 1

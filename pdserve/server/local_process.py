@@ -51,8 +51,21 @@ class LocalServer:
             "--port",
             str(self.port),
         ]
-        child_env = {**os.environ, **(env or {}), "PDSERVE_EXIT_WITH_PARENT": str(os.getpid())}
-        self.process = subprocess.Popen(command, start_new_session=True, env=child_env)
+        self._command = command
+        self._env = {**os.environ, **(env or {}), "PDSERVE_EXIT_WITH_PARENT": str(os.getpid())}
+        self.process = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen(self._command, start_new_session=True, env=self._env)
+
+    def restart(self, cleanup_deadline_s: float = 10.0) -> None:
+        """Start the same command again, on the same ports, after the process exited (what a
+        container restart does: same address, fresh process)."""
+        self.stop()
+        # NOTE: what the old process started (its engine process holds the bootstrap port) is
+        # killed and gone before the new one binds the same ports.
+        _kill_group(self.process.pid, cleanup_deadline_s)
+        self.process = self._spawn()
 
     def wait_healthy(self, deadline_s: float, poll_s: float = 0.1) -> LocalServer:
         deadline = time.monotonic() + deadline_s
@@ -79,3 +92,16 @@ class LocalServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=10)
+
+
+def _kill_group(pgid: int, deadline_s: float) -> None:
+    """SIGKILL every process left in group `pgid` and wait until none is."""
+    deadline = time.monotonic() + deadline_s
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+        while time.monotonic() < deadline:
+            os.killpg(pgid, 0)  # raises once the group is empty
+            time.sleep(0.05)
+    except ProcessLookupError:
+        return
+    raise ServerStartError(f"processes of group {pgid} still alive after {deadline_s:.0f} s")
