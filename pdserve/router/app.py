@@ -140,7 +140,11 @@ def build_router_app(
             )
         except httpx.HTTPError as e:
             return error_response(502, f"decode worker {workers[0].url} unreachable: {e}")
-        return JSONResponse(response.json(), status_code=response.status_code)
+        try:
+            return JSONResponse(response.json(), status_code=response.status_code)
+        except ValueError:
+            message = f"decode worker {workers[0].url} answered {request.url.path} without JSON"
+            return error_response(502, message)
 
     for path in ("/v1/models", *INFO_PATHS):
         app.add_api_route(path, from_decode, methods=["GET"])

@@ -19,8 +19,8 @@ class RouterConfig:
     prefill_services / decode_services: DNS names whose addresses are workers (discovery).
     request_timeout_s: the most a request may take, both legs and all of its stream.
     health_check_interval_s / health_failure_threshold: a worker leaves rotation after that
-    many failed checks in a row (or at once when a request cannot reach it) and comes back
-    after one good check.
+    many failures in a row (failed checks, or requests that could not reach it even on a new
+    connection) and comes back after one good check.
     dead_worker_timeout_s: a connection to a worker whose kernel stops answering (host or
     link down) fails after about this long (see `transport`).
     max_body_bytes: a request body over this is refused with 413 while it streams in.

@@ -1,5 +1,5 @@
-"""Periodic health checks: a worker leaves rotation after `health_failure_threshold` failed
-`/health` checks in a row (or at once when a request could not reach it, see `proxy`) and
+"""Periodic health checks: a worker leaves rotation after `health_failure_threshold` failures
+in a row (failed `/health` checks, or requests that could not reach it, see `proxy`) and
 returns after one good check. A prefill worker whose bootstrap port was not given is asked for
 it (`/server_info`) until it answers. Each round first refreshes the pools from DNS
 (`discovery`; a no-op without services). Torch-free."""

@@ -7,8 +7,8 @@ instead, without misjudging a worker that is merely slow (its kernel still answe
 TCP keepalive probes for an idle connection (a stream waiting for its next token, a prefill
 still computing), and TCP_USER_TIMEOUT for data the worker never acknowledges (a request
 sent into a cut link). The failed connection then fails its leg like any unreachable worker:
-out of rotation, retried on a new pair when nothing was sent yet, an SSE error event
-otherwise. Torch-free.
+a failure counted against it (enough in a row take it out of rotation), retried on a new
+pair when nothing was sent yet, an SSE error event otherwise. Torch-free.
 """
 
 from __future__ import annotations

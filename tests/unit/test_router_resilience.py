@@ -148,6 +148,14 @@ def test_the_router_bounds_requests_in_flight_per_worker_with_429():
         assert client.post("/v1/completions", json=BODY).status_code == 200  # a slot again
 
 
+def test_model_info_that_is_not_json_is_a_clear_502():
+    fakes = FakeWorkers()  # NOTE: answers GET /v1/models with an empty 404
+    with TestClient(build_router_app(fakes.config(), fakes.transport)) as client:
+        response = client.get("/v1/models")
+        assert response.status_code == 502
+        assert "without JSON" in response.json()["error"]["message"]
+
+
 # ---- a client that leaves before the first byte ---------------------------------------
 
 
