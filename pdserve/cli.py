@@ -389,6 +389,20 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         "link down: no TCP keepalive replies, data unacknowledged) fails",
     )
     parser.add_argument("--health-check-interval", type=float, default=2.0)
+    parser.add_argument(
+        "--max-body-size",
+        type=int,
+        default=32 << 20,
+        metavar="BYTES",
+        help="request bodies over this are refused with 413 as they stream in (default: 32 MiB)",
+    )
+    parser.add_argument(
+        "--max-requests-per-worker",
+        type=int,
+        default=0,
+        help="requests this router keeps in flight on one worker at most; when every worker "
+        "of a role is at it, new requests get 429 (default 0: no bound)",
+    )
     add_shutdown_timeout_arg(parser)
     parser.add_argument(
         "--health-check-timeout",
@@ -426,6 +440,8 @@ def router_config_from_args(args: argparse.Namespace):
         dead_worker_timeout_s=args.dead_worker_timeout,
         health_check_interval_s=args.health_check_interval,
         health_check_timeout_s=args.health_check_timeout,
+        max_body_bytes=args.max_body_size,
+        max_requests_per_worker=args.max_requests_per_worker,
     )
 
 

@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
 import uuid
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Discovery
 from pdserve.router.errors import error_response
 from pdserve.router.health import HealthChecker
+from pdserve.router.intake import ApiKeyMiddleware, BadBody, client_left, read_json_body
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.proxy import Proxy
 from pdserve.router.transport import worker_transport
@@ -37,10 +37,13 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = {"/health", "/liveness", "/metrics"}
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
 INFO_PATHS = ("/get_model_info", "/model_info", "/get_server_info", "/server_info")
-MAX_BODY_BYTES = 64 << 20
 
 
-def build_router_app(config: RouterConfig) -> FastAPI:
+def build_router_app(
+    config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None
+) -> FastAPI:
+    """transport: how to reach the workers (tests pass fakes); default: TCP with dead-peer
+    detection (`transport.worker_transport`)."""
     # NOTE: workers start out of rotation; the first health check (before serving) puts
     # the healthy ones in.
     prefill = WorkerPool(
@@ -68,12 +71,16 @@ def build_router_app(config: RouterConfig) -> FastAPI:
             write=config.connect_timeout_s * 6,
             pool=config.connect_timeout_s,
         )
-        transport = worker_transport(config.dead_worker_timeout_s)
-        async with httpx.AsyncClient(timeout=timeout, transport=transport) as client:
+        pooled = transport or worker_transport(config.dead_worker_timeout_s)
+        unpooled = transport or worker_transport(config.dead_worker_timeout_s, keep_alive=False)
+        async with (
+            httpx.AsyncClient(timeout=timeout, transport=pooled) as client,
+            httpx.AsyncClient(timeout=timeout, transport=unpooled) as fresh_client,
+        ):
             checker = HealthChecker(config, [prefill, decode], client, discovery)
             await checker.check_all()
             health_task = asyncio.create_task(checker.run(), name="health-checks")
-            app.state.proxy = Proxy(config, prefill, decode, client, metrics)
+            app.state.proxy = Proxy(config, prefill, decode, client, metrics, fresh_client)
             app.state.client = client
             try:
                 yield
@@ -83,14 +90,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
                     await health_task
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if config.api_key and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-                return error_response(401, "invalid or missing API key", "invalid_api_key")
-        return await call_next(request)
+    app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=OPEN_PATHS)
 
     @app.get("/health")
     async def health() -> Response:
@@ -112,17 +112,16 @@ def build_router_app(config: RouterConfig) -> FastAPI:
 
     async def generation(request: Request) -> Response:
         headers = _leg_headers(request)
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            return error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
         try:
-            body = json.loads(raw)
-        except ValueError as e:
-            return error_response(400, f"invalid JSON body: {e}")
-        if not isinstance(body, dict):
-            return error_response(400, "the request body must be a JSON object")
+            body = await read_json_body(request, config.max_body_bytes)
+        except BadBody as e:
+            return e.response()
+        except ClientDisconnect:
+            return Response(status_code=499)  # NOTE: nobody is left to read it
         proxy: Proxy = request.app.state.proxy
-        return await proxy.handle(request.url.path, body, headers, request.is_disconnected)
+        return await proxy.handle(
+            request.url.path, body, headers, lambda: client_left(request.receive)
+        )
 
     for path in GENERATION_PATHS:
         app.add_api_route(path, generation, methods=["POST"])
@@ -141,7 +140,11 @@ def build_router_app(config: RouterConfig) -> FastAPI:
             )
         except httpx.HTTPError as e:
             return error_response(502, f"decode worker {workers[0].url} unreachable: {e}")
-        return JSONResponse(response.json(), status_code=response.status_code)
+        try:
+            return JSONResponse(response.json(), status_code=response.status_code)
+        except ValueError:
+            message = f"decode worker {workers[0].url} answered {request.url.path} without JSON"
+            return error_response(502, message)
 
     for path in ("/v1/models", *INFO_PATHS):
         app.add_api_route(path, from_decode, methods=["GET"])

@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from pdserve.router.discovery import ServiceName
 from pdserve.router.policies import POLICIES
 
+# NOTE: a 128k-token prompt is about 1 MiB as JSON (text or token ids); 32 MiB leaves room
+# for long chat histories while bounding what one client can make the router hold.
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -15,10 +19,13 @@ class RouterConfig:
     prefill_services / decode_services: DNS names whose addresses are workers (discovery).
     request_timeout_s: the most a request may take, both legs and all of its stream.
     health_check_interval_s / health_failure_threshold: a worker leaves rotation after that
-    many failed checks in a row (or at once when a request cannot reach it) and comes back
-    after one good check.
+    many failures in a row (failed checks, or requests that could not reach it even on a new
+    connection) and comes back after one good check.
     dead_worker_timeout_s: a connection to a worker whose kernel stops answering (host or
-    link down) fails after about this long (see `transport`)."""
+    link down) fails after about this long (see `transport`).
+    max_body_bytes: a request body over this is refused with 413 while it streams in.
+    max_requests_per_worker: requests this router keeps in flight on one worker at most
+    (0: no bound); beyond it on every worker of a role, 429."""
 
     prefill: tuple[tuple[str, int | None], ...] = ()
     decode: tuple[str, ...] = ()
@@ -34,6 +41,8 @@ class RouterConfig:
     health_check_timeout_s: float = 2.0
     health_failure_threshold: int = 2
     max_retries: int = 1
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_requests_per_worker: int = 0
 
     def __post_init__(self) -> None:
         if not self.prefill and not self.prefill_services:
@@ -60,3 +69,10 @@ class RouterConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.health_failure_threshold < 1 or self.max_retries < 0:
             raise ValueError("health_failure_threshold must be >= 1 and max_retries >= 0")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if self.max_requests_per_worker < 0:
+            raise ValueError(
+                f"max_requests_per_worker must be >= 0 (0: no bound), got "
+                f"{self.max_requests_per_worker}"
+            )

@@ -1,5 +1,5 @@
-"""Periodic health checks: a worker leaves rotation after `health_failure_threshold` failed
-`/health` checks in a row (or at once when a request could not reach it, see `proxy`) and
+"""Periodic health checks: a worker leaves rotation after `health_failure_threshold` failures
+in a row (failed `/health` checks, or requests that could not reach it, see `proxy`) and
 returns after one good check. A prefill worker whose bootstrap port was not given is asked for
 it (`/server_info`) until it answers. Each round first refreshes the pools from DNS
 (`discovery`; a no-op without services). Torch-free."""
@@ -32,9 +32,10 @@ class HealthChecker:
         self.discovery = discovery
 
     async def run(self) -> None:
+        """Checks every interval; the first round is the caller's (before serving)."""
         while True:
-            await self.check_all()
             await asyncio.sleep(self.config.health_check_interval_s)
+            await self.check_all()
 
     async def check_all(self) -> None:
         await self.discovery.refresh()  # NOTE: nothing to do without --*-service
@@ -57,10 +58,7 @@ class HealthChecker:
             if pool.mark(worker, True):
                 logger.info("%s worker %s is back in rotation", pool.role.value, worker.url)
             return
-        worker.failed_checks += 1
-        if worker.failed_checks >= self.config.health_failure_threshold and pool.mark(
-            worker, False, error
-        ):
+        if pool.note_failure(worker, error, self.config.health_failure_threshold):
             logger.warning("%s worker %s out of rotation: %s", pool.role.value, worker.url, error)
 
     async def _discover_bootstrap_port(self, worker: Worker) -> str | None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.router.policies import Policy
-from pdserve.router.workers import NoHealthyWorker, Worker, WorkerPool
+from pdserve.router.workers import NoHealthyWorker, Worker, WorkerPool, WorkersBusy
 
 ROOM_BITS = 63
 
@@ -32,14 +32,14 @@ def choose_pair(
     decode_policy: Policy,
     *,
     avoid: Pair | None = None,
+    max_in_flight: int = 0,
 ) -> Pair:
     """A healthy prefill and decode worker and a fresh room; a retry passes the failed pair
-    as `avoid` so it lands elsewhere where another healthy worker exists."""
-    prefill_up, decode_up = prefill.healthy(), decode.healthy()
-    if not prefill_up:
-        raise NoHealthyWorker("no healthy prefill worker")
-    if not decode_up:
-        raise NoHealthyWorker("no healthy decode worker")
+    as `avoid` so it lands elsewhere where another healthy worker exists. With
+    `max_in_flight` > 0 only workers with fewer requests in flight than that are chosen
+    (WorkersBusy when none is left)."""
+    prefill_up = _available(prefill, max_in_flight)
+    decode_up = _available(decode, max_in_flight)
     exclude_p = [avoid.prefill] if avoid else []
     exclude_d = [avoid.decode] if avoid else []
     return Pair(
@@ -47,6 +47,21 @@ def choose_pair(
         decode=decode_policy.choose(decode_up, exclude=exclude_d),
         room=new_room(),
     )
+
+
+def _available(pool: WorkerPool, max_in_flight: int) -> list[Worker]:
+    healthy = pool.healthy()
+    if not healthy:
+        raise NoHealthyWorker(f"no healthy {pool.role.value} worker")
+    if max_in_flight <= 0:
+        return healthy
+    free = [w for w in healthy if w.in_flight < max_in_flight]
+    if not free:
+        raise WorkersBusy(
+            f"all {len(healthy)} {pool.role.value} worker(s) have {max_in_flight} requests "
+            "in flight (--max-requests-per-worker); retry later"
+        )
+    return free
 
 
 def with_bootstrap(body: dict[str, Any], pair: Pair) -> dict[str, Any]:

@@ -7,9 +7,15 @@ that its status tells whether the KV handoff succeeded (it ends when the room do
 Failure rules: when one leg fails, the other is cancelled (closing its connection aborts it on
 the worker, which frees its pages). A failure that a new pair may fix (a worker unreachable or
 a transfer failed: 5xx) is retried once with a new pair and room, but only while nothing was
-sent to the client; a stream that breaks later ends with an SSE error event. A request that
-outlives `request_timeout_s` fails with 504. A client that disconnects cancels both legs.
-Torch-free.
+sent to the client; a stream that breaks later ends with an SSE error event. A 4xx is the
+request's (or, 429, a full worker's) answer: passed on as it is, never retried. A request that
+outlives `request_timeout_s` fails with 504. A client that disconnects, at any point, cancels
+both legs.
+
+Connections: a pooled keep-alive connection the worker already closed fails before any
+response byte; the leg is sent once more on a new connection before that counts as a failure,
+and a worker leaves rotation only after `health_failure_threshold` failures in a row (a good
+health check or request resets the count), never for one transient error. Torch-free.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -27,15 +33,19 @@ from fastapi.responses import Response, StreamingResponse
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import LegError, error_event, error_response
+from pdserve.router.log_limit import RateLimitedLog
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import Pair, choose_pair, with_bootstrap
 from pdserve.router.policies import make_policy
-from pdserve.router.workers import NoHealthyWorker, Worker, WorkerPool
+from pdserve.router.workers import NoHealthyWorker, Worker, WorkerPool, WorkersBusy
 
 logger = logging.getLogger(__name__)
 
 SSE_EVENT_END = b"\n\n"
 MAX_FIRST_EVENT_BYTES = 1 << 20
+# NOTE: what a pooled connection the worker had closed fails with (EOF or reset before any
+# response byte, or a broken pipe while sending); not ConnectError: nothing listens there.
+STALE_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 @dataclass
@@ -57,40 +67,52 @@ class Proxy:
         decode: WorkerPool,
         client: httpx.AsyncClient,
         metrics: RouterMetrics,
+        fresh_client: httpx.AsyncClient | None = None,
     ):
+        """client: pooled keep-alive connections to the workers; fresh_client: a new
+        connection per request, for sending a leg again after a stale one failed."""
         self.config = config
         self.prefill = prefill
         self.decode = decode
         self.client = client
+        self.fresh_client = fresh_client or client
         self.metrics = metrics
         self.prefill_policy = make_policy(config.prefill_policy)
         self.decode_policy = make_policy(config.decode_policy)
+        self.leg_warnings = RateLimitedLog(logger)
 
     async def handle(
-        self, endpoint: str, body: dict, headers: dict[str, str], is_disconnected
+        self,
+        endpoint: str,
+        body: dict,
+        headers: dict[str, str],
+        client_left: Callable[[], Awaitable[None]],
     ) -> Response:
+        """client_left: returns when the client closes its connection."""
         started = time.monotonic()
         deadline = started + self.config.request_timeout_s
         stream = bool(body.get("stream"))
-        attempt = self._attempts(endpoint, body, headers, stream, deadline)
-        if stream:
-            legs = await attempt
-            if isinstance(legs, Response):
-                return self._done(endpoint, started, legs)
-            relay = self._relay(endpoint, legs, deadline, started)
-            return StreamingResponse(relay, media_type="text/event-stream", headers=_reply(headers))
-        # NOTE: a non-streaming client that goes away must still cancel both legs.
-        task = asyncio.ensure_future(attempt)
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.1)
-            if not task.done() and await is_disconnected():
-                task.cancel()
+        attempt = asyncio.ensure_future(self._attempts(endpoint, body, headers, stream, deadline))
+        # NOTE: until the first byte, the client leaving is watched here (streaming or not):
+        # both legs are cancelled, which aborts them on the workers; once a stream has
+        # started, the streaming response notices.
+        watcher = asyncio.ensure_future(client_left())
+        try:
+            await asyncio.wait({attempt, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not attempt.done():
+                attempt.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                return self._done(endpoint, started, Response(status_code=499))
-        result = task.result()
+                    await attempt
+        if attempt.cancelled():
+            return self._done(endpoint, started, Response(status_code=499))
+        result = attempt.result()
         if isinstance(result, Response):
             return self._done(endpoint, started, result)
+        if stream:
+            relay = self._relay(endpoint, result, deadline, started)
+            return StreamingResponse(relay, media_type="text/event-stream", headers=_reply(headers))
         await self._close(result)
         response = Response(result.head, media_type="application/json", headers=_reply(headers))
         return self._done(endpoint, started, response)
@@ -108,15 +130,24 @@ class Proxy:
         for attempt in range(self.config.max_retries + 1):
             try:
                 pair = choose_pair(
-                    self.prefill, self.decode, self.prefill_policy, self.decode_policy, avoid=avoid
+                    self.prefill,
+                    self.decode,
+                    self.prefill_policy,
+                    self.decode_policy,
+                    avoid=avoid,
+                    max_in_flight=self.config.max_requests_per_worker,
                 )
             except NoHealthyWorker as e:
                 return error_response(503, str(e), "no_healthy_worker", _reply(headers))
+            except WorkersBusy as e:
+                busy = {**_reply(headers), "Retry-After": "1"}
+                return error_response(429, str(e), "rate_limit_exceeded", busy)
             try:
                 return await self._open(pair, endpoint, body, headers, stream, deadline)
             except LegError as e:
                 self.metrics.leg_failures.labels(e.role, str(e.status)).inc()
-                logger.warning("request %s: %s", headers.get("X-Request-Id"), e)
+                request_id = headers.get("X-Request-Id")
+                self.leg_warnings.warning((e.role, e.status), "request %s: %s", request_id, e)
                 if not e.retryable or attempt == self.config.max_retries:
                     return e.response(_reply(headers))
                 if time.monotonic() >= deadline:
@@ -161,22 +192,36 @@ class Proxy:
             self.decode.release(pair.decode)
             raise
 
-    async def _prefill_leg(self, worker: Worker, endpoint, body, headers) -> None:
-        try:
-            response = await self.client.post(worker.url + endpoint, json=body, headers=headers)
-        except httpx.HTTPError as e:
-            raise self._unreachable("prefill", self.prefill, worker, e) from None
-        if response.status_code != 200:
-            raise _leg_error("prefill", response.status_code, response.content)
-
-    async def _decode_leg(self, worker: Worker, endpoint, body, headers, stream):
+    async def _send(self, pool: WorkerPool, worker: Worker, endpoint, body, headers):
+        """Send one leg; its response with the body still to read. A pooled connection the
+        worker had closed (after its keep-alive timeout, or an error) fails before any byte
+        of response: the leg goes once more, on a new connection, before that counts."""
         request = self.client.build_request(
             "POST", worker.url + endpoint, json=body, headers=headers
         )
         try:
-            response = await self.client.send(request, stream=True)
+            try:
+                response = await self.client.send(request, stream=True)
+            except STALE_CONNECTION_ERRORS:
+                response = await self.fresh_client.send(request, stream=True)
         except httpx.HTTPError as e:
-            raise self._unreachable("decode", self.decode, worker, e) from None
+            raise self._unreachable(pool.role.value, pool, worker, e) from None
+        pool.note_success(worker)
+        return response
+
+    async def _prefill_leg(self, worker: Worker, endpoint, body, headers) -> None:
+        response = await self._send(self.prefill, worker, endpoint, body, headers)
+        try:
+            content = await response.aread()
+        except httpx.HTTPError as e:
+            raise self._unreachable("prefill", self.prefill, worker, e) from None
+        finally:
+            await response.aclose()
+        if response.status_code != 200:
+            raise _leg_error("prefill", response.status_code, content)
+
+    async def _decode_leg(self, worker: Worker, endpoint, body, headers, stream):
+        response = await self._send(self.decode, worker, endpoint, body, headers)
         try:
             if response.status_code != 200:
                 raise _leg_error("decode", response.status_code, await response.aread())
@@ -198,9 +243,10 @@ class Proxy:
             raise
 
     def _unreachable(self, role: str, pool: WorkerPool, worker: Worker, error) -> LegError:
-        """A worker we could not talk to leaves rotation now; health checks bring it back."""
-        reason = f"{worker.url} unreachable: {type(error).__name__}: {error}"
-        if pool.mark(worker, False, reason):
+        """A worker we could not talk to: one failure more in a row (`note_failure`); enough
+        of them take it out of rotation, a good health check brings it back."""
+        reason = f"{worker.url} unreachable: {type(error).__name__}: {error}".rstrip(": ")
+        if pool.note_failure(worker, reason, self.config.health_failure_threshold):
             logger.warning("%s worker out of rotation: %s", role, reason)
         return LegError(role, 502, None, reason, retryable=True)
 
@@ -227,17 +273,19 @@ class Proxy:
             yield error_event(502, message, "worker_failed")
             yield b"data: [DONE]\n\n"
         finally:
-            await self._close(legs)
             self.metrics.requests.labels(endpoint, status).inc()
             self.metrics.latency.labels(endpoint).observe(time.monotonic() - started)
+            # NOTE: shielded: a client that left cancels this generator, and the cleanup
+            # (closing the decode leg aborts it on the worker) must still run to the end.
+            await asyncio.shield(self._close(legs))
 
     async def _close(self, legs: _Legs) -> None:
-        await legs.decode.aclose()
         self.decode.release(legs.pair.decode)
         if not legs.prefill.done():
             # NOTE: decode has the first token, so the room succeeded: prefill's answer is
             # only its bookkeeping; don't hold the client for it.
             legs.prefill.cancel()
+        await legs.decode.aclose()
         with contextlib.suppress(BaseException):
             await legs.prefill
 
@@ -269,5 +317,5 @@ def _raise_if_error_event(role: str, head: bytes) -> None:
     if isinstance(event, dict) and isinstance(event.get("error"), dict):
         error = event["error"]
         retryable = error.get("type") == "server_error"
-        status = 503 if retryable else 400
+        status = 503 if retryable else 429 if error.get("type") == "rate_limit_error" else 400
         raise LegError(role, status, event, str(error.get("message")), retryable)

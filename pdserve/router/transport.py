@@ -7,8 +7,8 @@ instead, without misjudging a worker that is merely slow (its kernel still answe
 TCP keepalive probes for an idle connection (a stream waiting for its next token, a prefill
 still computing), and TCP_USER_TIMEOUT for data the worker never acknowledges (a request
 sent into a cut link). The failed connection then fails its leg like any unreachable worker:
-out of rotation, retried on a new pair when nothing was sent yet, an SSE error event
-otherwise. Torch-free.
+a failure counted against it (enough in a row take it out of rotation), retried on a new
+pair when nothing was sent yet, an SSE error event otherwise. Torch-free.
 """
 
 from __future__ import annotations
@@ -35,8 +35,12 @@ def dead_peer_socket_options(timeout_s: float) -> list[tuple[int, int, int]]:
             if hasattr(socket, name)]  # fmt: skip
 
 
-def worker_transport(dead_worker_timeout_s: float) -> httpx.AsyncHTTPTransport:
+def worker_transport(
+    dead_worker_timeout_s: float, keep_alive: bool = True
+) -> httpx.AsyncHTTPTransport:
+    """keep_alive=False: a new connection for every request, closed after it (for sending a
+    request again after a pooled connection turned out stale)."""
     return httpx.AsyncHTTPTransport(
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256 * keep_alive),
         socket_options=dead_peer_socket_options(dead_worker_timeout_s),
     )

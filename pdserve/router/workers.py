@@ -17,6 +17,11 @@ class NoHealthyWorker(RuntimeError):
     """Every worker of a role is out of rotation."""
 
 
+class WorkersBusy(RuntimeError):
+    """Every healthy worker of a role has as many requests in flight as the router allows
+    (`--max-requests-per-worker`): back-pressure, answered with 429."""
+
+
 @dataclass(eq=False)
 class Worker:
     url: str
@@ -26,7 +31,7 @@ class Worker:
     last_error: str | None = None
     changed_at: float = field(default_factory=time.monotonic)
     in_flight: int = 0
-    failed_checks: int = 0  # consecutive failed health checks
+    failures: int = 0  # consecutive failures: health checks, or requests that could not reach it
     discovered: bool = False  # found through DNS (leaves the pool when DNS drops it)
 
     @property
@@ -38,8 +43,9 @@ class Worker:
 
 class WorkerPool:
     """Workers of one role: the ones given on the command line, plus the ones DNS discovery
-    found (`sync_discovered`). Health checks move workers out of and back into rotation;
-    `acquire`/`release` count requests in flight for load-aware policies."""
+    found (`sync_discovered`). Failures in a row (`note_failure`) take a worker out of
+    rotation, a good health check puts it back; `acquire`/`release` count requests in flight
+    for load-aware policies and the per-worker bound."""
 
     def __init__(self, role: Role, workers: list[Worker]):
         self.role = role
@@ -66,13 +72,29 @@ class WorkerPool:
     def mark(self, worker: Worker, healthy: bool, error: str | None = None) -> bool:
         """Move a worker in or out of rotation; True if that changed anything."""
         with self._lock:
-            worker.failed_checks = 0 if healthy else worker.failed_checks
-            changed = worker.healthy != healthy
-            worker.healthy = healthy
-            worker.last_error = None if healthy else error
-            if changed:
-                worker.changed_at = time.monotonic()
-            return changed
+            return self._mark(worker, healthy, error)
+
+    def note_failure(self, worker: Worker, error: str, threshold: int) -> bool:
+        """One more failure in a row (a health check, or a request that could not reach the
+        worker even on a fresh connection); at `threshold` the worker leaves rotation. True
+        if this took it out. One transient error never does unless `threshold` is 1."""
+        with self._lock:
+            worker.failures += 1
+            return worker.failures >= threshold and self._mark(worker, False, error)
+
+    def note_success(self, worker: Worker) -> None:
+        """A request reached the worker: failures are counted in a row."""
+        with self._lock:
+            worker.failures = 0
+
+    def _mark(self, worker: Worker, healthy: bool, error: str | None) -> bool:
+        worker.failures = 0 if healthy else worker.failures
+        changed = worker.healthy != healthy
+        worker.healthy = healthy
+        worker.last_error = None if healthy else error
+        if changed:
+            worker.changed_at = time.monotonic()
+        return changed
 
     def acquire(self, worker: Worker) -> None:
         with self._lock:

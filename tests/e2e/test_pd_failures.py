@@ -1,12 +1,14 @@
 """Disaggregated failure cases, each ending with an error to the client within the deadline,
 the surviving workers healthy, and every KV page free on every worker: a prefill or decode
-worker killed mid-request, a prompt prefill rejects, a client that disconnects mid-stream, and
-a handshake mismatch (different page sizes)."""
+worker killed mid-request, a prompt prefill rejects, a client that disconnects mid-stream (or
+before the first byte), and a handshake mismatch (different page sizes)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -18,6 +20,8 @@ from tests.e2e.sse import stream_post
 
 SLOW_PREFILL = ("--chunked-prefill-size", "8")  # a long prompt takes many steps to prefill
 LONG_PROMPT = [7] * 600
+PREFILL_MAX_LEN = 700  # the shared cluster's prefill worker: shorter than decode's
+TOO_LONG_FOR_PREFILL = [9] * (PREFILL_MAX_LEN + 100)
 ROUTER = ("--request-timeout", "60")
 DEADLINE_S = 20.0  # every failure must reach the client well within this
 
@@ -85,11 +89,12 @@ def fresh(tiny_model_dirs):
 @pytest.fixture(scope="module")
 def shared(tiny_model_dirs):
     """A cluster for the tests that leave every worker alive. Prefill takes shorter prompts
-    than decode, so it is the one that rejects."""
+    than decode, so it is the one that rejects; it prefills in small chunks, so a long
+    prompt keeps it busy for a while."""
     cluster = start_cluster(
         tiny_model_dirs("llama"),
         worker_args=FAST_FAILURE,
-        prefill_args=("--max-model-len", "64"),
+        prefill_args=("--max-model-len", str(PREFILL_MAX_LEN), "--chunked-prefill-size", "4"),
         router_args=ROUTER,
     )
     yield cluster
@@ -152,7 +157,7 @@ def test_decode_killed_mid_stream(fresh):
 
 def test_prefill_rejects_an_oversize_prompt(shared):
     started = time.monotonic()
-    response = shared.router.post("/generate", _generate_body([9] * 100))
+    response = shared.router.post("/generate", _generate_body(TOO_LONG_FOR_PREFILL))
     assert response.status_code == 400
     assert "context length" in response.json()["error"]["message"]
     assert time.monotonic() - started < DEADLINE_S
@@ -163,7 +168,7 @@ def test_prefill_rejection_fails_the_decode_room_at_once(shared):
     """Both legs sent directly (SGLang's router does that): the decode leg learns from the
     prefill worker that the prompt was rejected, without waiting for its transfer deadline."""
     prefill, decode = shared.prefill[0], shared.decode[0]
-    body = _direct_body(_generate_body([9] * 100), shared, room=777)
+    body = _direct_body(_generate_body(TOO_LONG_FOR_PREFILL), shared, room=777)
     join_decode = _in_background(lambda: decode.post("/generate", body))
     assert prefill.post("/generate", body).status_code == 400
     response, seconds = join_decode()
@@ -210,6 +215,53 @@ def test_client_disconnect_mid_stream_frees_both_sides(shared):
     assert shared.router.get("/health").status_code == 200
     status, events = stream_post(shared.router.url + "/generate", _generate_body([5], stream=True))
     assert status == 200 and "error" not in events[-1]  # and the cluster still serves
+
+
+def _router_counter(cluster, sample: str) -> float:
+    for line in cluster.router.get("/metrics").text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _post_raw(url: str, path: str, body: dict) -> socket.socket:
+    """A request sent on a plain socket, its answer left unread (the caller leaves)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    data = json.dumps(body).encode()
+    conn = socket.create_connection((host, int(port)), timeout=10)
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    conn.sendall(head.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return conn
+
+
+def test_streaming_clients_that_leave_before_the_first_byte_cancel_both_legs(shared):
+    """Clients that give up while their prompts wait for the prefill worker: the router
+    cancels both legs at once (the workers abort and free their pages) instead of running
+    them to the first token; nothing is retried."""
+    clients = 6
+    prefill = shared.prefill[0]
+    left = 'pdserve_router:requests_total{endpoint="/generate",status="499"}'
+    left_before = _router_counter(shared, left)
+    retries_before = _router_counter(shared, "pdserve_router:retries_total")
+    transfers_before = prefill.metric("kv_transfers_total")
+    body = _generate_body(LONG_PROMPT, max_new_tokens=1000, stream=True)
+    conns = [_post_raw(shared.router.url, "/generate", body) for _ in range(clients)]
+
+    def in_flight() -> list[int]:
+        pools = shared.router.get("/workers").json()
+        return [w["in_flight"] for role in ("prefill", "decode") for w in pools[role]]
+
+    wait_until(lambda: in_flight() == [clients, clients], "every request to reach both workers")
+    for conn in conns:
+        conn.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            conn.recv(1)  # NOTE: nothing yet: the client leaves before the first byte
+        conn.close()
+    shared.wait_all_free(deadline_s=10)
+    wait_until(lambda: in_flight() == [0, 0], "the router to release both legs")
+    assert _router_counter(shared, left) - left_before == clients
+    assert _router_counter(shared, "pdserve_router:retries_total") == retries_before
+    assert prefill.metric("kv_transfers_total") - transfers_before < clients
 
 
 def test_page_size_mismatch_fails_with_a_clear_error(fresh):

@@ -82,6 +82,21 @@ def test_router_config_names_what_is_wrong():
         )
     with pytest.raises(ValueError, match="bootstrap port"):
         RouterConfig(prefill=(("http://a:1", 70000),), decode=("http://b:2",))
+    workers = {"prefill": (("http://a:1", 8998),), "decode": ("http://b:2",)}
+    with pytest.raises(ValueError, match="max_body_bytes must be positive"):
+        RouterConfig(**workers, max_body_bytes=0)
+    with pytest.raises(ValueError, match="max_requests_per_worker must be >= 0"):
+        RouterConfig(**workers, max_requests_per_worker=-1)
+
+
+def test_router_cli_passes_the_limits():
+    from pdserve.cli import build_parser, router_config_from_args
+
+    workers = ["--prefill", "http://a:1", "8998", "--decode", "http://b:2"]
+    limits = ["--max-body-size", "1024", "--max-requests-per-worker", "8"]
+    args = build_parser().parse_args(["router", *workers, *limits])
+    config = router_config_from_args(args)
+    assert (config.max_body_bytes, config.max_requests_per_worker) == (1024, 8)
 
 
 def test_a_leg_error_is_retryable_only_for_worker_failures():
@@ -101,6 +116,10 @@ def test_an_error_as_the_first_event_fails_the_leg():
     with pytest.raises(LegError) as failed:
         _raise_if_error_event("decode", invalid)
     assert not failed.value.retryable and failed.value.status == 400
+    full = b'data: {"error": {"message": "queue full", "type": "rate_limit_error"}}\n\n'
+    with pytest.raises(LegError) as failed:
+        _raise_if_error_event("decode", full)
+    assert not failed.value.retryable and failed.value.status == 429
 
 
 @pytest.fixture

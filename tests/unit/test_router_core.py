@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.router.pairing import ROOM_BITS, choose_pair, with_bootstrap
 from pdserve.router.policies import LeastLoad, Random, RoundRobin, make_policy
-from pdserve.router.workers import NoHealthyWorker, Role, Worker, WorkerPool
+from pdserve.router.workers import NoHealthyWorker, Role, Worker, WorkerPool, WorkersBusy
 
 
 def pools(num_prefill=2, num_decode=2):
@@ -86,6 +86,19 @@ def test_no_healthy_worker_is_a_clear_error():
     prefill.mark(prefill.workers[0], False, "down")
     with pytest.raises(NoHealthyWorker, match="prefill"):
         choose_pair(prefill, decode, RoundRobin(), RoundRobin())
+
+
+def test_a_bound_on_requests_in_flight_skips_full_workers_then_says_busy():
+    prefill, decode = pools(2, 1)
+    first, second = prefill.workers
+    prefill.acquire(first)
+    for _ in range(3):
+        pair = choose_pair(prefill, decode, RoundRobin(), RoundRobin(), max_in_flight=1)
+        assert pair.prefill is second
+    prefill.acquire(second)
+    with pytest.raises(WorkersBusy, match="all 2 prefill worker"):
+        choose_pair(prefill, decode, RoundRobin(), RoundRobin(), max_in_flight=1)
+    assert choose_pair(prefill, decode, RoundRobin(), RoundRobin(), max_in_flight=0)
 
 
 def test_bootstrap_fields_name_the_prefill_worker_and_a_63_bit_room():

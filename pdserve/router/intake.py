@@ -1,0 +1,87 @@
+"""What the router takes from a client before any worker is involved: the API key, a body of
+bounded size that is a JSON object, and the moment the client leaves. Torch-free.
+
+The body is read as it arrives and refused with 413 as soon as it passes the limit (at once
+when its Content-Length says it will), so an oversized upload costs the router no more memory
+than the limit; the 413 closes the connection, so the rest of the upload is never read.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pdserve.router.errors import error_response
+
+
+class BadBody(Exception):
+    """The request body cannot be forwarded: too large (413) or not a JSON object (400)."""
+
+    def __init__(self, status: int, message: str, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+    def response(self):
+        # NOTE: closing the connection is what stops the client's upload: an unread body
+        # cannot be skipped on a kept-alive HTTP/1.1 connection.
+        headers = {"Connection": "close"} if self.status == 413 else None
+        return error_response(self.status, str(self), self.code, headers)
+
+
+async def read_json_body(request: Request, limit: int) -> dict:
+    """The body as a JSON object, read chunk by chunk and never held past `limit` bytes.
+    Raises BadBody, or starlette's ClientDisconnect if the client leaves mid-upload."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        parts.append(chunk)
+    try:
+        body = json.loads(b"".join(parts))
+    except ValueError as e:
+        raise BadBody(400, f"invalid JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise BadBody(400, "the request body must be a JSON object")
+    return body
+
+
+def _too_large(limit: int) -> BadBody:
+    return BadBody(
+        413, f"request body over {limit} bytes (the router's --max-body-size)", "body_too_large"
+    )
+
+
+async def client_left(receive: Receive) -> None:
+    """Returns when the client closes its connection. Only after the body was read: every
+    message left on the channel then is the disconnect."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class ApiKeyMiddleware:
+    """Requires `Authorization: Bearer KEY` everywhere but `open_paths`. Plain ASGI rather
+    than an `http` middleware function, so handlers read the client's own receive channel:
+    the body as it streams in, and the disconnect the moment it happens."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, open_paths: set[str]):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.expected and scope["path"] not in self.open_paths:
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "invalid or missing API key", "invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

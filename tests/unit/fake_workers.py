@@ -1,0 +1,124 @@
+"""Fake prefill/decode workers for router tests: an httpx transport the router's client uses
+in-process, and a real HTTP server that drops reused keep-alive connections. Torch-free."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Awaitable, Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+
+from pdserve.router.config import RouterConfig
+
+Leg = Callable[[dict], Awaitable[httpx.Response]]
+
+
+def completion(text: str = "ok") -> httpx.Response:
+    return httpx.Response(200, json={"choices": [{"text": text}]})
+
+
+def worker_error(status: int, message: str, kind: str, code: str | None = None) -> httpx.Response:
+    error = {"message": message, "type": kind, "param": None, "code": code}
+    return httpx.Response(status, json={"error": error})
+
+
+class FakeWorkers:
+    """One prefill (`http://prefill`) and one decode worker (`http://decode`) behind an httpx
+    transport: /health answers 200; a POST runs the role's leg (an async function of the body).
+    As with real workers, the default decode leg answers only once the prefill leg of its
+    room succeeded. Records the legs the router cancelled (gave up on)."""
+
+    def __init__(self, prefill: Leg | None = None, decode: Leg | None = None):
+        self.legs = {"prefill": prefill or _answer, "decode": decode or self._after_prefill}
+        self.prefilled: dict[int, asyncio.Event] = {}
+        self.cancelled: list[str] = []
+        self.posts: list[str] = []
+        self.transport = httpx.MockTransport(self._handle)
+
+    def config(self, **options) -> RouterConfig:
+        options.setdefault("health_check_interval_s", 60.0)  # NOTE: one check, at start-up
+        return RouterConfig(
+            prefill=(("http://prefill", 8998),), decode=("http://decode",), **options
+        )
+
+    async def _handle(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return httpx.Response(200 if request.url.path == "/health" else 404)
+        role, body = request.url.host, json.loads(request.content)
+        self.posts.append(role)
+        try:
+            response = await self.legs[role](body)
+        except asyncio.CancelledError:
+            self.cancelled.append(role)
+            raise
+        if role == "prefill" and response.status_code == 200:
+            self._room(body).set()
+        return response
+
+    def _room(self, body: dict) -> asyncio.Event:
+        return self.prefilled.setdefault(body["bootstrap_room"], asyncio.Event())
+
+    async def _after_prefill(self, body: dict) -> httpx.Response:
+        await self._room(body).wait()
+        return completion()
+
+
+async def _answer(body: dict) -> httpx.Response:
+    return completion()
+
+
+class _DropsReusedConnections(BaseHTTPRequestHandler):
+    """Serves one request per connection and then drops the connection on the next POST,
+    unanswered, as a worker does that closed an idle keep-alive connection while the router
+    was sending on it. Answers like a prefill and a decode worker at once."""
+
+    protocol_version = "HTTP/1.1"  # NOTE: keep-alive, so the router reuses connections
+
+    def do_GET(self):
+        self._answer(200, {"disaggregation_bootstrap_port": 8998})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.server.mode == "hang":
+            self.rfile.read(1)  # NOTE: returns when the router closes the connection
+        if getattr(self, "served", 0) or self.server.mode != "drop_reused":
+            self.close_connection = True
+            return
+        self._answer(200, {"text": "ok"})
+
+    def _answer(self, status: int, body: dict) -> None:
+        self.served = getattr(self, "served", 0) + 1
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+class KeepAliveDropper:
+    """`_DropsReusedConnections` on a loopback port. mode: `drop_reused` (the POST on a
+    reused connection), `drop_all` (every POST), `hang` (every POST stays unanswered until
+    the router closes its connection: a decode leg waiting for a transfer)."""
+
+    def __init__(self, mode: str = "drop_reused"):
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _DropsReusedConnections)
+        self.server.mode = mode
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> KeepAliveDropper:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)

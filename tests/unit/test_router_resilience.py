@@ -1,0 +1,303 @@
+"""The router against hostile clients and flaky workers: oversized bodies, stale keep-alive
+connections, workers that answer 429, clients that leave before the first byte, its own
+per-worker bound. Fake workers (tests/unit/fake_workers.py); no torch, no engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from pdserve.router.app import build_router_app
+from pdserve.router.config import RouterConfig
+from pdserve.router.log_limit import RateLimitedLog
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.proxy import Proxy
+from pdserve.router.workers import Role, Worker, WorkerPool
+from pdserve.server.local_process import LocalServer
+from tests.unit.fake_workers import FakeWorkers, KeepAliveDropper, completion, worker_error
+
+BODY = {"prompt": "hi", "max_tokens": 2}
+
+
+def _metric(client: TestClient, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(f"pdserve_router:{name} "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def _healthy(client: TestClient) -> dict[str, list[bool]]:
+    pools = client.get("/workers").json()
+    return {role: [w["healthy"] for w in workers] for role, workers in pools.items()}
+
+
+# ---- keep-alive connections the worker closed -----------------------------------------
+
+
+def test_a_worker_that_drops_reused_connections_stays_in_rotation():
+    """Every POST on a reused connection is dropped unanswered: the router sends it again
+    on a new connection, without a retry on a new pair and without evicting the worker."""
+    with KeepAliveDropper() as worker:
+        config = RouterConfig(
+            prefill=((worker.url, 8998),), decode=(worker.url,), health_check_interval_s=60
+        )
+        with TestClient(build_router_app(config)) as client:
+            for i in range(10):
+                response = client.post("/v1/completions", json=BODY)
+                assert response.status_code == 200, (i, response.text)
+            assert _healthy(client) == {"prefill": [True], "decode": [True]}
+            assert _metric(client, "retries_total") == 0
+
+
+def test_a_worker_that_fails_every_time_leaves_rotation_after_failures_in_a_row():
+    """A prefill worker that drops every request: the request and its retry fail (two
+    failures in a row: out of rotation); the decode worker, never at fault, stays in."""
+    with KeepAliveDropper("drop_all") as prefill, KeepAliveDropper("hang") as decode:
+        config = RouterConfig(
+            prefill=((prefill.url, 8998),), decode=(decode.url,), health_check_interval_s=60
+        )
+        with TestClient(build_router_app(config)) as client:
+            response = client.post("/v1/completions", json=BODY)
+            assert response.status_code == 502
+            assert "unreachable: RemoteProtocolError" in response.json()["error"]["message"]
+            assert _metric(client, "retries_total") == 1
+            assert _healthy(client) == {"prefill": [False], "decode": [True]}
+            response = client.post("/v1/completions", json=BODY)
+            assert response.status_code == 503
+            assert "no healthy prefill worker" in response.json()["error"]["message"]
+
+
+def test_failures_count_in_a_row_and_a_success_resets_them():
+    pool = WorkerPool(Role.DECODE, [Worker("http://d:1", Role.DECODE)])
+    worker = pool.workers[0]
+    assert not pool.note_failure(worker, "reset", threshold=2)
+    pool.note_success(worker)
+    assert not pool.note_failure(worker, "reset", threshold=2)
+    assert worker.healthy and worker.last_error is None
+    assert pool.note_failure(worker, "reset again", threshold=2)
+    assert not worker.healthy and worker.last_error == "reset again"
+    assert pool.mark(worker, True) and worker.failures == 0
+
+
+# ---- 4xx from a worker, and the router's own bound --------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_full_worker_answers_429_through_the_router_without_a_retry(stream):
+    async def full(body):
+        return worker_error(
+            429, "the waiting queue is full", "rate_limit_error", "rate_limit_exceeded"
+        )
+
+    fakes = FakeWorkers(decode=full)
+    with TestClient(build_router_app(fakes.config(), fakes.transport)) as client:
+        response = client.post("/v1/completions", json={**BODY, "stream": stream})
+        assert response.status_code == 429
+        assert response.json()["error"]["code"] == "rate_limit_exceeded"
+        assert _metric(client, "retries_total") == 0
+        assert _healthy(client) == {"prefill": [True], "decode": [True]}
+    assert fakes.posts.count("decode") == 1
+
+
+def test_a_request_error_from_prefill_is_not_retried_and_evicts_nobody():
+    async def invalid(body):
+        return worker_error(400, "seed must be below 2**64", "invalid_request_error")
+
+    fakes = FakeWorkers(prefill=invalid)
+    with TestClient(build_router_app(fakes.config(), fakes.transport)) as client:
+        for _ in range(3):
+            response = client.post("/v1/completions", json={**BODY, "seed": 2**64})
+            assert response.status_code == 400 and "seed" in response.json()["error"]["message"]
+        assert _metric(client, "retries_total") == 0
+        assert _healthy(client) == {"prefill": [True], "decode": [True]}
+
+
+def test_the_router_bounds_requests_in_flight_per_worker_with_429():
+    release = threading.Event()
+
+    async def slow(body):
+        await asyncio.to_thread(release.wait, 30)
+        return completion()
+
+    fakes = FakeWorkers(prefill=slow)
+    config = fakes.config(max_requests_per_worker=1)
+    with TestClient(build_router_app(config, fakes.transport)) as client:
+        first: dict = {}
+        thread = threading.Thread(
+            target=lambda: first.update(r=client.post("/v1/completions", json=BODY))
+        )
+        thread.start()
+        deadline = time.monotonic() + 10
+        while client.get("/workers").json()["prefill"][0]["in_flight"] < 1:
+            assert time.monotonic() < deadline, "the first request never reached the worker"
+            time.sleep(0.01)
+        busy = client.post("/v1/completions", json=BODY)
+        release.set()
+        thread.join(timeout=10)
+        assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+        assert busy.json()["error"]["code"] == "rate_limit_exceeded"
+        assert "--max-requests-per-worker" in busy.json()["error"]["message"]
+        assert first["r"].status_code == 200
+        assert client.post("/v1/completions", json=BODY).status_code == 200  # a slot again
+
+
+def test_model_info_that_is_not_json_is_a_clear_502():
+    fakes = FakeWorkers()  # NOTE: answers GET /v1/models with an empty 404
+    with TestClient(build_router_app(fakes.config(), fakes.transport)) as client:
+        response = client.get("/v1/models")
+        assert response.status_code == 502
+        assert "without JSON" in response.json()["error"]["message"]
+
+
+# ---- a client that leaves before the first byte ---------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_before_the_first_byte_cancels_both_legs(stream):
+    """Both legs hang (a prefill queue, a transfer); the client leaves: both are cancelled
+    (their connections closed: the workers abort), nothing is retried, nothing stays
+    counted in flight."""
+
+    async def run():
+        reached = {"prefill": asyncio.Event(), "decode": asyncio.Event()}
+
+        def hang(role):
+            async def leg(body):
+                reached[role].set()
+                await asyncio.Event().wait()  # NOTE: only a cancellation ends it
+
+            return leg
+
+        fakes = FakeWorkers(prefill=hang("prefill"), decode=hang("decode"))
+        prefill = WorkerPool(Role.PREFILL, [Worker("http://prefill", Role.PREFILL, 8998)])
+        decode = WorkerPool(Role.DECODE, [Worker("http://decode", Role.DECODE)])
+        metrics = RouterMetrics()
+        gone = asyncio.Event()
+        async with httpx.AsyncClient(transport=fakes.transport) as client:
+            proxy = Proxy(fakes.config(), prefill, decode, client, metrics)
+            body = {**BODY, "stream": stream}
+            handling = asyncio.create_task(
+                proxy.handle("/v1/completions", body, {"X-Request-Id": "x"}, gone.wait)
+            )
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in reached.values())), 10)
+            gone.set()
+            response = await asyncio.wait_for(handling, 10)
+            await asyncio.sleep(0)  # NOTE: the cancelled prefill task ends on its next turn
+        in_flight = [w.in_flight for w in prefill.workers + decode.workers]
+        return response.status_code, fakes.cancelled, in_flight, metrics
+
+    status, cancelled, in_flight, metrics = asyncio.run(run())
+    assert status == 499
+    assert sorted(cancelled) == ["decode", "prefill"]
+    assert in_flight == [0, 0]
+    assert metrics.registry.get_sample_value("pdserve_router:retries_total") == 0
+
+
+# ---- bodies ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_body_router():
+    """A real router process (uvicorn) with a 1 MiB body limit and no worker to reach."""
+    nowhere = "http://127.0.0.1:9"
+    local = LocalServer(
+        [
+            "router",
+            "--prefill",
+            nowhere,
+            "8998",
+            "--decode",
+            nowhere,
+            "--max-body-size",
+            str(1 << 20),
+        ]
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(local.url + "/liveness", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and local.process.poll() is None, "no router"
+            time.sleep(0.05)
+        yield local
+    finally:
+        local.stop()
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_body_over_the_limit_is_refused_as_it_streams_in(small_body_router):
+    total = 256 << 20
+    sent = 0
+
+    def upload():
+        nonlocal sent
+        chunk = b" " * (1 << 20)
+        while sent < total:
+            sent += len(chunk)
+            yield chunk
+
+    peak_before = _peak_rss_bytes(small_body_router.process.pid)
+    started = time.monotonic()
+    response = httpx.post(small_body_router.url + "/v1/completions", content=upload(), timeout=30)
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert error["code"] == "body_too_large" and "--max-body-size" in error["message"]
+    assert sent < total // 4, "the router read far past its limit"
+    assert time.monotonic() - started < 10
+    assert _peak_rss_bytes(small_body_router.process.pid) - peak_before < 32 << 20
+
+
+def test_a_declared_content_length_over_the_limit_is_refused_before_any_byte(small_body_router):
+    port = int(small_body_router.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 419430400\r\n\r\n"
+        )
+        reply = b""
+        while chunk := conn.recv(65536):  # NOTE: the router closes the connection after it
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert b"body_too_large" in reply
+
+
+def test_a_body_under_the_limit_still_goes_through_checks(small_body_router):
+    response = httpx.post(small_body_router.url + "/v1/completions", content=b"{oops", timeout=10)
+    assert response.status_code == 400 and "invalid JSON" in response.json()["error"]["message"]
+
+
+# ---- logs ---------------------------------------------------------------------------------
+
+
+def test_repeated_warnings_are_rate_limited_per_key(caplog):
+    log = RateLimitedLog(logging.getLogger("test.router"), interval_s=60)
+    with caplog.at_level(logging.WARNING, logger="test.router"):
+        assert log.warning(("decode", 503), "leg failed: %s", "a")
+        assert not log.warning(("decode", 503), "leg failed: %s", "b")
+        assert not log.warning(("decode", 503), "leg failed: %s", "c")
+        assert log.warning(("prefill", 502), "other key")
+        log.interval_s = 0
+        assert log.warning(("decode", 503), "leg failed: %s", "d")
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "leg failed: a",
+        "other key",
+        "leg failed: d (2 more like it since the last one, not logged)",
+    ]
