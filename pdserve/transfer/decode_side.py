@@ -228,7 +228,7 @@ class DecodeTransferClient(PeerConnections):
         if room is None or room._state.done or room._peer is not peer:
             return  # late message for a finished, aborted or foreign room: ignore
         if isinstance(msg, AbortRoom):
-            self._fail(room, f"prefill aborted: {msg.reason}", by_peer=True)
+            self._fail(room, f"prefill aborted: {msg.reason}")
         elif isinstance(msg, KVChunk):
             self._chunk(room, msg, payload)
         elif isinstance(msg, MetadataHeader):
@@ -355,10 +355,8 @@ class DecodeTransferClient(PeerConnections):
         self._send(room._peer, RoomAck(room.room))
         self._end(room)
 
-    def _fail(
-        self, room: ReceiverRoom, reason: str, *, notify: bool = False, by_peer: bool = False
-    ) -> None:
-        if room._state.fail(reason, by_peer=by_peer):
+    def _fail(self, room: ReceiverRoom, reason: str, *, notify: bool = False) -> None:
+        if room._state.fail(reason):
             self.metrics.failure(reason.split(":")[0])
         if notify and room._peer is not None:
             self._deliver(room._peer, AbortRoom(room.room, reason))

@@ -196,7 +196,7 @@ class PrefillTransferServer(PeerRegistry):
             room = self._rooms.get(msg.room)
             reason = f"decode aborted: {msg.reason}"
             if room is not None:
-                self._abort_room(room, reason, notify=False, by_peer=True)
+                self._abort_room(room, reason, notify=False)
             elif msg.room not in self._tombstones:
                 # NOTE: the prefill leg may not have arrived yet; it fails when it does.
                 self._tombstones.add(msg.room, reason)
@@ -210,10 +210,10 @@ class PrefillTransferServer(PeerRegistry):
             self._recv_posted(identity, msg.room)
 
     def _refuse_room(self, identity: bytes, room_id: int, reason: str) -> None:
-        self._reply(identity, AbortRoom(room_id, reason))
         room = self._room(room_id)
         if room._state.fail(reason):
             self._tombstones.add(room_id, reason)
+        self._reply(identity, AbortRoom(room_id, reason))
 
     def _transfer_request(self, identity: bytes, msg: TransferRequest) -> None:
         if msg.room in self._tombstones:
@@ -265,7 +265,7 @@ class PrefillTransferServer(PeerRegistry):
         for offset in range(0, total, self.config.chunk_bytes):
             nbytes = min(self.config.chunk_bytes, total - offset)
             chunk = [encode(KVChunk(room.room, offset, nbytes)), view[offset : offset + nbytes]]
-            if not self._send_to(room.peer, chunk, copy=False):
+            if not self._send_to(room.peer, chunk, copy=False) or room._state.done:
                 return
         if self._send_to(room.peer, [encode(header), payload]) and self._reply(
             room.peer, RoomDone(room.room, total)
@@ -296,10 +296,8 @@ class PrefillTransferServer(PeerRegistry):
 
     # ---- endings ---------------------------------------------------------------------
 
-    def _abort_room(
-        self, room: SenderRoom, reason: str, *, notify: bool, by_peer: bool = False
-    ) -> None:
-        if room._state.fail(reason, by_peer=by_peer):
+    def _abort_room(self, room: SenderRoom, reason: str, *, notify: bool) -> None:
+        if room._state.fail(reason):
             self.metrics.failure("aborted" if "abort" in reason else "error")
             if notify and room.peer is not None:
                 self._reply(room.peer, AbortRoom(room.room, reason))

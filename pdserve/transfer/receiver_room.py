@@ -58,11 +58,6 @@ class ReceiverRoom:
     def failure_reason(self) -> str | None:
         return self._state.failure_reason
 
-    @property
-    def failed_by_peer(self) -> bool:
-        """The prefill side failed the room and told us (it counts the failure)."""
-        return self._state.failed_by_peer
-
     def abort(self, reason: str = "aborted by decode") -> None:
         """Fail the room and tell prefill. The pages may be freed right after this returns."""
         self._state.fail(reason)

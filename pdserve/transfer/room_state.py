@@ -43,7 +43,6 @@ class RoomState:
         self._clock = clock
         self.state = TransferState.BOOTSTRAPPING
         self.failure_reason: str | None = None
-        self.failed_by_peer = False  # the peer reported the failure (and counted it)
         self.entered_at = clock()
         self.limit_s = progress_timeout_s
 
@@ -77,14 +76,12 @@ class RoomState:
         self.entered_at = self._clock()
         self.limit_s = self.progress_timeout_s
 
-    def fail(self, reason: str, *, by_peer: bool = False) -> bool:
-        """Fail the room. False if it already ended (the first outcome stands). by_peer: the
-        other side failed the room and told us."""
+    def fail(self, reason: str) -> bool:
+        """Fail the room. False if it already ended (the first outcome stands)."""
         if self.done:
             return False
         self.state = TransferState.FAILED
         self.failure_reason = reason
-        self.failed_by_peer = by_peer
         self.entered_at = self._clock()
         return True
 

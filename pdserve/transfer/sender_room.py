@@ -38,11 +38,6 @@ class SenderRoom:
     def failure_reason(self) -> str | None:
         return self._state.failure_reason
 
-    @property
-    def failed_by_peer(self) -> bool:
-        """The decode side failed the room and told us (it counts the failure)."""
-        return self._state.failed_by_peer
-
     def started(self) -> None:
         """The prefill began computing this room: the progress deadline counts from now (the
         wait in the prefill queue before it had its own, longer, deadline)."""
