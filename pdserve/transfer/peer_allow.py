@@ -13,11 +13,13 @@ checked, and that address (never the name again) is what we connect to.
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 from collections.abc import Iterable
 from pathlib import Path
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+_HOST_NAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+")
 LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
 
 
@@ -78,6 +80,8 @@ def _resolve(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
         return ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         pass
+    if not _HOST_NAME.fullmatch(host):
+        raise PeerNotAllowed(f"bootstrap_host {host[:64]!r} is not an IP address or a host name")
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as e:

@@ -43,6 +43,9 @@ def test_allow_list_takes_addresses_and_cidrs_and_names_a_bad_entry():
 def test_host_names_are_resolved_once_and_checked_after_resolution():
     allow = PeerAllowList(parse_allow_list(["127.0.0.1/32"]))
     assert allow.resolve("localhost") == "127.0.0.1"  # NOTE: /etc/hosts, no DNS traffic
+    for garbage in ("a b", "x" * 300, "host:1", "../etc", ""):
+        with pytest.raises(PeerNotAllowed, match="not an IP address or a host name"):
+            allow.resolve(garbage)
 
 
 def test_default_allows_loopback_and_our_own_network_only():
