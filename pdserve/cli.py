@@ -256,6 +256,13 @@ def add_transfer_args(parser: argparse.ArgumentParser, role: str) -> None:
             default=8998,
             help="where decode workers fetch KV from this worker (0: pick a free port)",
         )
+    if role == "decode":
+        g.add_argument(
+            "--bootstrap-allow",
+            default=None,
+            help="comma-separated addresses/CIDRs of prefill workers this worker may contact "
+            "(default: loopback and this host's attached networks)",
+        )
     g.add_argument(
         "--bootstrap-host",
         default=None,
@@ -281,6 +288,10 @@ def add_transfer_args(parser: argparse.ArgumentParser, role: str) -> None:
     )
 
 
+def _split_list(text: str | None) -> tuple[str, ...] | None:
+    return None if text is None else tuple(t.strip() for t in text.split(",") if t.strip())
+
+
 def worker_role_from_args(args: argparse.Namespace, kind: str):
     import os
 
@@ -297,6 +308,7 @@ def worker_role_from_args(args: argparse.Namespace, kind: str):
         peer_timeout_s=args.transfer_peer_timeout,
         heartbeat_interval_s=min(1.0, args.transfer_peer_timeout / 4),
         auth_token=args.transfer_token or os.environ.get("PDSERVE_TRANSFER_TOKEN", ""),
+        bootstrap_allow=_split_list(getattr(args, "bootstrap_allow", None)),
     )
     return WorkerRole(kind, transfer)
 

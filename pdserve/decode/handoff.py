@@ -12,6 +12,7 @@ once (nothing writes a page before commit).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -35,8 +36,9 @@ from pdserve.transfer.handoff_common import (
     room_in_use,
 )
 from pdserve.transfer.metrics import TransferMetrics
+from pdserve.transfer.peer_allow import PeerNotAllowed
 from pdserve.transfer.receiver_room import ReceiverRoom
-from pdserve.transfer.room_state import TransferState
+from pdserve.transfer.room_state import Tombstones, TransferState
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,9 @@ class DecodeHandoff:
         self.transferring: dict[str, _Pending] = {}
         self.failures = FailureCounts()
         self._rooms: set[int] = set()
+        # Rooms that ended here lately: a refusal the front end reports for one afterwards
+        # (the failure output it turned into an error) is not a second failure.
+        self._ended = Tombstones(config.tombstone_ttl_s)
 
     # ---- requests --------------------------------------------------------------------
 
@@ -88,9 +93,14 @@ class DecodeHandoff:
             return room_in_use(request_id, prompt_ids, bootstrap.room)
         try:
             self.engine.validate_prompt(prompt_ids)
-        except InvalidRequestError as e:
+            # NOTE: resolved once here; the address, never the name again, is contacted.
+            address = self.client.allow_list.resolve(bootstrap.host)
+        except (InvalidRequestError, PeerNotAllowed) as e:
             reason = f"decode rejected the request: {e}"
+            self._ended.add(bootstrap.room)
+            self.failures.add("bootstrap", "rejected")
             return failed_output(request_id, prompt_ids, reason, "invalid")
+        bootstrap = dataclasses.replace(bootstrap, host=address)
         self._rooms.add(bootstrap.room)
         self.prealloc[request_id] = _Pending(request_id, prompt_ids, params, bootstrap)
         return None
@@ -100,9 +110,14 @@ class DecodeHandoff:
         so its leg ends now instead of at its deadline."""
         if msg.room in self._rooms or not msg.host:
             return  # a live request owns it: not ours to fail
+        if msg.room not in self._ended:  # else it failed, and was counted, here already
+            self._ended.add(msg.room)
+            self.failures.add("bootstrap", "rejected")
         reason = f"decode rejected the request: {msg.reason}"
-        self.client.abort_room(msg.room, msg.host, msg.port, reason)
-        self.failures.add("bootstrap", "rejected")
+        try:
+            self.client.abort_room(msg.room, msg.host, msg.port, reason)
+        except PeerNotAllowed as e:
+            logger.warning("not telling prefill about room %d: %s", msg.room, e)
 
     def abort(self, request_id: str) -> bool:
         pending = self.prealloc.pop(request_id, None)
@@ -147,6 +162,7 @@ class DecodeHandoff:
             if now - pending.queued_at > self.config.progress_timeout_s:
                 del self.prealloc[pending.request_id]
                 self._rooms.discard(pending.bootstrap.room)
+                self._ended.add(pending.bootstrap.room)
                 reason = (
                     f"no KV pages free on the decode worker for "
                     f"{self.config.progress_timeout_s:g} s (timed out waiting)"
@@ -251,6 +267,7 @@ class DecodeHandoff:
             pending.pages = []
         self.client.release(pending.bootstrap.room)
         self._rooms.discard(pending.bootstrap.room)
+        self._ended.add(pending.bootstrap.room)
 
     # ---- reporting -------------------------------------------------------------------
 

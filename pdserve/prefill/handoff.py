@@ -19,6 +19,7 @@ import torch
 
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.page_allocator import pages_needed
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
 from pdserve.transfer.config import TransferConfig
@@ -31,7 +32,7 @@ from pdserve.transfer.handoff_common import (
 from pdserve.transfer.metadata import MetadataRecord
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.prefill_side import PrefillTransferServer, SenderRoom
-from pdserve.transfer.room_state import TransferState
+from pdserve.transfer.room_state import Tombstones, TransferState
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class _Pending:
     params: SamplingParams
     sender: SenderRoom
     first: RequestOutput | None = None  # the first-token output, reported when the room ends
+    started: bool = False  # the engine began computing it (it left the engine's queue)
 
 
 class PrefillHandoff:
@@ -60,6 +62,9 @@ class PrefillHandoff:
             f"prefill-{uuid.uuid4().hex[:8]}",
             self.metrics,
             device=self.send_device,
+            max_room_pages=pages_needed(
+                engine.kv_tokens_for_transfer(engine.max_model_len), engine.config.page_size
+            ),
         )
         self.bootstrap_port = self.server.start()
         self.bootstrapping: dict[str, _Pending] = {}
@@ -67,6 +72,9 @@ class PrefillHandoff:
         self.sending: dict[str, _Pending] = {}
         self.failures = FailureCounts()
         self._rooms: set[int] = set()
+        # Rooms that ended here lately: a refusal the front end reports for one afterwards
+        # (the failure output it turned into an error) is not a second failure.
+        self._ended = Tombstones(config.tombstone_ttl_s)
 
     # ---- requests --------------------------------------------------------------------
 
@@ -84,6 +92,7 @@ class PrefillHandoff:
             reason = f"prefill rejected the request: {e}"
             sender.abort(reason)
             self.server.release(bootstrap.room)
+            self._ended.add(bootstrap.room)
             self.failures.add("bootstrap", reason)
             return failed_output(request_id, prompt_ids, reason, "invalid")
         self._rooms.add(bootstrap.room)
@@ -92,8 +101,9 @@ class PrefillHandoff:
 
     def fail_room(self, msg: FailRoom) -> None:
         """Fail a room whose request never reached us (the front end refused it)."""
-        if msg.room in self._rooms:
-            return  # a live request owns it: not ours to fail
+        if msg.room in self._rooms or msg.room in self._ended:
+            return  # a live request owns it, or it already failed (and counted) here
+        self._ended.add(msg.room)
         self.server.sender(msg.room).abort(f"prefill rejected the request: {msg.reason}")
         self.server.release(msg.room)
         self.failures.add("bootstrap", "rejected")
@@ -124,6 +134,7 @@ class PrefillHandoff:
                 self._start_prefill(pending, outputs)
             elif state is TransferState.FAILED:
                 outputs.append(self._fail(self.bootstrapping, pending, "bootstrap"))
+        self._mark_started()
         for pending in list(self.prefilling.values()):
             if pending.sender.poll() is TransferState.FAILED:
                 self.engine.abort_request(pending.request_id)
@@ -136,6 +147,17 @@ class PrefillHandoff:
             elif state is TransferState.FAILED:
                 outputs.append(self._fail(self.sending, pending, "transfer"))
         return outputs
+
+    def _mark_started(self) -> None:
+        """Rooms whose prefill left the engine's queue: their progress deadline starts now."""
+        queued = [p for p in self.prefilling.values() if not p.started]
+        if not queued:
+            return
+        waiting = {request.request_id for request in self.engine.scheduler.waiting}
+        for pending in queued:
+            if pending.request_id not in waiting:
+                pending.started = True
+                pending.sender.started()
 
     def on_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Take the first-token outputs of our prefills (they are reported when the send
@@ -218,6 +240,7 @@ class PrefillHandoff:
     def _release_room(self, pending: _Pending) -> None:
         self.server.release(pending.sender.room)
         self._rooms.discard(pending.sender.room)
+        self._ended.add(pending.sender.room)
 
     # ---- reporting -------------------------------------------------------------------
 

@@ -1,7 +1,12 @@
 """Handshake and control messages between a prefill worker and a decode worker.
 
-The decode side registers once per peer with its layout; the prefill side compares it with
-its own and refuses a mismatch with a reason that names every differing field.
+A connection starts with a challenge-response (`Hello`, `HelloReply`, then `Register`): each
+side proves it holds the shared transfer token by an HMAC over both sides' fresh nonces, so
+the token itself never crosses the wire and neither proof can be replayed. The decode side
+then registers its layout; the prefill side compares it with its own and refuses a mismatch
+with a reason that names every differing field. A prefill worker answers anything else from
+a connection that has not registered with `NotRegistered`, carrying its instance id, so a
+decode worker notices a restarted prefill worker and registers again.
 """
 
 from __future__ import annotations
@@ -37,13 +42,41 @@ class KVLayout:
     spec: SpecLayout
 
 
+@message("hello")
+class Hello:
+    """Decode -> prefill, first on every connection: decode's fresh nonce."""
+
+    decode_id: str
+    nonce: bytes
+
+
+@message("hello_reply")
+class HelloReply:
+    """Prefill -> decode: prefill's fresh nonce and its proof of the token over both nonces.
+    `instance` is random per prefill process, so a restart on the same address shows."""
+
+    prefill_id: str
+    instance: int
+    nonce: bytes
+    proof: bytes
+
+
+@message("not_registered")
+class NotRegistered:
+    """Prefill -> decode: this connection has not registered (say Hello first); `room` is the
+    refused transfer request's room, or -1 for any other message."""
+
+    instance: int
+    room: int = -1
+
+
 @message("register")
 class Register:
-    """Decode -> prefill, once per peer before its first room."""
+    """Decode -> prefill, after `HelloReply`: decode's proof of the token and its layout."""
 
     decode_id: str
     layout: KVLayout
-    token: str = ""
+    proof: bytes = b""
     backend: str = "tcp"
     # torch.distributed backends: decode's store (host:port) and this pair's group name.
     store_address: str = ""
@@ -53,6 +86,7 @@ class Register:
 @message("register_ack")
 class RegisterAck:
     prefill_id: str
+    instance: int = 0
 
 
 @message("register_rejected")
@@ -67,7 +101,6 @@ class TransferRequest:
     room: int
     page_ids: list[int]
     draft_page_ids: list[int]
-    token: str = ""
 
 
 @message("kv_chunk")

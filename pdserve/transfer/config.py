@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.transfer.peer_allow import PeerAllowList, default_allow_list, parse_allow_list
+
 BACKENDS = ("tcp", "nccl", "gloo")
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
@@ -13,7 +15,11 @@ class TransferConfig:
     """progress_timeout_s: a room that makes no progress this long fails.
     peer_timeout_s: a peer silent this long is dead and fails all its rooms.
     chunk_bytes: KV is sent in messages of at most this size (never one per page).
-    auth_token: when set, registration and transfer requests must carry it."""
+    auth_token: when set, each side proves it holds it (challenge-response) before any
+        registration or transfer request; it is never sent.
+    bootstrap_allow: addresses/CIDRs a decode worker may contact (None: loopback and this
+        host's attached networks, see peer_allow).
+    max_peers: connections to peer workers kept at once (a bound on bookkeeping)."""
 
     backend: str = "tcp"
     bootstrap_host: str = "127.0.0.1"
@@ -25,6 +31,9 @@ class TransferConfig:
     chunk_bytes: int = 64 << 20
     send_timeout_s: float = 5.0
     auth_token: str = ""
+    queue_timeout_s: float = 120.0
+    bootstrap_allow: tuple[str, ...] | None = None
+    max_peers: int = 256
 
     def __post_init__(self) -> None:
         if self.bootstrap_host in WILDCARD_HOSTS:
@@ -41,6 +50,7 @@ class TransferConfig:
             "peer_timeout_s",
             "tombstone_ttl_s",
             "send_timeout_s",
+            "queue_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -48,3 +58,13 @@ class TransferConfig:
             raise ValueError("heartbeat_interval_s must be shorter than peer_timeout_s")
         if self.chunk_bytes < 1 << 10:
             raise ValueError(f"chunk_bytes must be at least 1 KiB, got {self.chunk_bytes}")
+        if self.max_peers < 1:
+            raise ValueError(f"max_peers must be at least 1, got {self.max_peers}")
+        if self.bootstrap_allow is not None:
+            parse_allow_list(self.bootstrap_allow)
+
+    def allow_list(self) -> PeerAllowList:
+        """The prefill addresses a decode worker may contact."""
+        if self.bootstrap_allow is None:
+            return PeerAllowList(default_allow_list(self.bootstrap_host))
+        return PeerAllowList(parse_allow_list(self.bootstrap_allow))

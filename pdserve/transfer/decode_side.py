@@ -1,8 +1,9 @@
 """The decode side of the handoff: one receiver per room, one connection per prefill peer.
 
-The decode worker reserves pages first, then asks `receiver(room, host, port, pages)`. We
-register with that prefill peer once (layout, token), send the room's `TransferRequest`, and
-collect KV chunks and the metadata record into a receive buffer. Pages are written only by
+The decode worker reserves pages first, then asks `receiver(room, host, port, pages)`. The
+host must be inside the allow list (see peer_allow); we authenticate and register with that
+prefill peer (see decode_peers), send the room's `TransferRequest`, and collect KV chunks and
+the metadata record into a receive buffer. Pages are written only by
 `commit()`, on the caller's thread, after the room succeeded: a failed or aborted room never
 wrote a page, so its pages can be freed at once.
 """
@@ -14,18 +15,19 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import torch
 import zmq
 
-from pdserve.protocol.codec import ProtocolError, decode, encode
+from pdserve.protocol.codec import ProtocolError, decode
 from pdserve.protocol.transfer_messages import (
     AbortRoom,
     Heartbeat,
+    HelloReply,
     KVChunk,
     KVLayout,
     MetadataHeader,
+    NotRegistered,
     RecvPosted,
     Register,
     RegisterAck,
@@ -37,17 +39,22 @@ from pdserve.protocol.transfer_messages import (
 )
 from pdserve.transfer.buffer_pool import BufferPool
 from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.decode_peers import PeerConnections, _Peer
 from pdserve.transfer.dist_plane import DistPlane
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.metadata import MetadataMismatch, MetadataRecord
 from pdserve.transfer.metadata_spec import MetadataSpec
 from pdserve.transfer.metrics import TransferMetrics
+from pdserve.transfer.peer_allow import zmq_endpoint
+from pdserve.transfer.rate_limited_log import RateLimitedLog
 from pdserve.transfer.receiver_room import ReceiverRoom
 from pdserve.transfer.room_state import Tombstones, TransferState
 
 logger = logging.getLogger(__name__)
 
 _FROM_PREFILL = (
+    HelloReply,
+    NotRegistered,
     RegisterAck,
     RegisterRejected,
     KVChunk,
@@ -59,18 +66,7 @@ _FROM_PREFILL = (
 )
 
 
-@dataclass
-class _Peer:
-    address: str
-    socket: zmq.Socket
-    registered: bool = False
-    rejected: str | None = None
-    last_seen: float = field(default_factory=time.monotonic)
-    last_heartbeat: float = 0.0
-    rooms: set[int] = field(default_factory=set)
-
-
-class DecodeTransferClient:
+class DecodeTransferClient(PeerConnections):
     def __init__(
         self,
         config: TransferConfig,
@@ -96,6 +92,9 @@ class DecodeTransferClient:
         self._by_socket: dict[zmq.Socket, _Peer] = {}
         self._tombstones = Tombstones(config.tombstone_ttl_s)
         self._lock = threading.Lock()
+        self.allow_list = config.allow_list()
+        self._bad_messages = RateLimitedLog(logger)
+        self._peer_log = RateLimitedLog(logger)
         self.device = device or torch.device("cpu")
         self.buffers = BufferPool(self.device)
         self.dist: DistPlane | None = None
@@ -127,16 +126,16 @@ class DecodeTransferClient:
         page_ids: list[int],
         draft_page_ids: list[int] | None = None,
     ) -> ReceiverRoom:
-        """Start receiving `room` from the prefill worker at host:port into these pages."""
+        """Start receiving `room` from the prefill worker at host:port into these pages.
+        PeerNotAllowed (a ValueError) if host is outside the allow list: nothing is sent."""
+        address = zmq_endpoint(self.allow_list.resolve(host), port)
         draft_page_ids = list(draft_page_ids or [])
         counts = [len(page_ids), len(draft_page_ids)][: len(self.page_bytes)]
         expected = sum(n * size for n, size in zip(counts, self.page_bytes, strict=True))
-        address = f"tcp://{host}:{port}"
         with self._lock:
             if room in self._rooms or room in self._tombstones:
                 raise ValueError(f"bootstrap_room {room} is already in use on this decode worker")
-            peer = self._peers.get(address) or self._placeholder(address)
-            receiver = ReceiverRoom(self, room, peer, list(page_ids), draft_page_ids, expected)
+            receiver = ReceiverRoom(self, room, None, list(page_ids), draft_page_ids, expected)
             self._rooms[room] = receiver
         self.io.call(lambda: self._start_room(receiver, address))
         return receiver
@@ -146,68 +145,52 @@ class DecodeTransferClient:
             self._rooms.pop(room, None)
 
     def abort_room(self, room: int, host: str, port: int, reason: str) -> None:
-        """Fail a room we never received into (we refused its request): tell its prefill."""
-        address = f"tcp://{host}:{port}"
+        """Fail a room we never received into (we refused its request): tell its prefill
+        (PeerNotAllowed if host is outside the allow list)."""
+        address = zmq_endpoint(self.allow_list.resolve(host), port)
         with self._lock:
             self._tombstones.add(room)
-        self.io.call(lambda: self._send(self._peer(address), AbortRoom(room, reason)))
+
+        def tell() -> None:
+            peer = self._peer(address)
+            if peer is not None:
+                self._deliver(peer, AbortRoom(room, reason))
+
+        self.io.call(tell)
 
     # ---- IO thread -------------------------------------------------------------------
 
-    def _placeholder(self, address: str) -> _Peer:
-        return _Peer(address=address, socket=None)  # the IO thread creates the socket
+    def _with_pair(self, peer: _Peer, register: Register) -> Register:
+        """Registration for torch.distributed backends: our store and a new pair group."""
+        store = self.dist.serve_store(self.config.bootstrap_host)
+        pair = f"pair/{self.decode_id}/{uuid.uuid4().hex[:12]}"
 
-    def _peer(self, address: str) -> _Peer:
-        peer = self._peers.get(address)
-        if peer is None or peer.socket is None:
-            socket = self.context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.SNDTIMEO, int(self.config.send_timeout_s * 1000))
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(address)
-            peer = _Peer(address=address, socket=socket)
-            self._peers[address] = peer
-            self._by_socket[socket] = peer
-            self.io.poller.register(socket, zmq.POLLIN)
-            self._register(peer)
-        return peer
+        def on_link(error: str | None) -> None:
+            if error:
+                self.io.call(lambda: self._drop_peer(peer, error))
 
-    def _register(self, peer: _Peer) -> None:
-        register = Register(
-            self.decode_id, self.layout, self.config.auth_token, backend=self.config.backend
-        )
-        if self.dist is not None:
-            store = self.dist.serve_store(self.config.bootstrap_host)
-            pair = f"pair/{self.decode_id}/{uuid.uuid4().hex[:12]}"
-            register = dataclasses.replace(register, store_address=store, pair_name=pair)
-            self.dist.connect(
-                peer.address,
-                store,
-                pair,
-                lambda error: self.io.call(
-                    lambda: self._link_failed(peer, error) if error else None
-                ),
-            )
-        self._send(peer, register)
-
-    def _link_failed(self, peer: _Peer, reason: str) -> None:
-        peer.rejected = reason
-        for room in self._rooms_of(peer):
-            self._fail(room, reason)
+        self.dist.connect(peer.address, store, pair, on_link)
+        return dataclasses.replace(register, store_address=store, pair_name=pair)
 
     def _start_room(self, receiver: ReceiverRoom, address: str) -> None:
+        if receiver._state.done:
+            return  # aborted before we got here
         peer = self._peer(address)
+        if peer is None:
+            reason = f"no connection to prefill {address} (limit of {self.config.max_peers} "
+            self._fail(receiver, reason + "prefill peers reached, or the connection failed)")
+            return
         receiver._peer = peer
         peer.rooms.add(receiver.room)
-        if peer.rejected:
-            receiver._state.fail(f"handshake failed: {peer.rejected}")
-            return
-        request = TransferRequest(
-            receiver.room, receiver.page_ids, receiver.draft_page_ids, self.config.auth_token
-        )
-        self._send(peer, request)
+        self._deliver(peer, self._transfer_request(receiver))
+
+    def _transfer_request(self, receiver: ReceiverRoom) -> TransferRequest:
+        return TransferRequest(receiver.room, receiver.page_ids, receiver.draft_page_ids)
 
     def _on_socket(self, socket: zmq.Socket) -> None:
-        peer = self._by_socket[socket]
+        peer = self._by_socket.get(socket)
+        if peer is None:
+            return  # closed earlier in this turn of the loop
         while True:
             try:
                 frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -218,20 +201,25 @@ class DecodeTransferClient:
                 msg = decode(frames[0].bytes, _FROM_PREFILL)
             except ProtocolError as e:
                 self.metrics.failure("malformed_message")
-                logger.warning("dropped a malformed message from prefill %s: %s", peer.address, e)
+                self._bad_messages.warning(
+                    "dropped a malformed message from prefill %s: %s", peer.address, e
+                )
                 continue
             self._handle(peer, msg, frames[1] if len(frames) > 1 else None)
+            if self._peers.get(peer.address) is not peer:
+                return  # the message closed this peer
 
     def _handle(self, peer: _Peer, msg, payload) -> None:
-        if isinstance(msg, RegisterAck):
-            peer.registered = True
+        if isinstance(msg, HelloReply):
+            self._hello_reply(peer, msg)
+            return
+        if isinstance(msg, NotRegistered):
+            self._not_registered(peer, msg)
             return
         if isinstance(msg, RegisterRejected):
-            peer.rejected = msg.reason
-            for room in self._rooms_of(peer):
-                self._fail(room, f"handshake failed: {msg.reason}")
+            self._drop_peer(peer, f"handshake failed: {msg.reason}")
             return
-        if isinstance(msg, Heartbeat):
+        if isinstance(msg, (RegisterAck, Heartbeat)):
             return
         if isinstance(msg, SendReady):
             self._send_ready(peer, msg)
@@ -293,7 +281,7 @@ class DecodeTransferClient:
                 msg.nbytes,
                 msg.room,
             )
-            self._link_failed(peer, "prefill announced an oversize transfer")
+            self._drop_peer(peer, "prefill announced an oversize transfer")
             return
         if live:
             room.stamps["send_ready_seen"] = time.monotonic()
@@ -317,7 +305,7 @@ class DecodeTransferClient:
         if error is not None:
             # NOTE: the link was torn down, so nothing can still write into the buffer.
             self.buffers.give(buffer)
-            self._link_failed(peer, error)
+            self._drop_peer(peer, error)
             return
         if room is None or room._state.done:
             self.buffers.give(buffer)  # scratch receive for a room we had dropped
@@ -370,8 +358,8 @@ class DecodeTransferClient:
     def _fail(self, room: ReceiverRoom, reason: str, *, notify: bool = False) -> None:
         if room._state.fail(reason):
             self.metrics.failure(reason.split(":")[0])
-        if notify:
-            self._send(room._peer, AbortRoom(room.room, reason))
+        if notify and room._peer is not None:
+            self._deliver(room._peer, AbortRoom(room.room, reason))
         self._drop_buffer(room)
         self._end(room)
 
@@ -384,8 +372,8 @@ class DecodeTransferClient:
 
     def _send_abort(self, room: ReceiverRoom, reason: str) -> None:
         self._drop_buffer(room)
-        if room._peer is not None and room._peer.socket is not None:
-            self._send(room._peer, AbortRoom(room.room, reason))
+        if room._peer is not None and self._peers.get(room._peer.address) is room._peer:
+            self._deliver(room._peer, AbortRoom(room.room, reason))
         self._end(room)
 
     def _end(self, room: ReceiverRoom) -> None:
@@ -393,34 +381,24 @@ class DecodeTransferClient:
         if room._peer is not None:
             room._peer.rooms.discard(room.room)
 
-    def _rooms_of(self, peer: _Peer) -> list[ReceiverRoom]:
-        return [self._rooms[r] for r in list(peer.rooms) if r in self._rooms]
-
     def _on_tick(self) -> None:
         now = time.monotonic()
+        self._check_peers(now)
         for peer in list(self._peers.values()):
-            live = [r for r in self._rooms_of(peer) if not r._state.done]
+            live = self._live_rooms(peer)
             if not live:
                 peer.last_seen = now  # nothing to wait for: silence is fine
                 continue
             if now - peer.last_seen > self.config.peer_timeout_s:
-                for room in live:
-                    self._fail(
-                        room, f"prefill peer {peer.address} silent for {now - peer.last_seen:.1f} s"
-                    )
+                silent = now - peer.last_seen
+                self._drop_peer(peer, f"prefill peer {peer.address} silent for {silent:.1f} s")
                 continue
-            if now - peer.last_heartbeat >= self.config.heartbeat_interval_s:
+            if peer.registered and now - peer.last_heartbeat >= self.config.heartbeat_interval_s:
                 peer.last_heartbeat = now
                 self._send(peer, Heartbeat(self.decode_id))
             for room in live:
                 if room._state.check_deadline():
                     self.metrics.failure("timeout")
-                    self._send(peer, AbortRoom(room.room, room.failure_reason))
+                    self._deliver(peer, AbortRoom(room.room, room.failure_reason))
                     self._drop_buffer(room)
                     self._end(room)
-
-    def _send(self, peer: _Peer, msg) -> None:
-        try:
-            peer.socket.send(encode(msg))
-        except zmq.ZMQError as e:
-            logger.warning("could not reach prefill %s: %s", peer.address, e)

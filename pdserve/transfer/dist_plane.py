@@ -10,7 +10,9 @@ room's buffer. A send or receive that misses its deadline tears the link down an
 room on it.
 
 All link operations of a side run on one data thread, in order; results go back to the side's
-IO thread through callbacks.
+IO thread through callbacks. Creating a link (reaching a store at an address a peer gave us,
+the pair's rendezvous) runs on a thread of its own, so a slow or unreachable peer never holds
+up the other peers' transfers; operations for a link still being created wait for it.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class DistPlane:
             # must not create a context (and streams) on another worker's GPU.
             self.data.submit(lambda: torch.cuda.set_device(device))
         self.store_server: DecodeStoreServer | None = None
+        # Data thread only: operations waiting for links being created, by peer.
+        self._connecting: dict[object, list[Callable[[], None]]] = {}
 
     def serve_store(self, host: str) -> str:
         """Decode only: host the store its pairs rendezvous on; returns host:port."""
@@ -80,14 +84,17 @@ class DistPlane:
         return f"{self.store_server.host}:{self.store_server.port}"
 
     def connect(self, peer_key, store_address: str, pair_name: str, done: Done) -> None:
-        def task() -> None:
+        def build() -> None:
+            link, error = None, None
             try:
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)
                 if self.store_server is not None:
                     store = self.store_server.store
                 else:
                     host, port = store_address.rsplit(":", 1)
                     store = PairLink.client_store(host, int(port), self.timeout_s)
-                self.links[peer_key] = PairLink.connect(
+                link = PairLink.connect(
                     backend=self.backend,
                     store=store,
                     pair_name=pair_name,
@@ -95,12 +102,40 @@ class DistPlane:
                     timeout_s=self.timeout_s,
                     device=self.device,
                 )
-                done(None)
             except (LinkError, LinkTimeout, RuntimeError, ValueError) as e:
-                self.broken[peer_key] = f"{self.backend} link to peer failed: {e}"
-                done(self.broken[peer_key])
+                error = f"{self.backend} link to peer failed: {e}"
+            self.data.submit(lambda: self._install(peer_key, link, error, done))
 
-        self.data.submit(task)
+        def start() -> None:
+            self._connecting.setdefault(peer_key, [])
+            threading.Thread(target=build, name="transfer-link-connect", daemon=True).start()
+
+        self.data.submit(start)
+
+    def _install(self, peer_key, link: PairLink | None, error: str | None, done: Done) -> None:
+        waiting = self._connecting.pop(peer_key, [])
+        old = self.links.pop(peer_key, None)
+        if old is not None:
+            old.close()
+        if link is not None:
+            self.links[peer_key] = link
+            self.broken.pop(peer_key, None)
+        else:
+            self.broken[peer_key] = error
+        done(error)
+        for operation in waiting:
+            operation()
+
+    def forget(self, peer_key) -> None:
+        """Close the peer's link (after the operations already submitted for it)."""
+
+        def close() -> None:
+            link = self.links.pop(peer_key, None)
+            self.broken.pop(peer_key, None)
+            if link is not None:
+                link.close()
+
+        self.data.submit(close)
 
     def send(self, peer_key, buffer: torch.Tensor, done: Done) -> None:
         self.data.submit(
@@ -120,6 +155,9 @@ class DistPlane:
         self.data.submit(lambda: self._run(peer_key, operation, done))
 
     def _run(self, peer_key, operation: Callable[[PairLink], None], done: Done) -> None:
+        if peer_key in self._connecting:
+            self._connecting[peer_key].append(lambda: self._run(peer_key, operation, done))
+            return
         link = self.links.get(peer_key)
         if link is None:
             done(self.broken.get(peer_key, f"no {self.backend} link to this peer"))

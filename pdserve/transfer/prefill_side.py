@@ -1,18 +1,22 @@
 """The prefill side of the handoff: the bootstrap endpoint and one sender per room.
 
-A decode worker connects (DEALER) to our bootstrap ROUTER, registers once (layout, token),
-then sends a `TransferRequest` per room once it reserved pages. The prefill worker asks
-`sender(room)`, computes only after the room reached WAITING_FOR_INPUT (decode's pages exist),
-then `send()`s the KV buffer and the metadata record; the room succeeds when decode acks it.
+A decode worker connects (DEALER) to our bootstrap ROUTER, proves it holds the transfer token
+(`Hello` / `HelloReply` / `Register`, see peer_auth), registers its layout once, then sends a
+`TransferRequest` per room once it reserved pages. The prefill worker asks `sender(room)`,
+computes only after the room reached WAITING_FOR_INPUT (decode's pages exist), then `send()`s
+the KV buffer and the metadata record; the room succeeds when decode acks it.
+
+Nothing a connection sends before it registered creates state beyond its (bounded) peer
+entry: anything but `Hello` is answered `NotRegistered`. Peers that fail, stall or fall silent
+are dropped with their rooms; every send is non-blocking (see outbox).
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
+import secrets
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 import zmq
@@ -21,12 +25,11 @@ from pdserve.protocol.codec import ProtocolError, decode, encode
 from pdserve.protocol.transfer_messages import (
     AbortRoom,
     Heartbeat,
+    Hello,
     KVChunk,
     KVLayout,
     RecvPosted,
     Register,
-    RegisterAck,
-    RegisterRejected,
     RoomAck,
     RoomDone,
     SendReady,
@@ -34,64 +37,25 @@ from pdserve.protocol.transfer_messages import (
 )
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.dist_plane import DistPlane
-from pdserve.transfer.handshake import layout_mismatches
 from pdserve.transfer.io_thread import IOThread
-from pdserve.transfer.metadata import MetadataRecord
 from pdserve.transfer.metadata_spec import MetadataSpec
 from pdserve.transfer.metrics import TransferMetrics
+from pdserve.transfer.prefill_peers import PeerRegistry, _Peer
+from pdserve.transfer.rate_limited_log import RateLimitedLog
 from pdserve.transfer.room_state import RoomState, Tombstones, TransferState
+from pdserve.transfer.sender_room import SenderRoom
+from pdserve.transfer.wire_limits import max_decode_message_bytes
 
 logger = logging.getLogger(__name__)
 
-_FROM_DECODE = (Register, TransferRequest, AbortRoom, RoomAck, Heartbeat, RecvPosted)
+_FROM_DECODE = (Hello, Register, TransferRequest, AbortRoom, RoomAck, Heartbeat, RecvPosted)
+# Pages of one room when the caller does not say (a 1M-token prompt in 16-token pages).
+DEFAULT_MAX_ROOM_PAGES = 1 << 16
+
+__all__ = ["PrefillTransferServer", "SenderRoom"]
 
 
-@dataclass
-class _Peer:
-    decode_id: str = ""
-    rejected: str | None = None
-    last_seen: float = field(default_factory=time.monotonic)
-
-
-class SenderRoom:
-    """One room on the prefill side. State reads are safe from any thread."""
-
-    def __init__(self, server: PrefillTransferServer, room: int, state: RoomState):
-        self._server = server
-        self.room = room
-        self._state = state
-        self.peer: bytes | None = None
-        self.decode_page_ids: list[int] = []
-        self.draft_page_ids: list[int] = []
-        self._buffer: torch.Tensor | None = None
-        self.started_at = time.monotonic()
-        # When each protocol step happened (monotonic clock), for latency breakdowns.
-        self.stamps: dict[str, float] = {}
-
-    def poll(self) -> TransferState:
-        return self._state.state
-
-    @property
-    def failure_reason(self) -> str | None:
-        return self._state.failure_reason
-
-    def send(self, kv: torch.Tensor, metadata: MetadataRecord) -> None:
-        """Send the request's gathered KV (flat uint8: on the CPU for tcp and gloo, on the GPU
-        for nccl) and its metadata record."""
-        wanted = "cpu" if self._server.config.backend in ("tcp", "gloo") else "cuda"
-        if kv.dtype != torch.uint8 or kv.device.type != wanted or not kv.is_contiguous():
-            raise ValueError(
-                f"kv must be a contiguous uint8 buffer on {wanted} (see KVStager.gather)"
-            )
-        header, payload = metadata.pack(self.room, self._server.metadata_spec)
-        self.stamps["send_called"] = time.monotonic()
-        self._server.io.call(lambda: self._server._send_room(self, kv, header, payload))
-
-    def abort(self, reason: str = "aborted by prefill") -> None:
-        self._server.io.call(lambda: self._server._abort_room(self, reason, notify=True))
-
-
-class PrefillTransferServer:
+class PrefillTransferServer(PeerRegistry):
     def __init__(
         self,
         config: TransferConfig,
@@ -100,12 +64,17 @@ class PrefillTransferServer:
         prefill_id: str,
         metrics: TransferMetrics | None = None,
         device: torch.device | None = None,
+        max_room_pages: int = DEFAULT_MAX_ROOM_PAGES,
     ):
-        """device: where `send()` buffers live (the GPU for nccl; CPU for tcp and gloo)."""
+        """device: where `send()` buffers live (the GPU for nccl; CPU for tcp and gloo).
+        max_room_pages: the most pages one room can need (bounds a transfer request)."""
         self.config = config
         self.layout = layout
         self.metadata_spec = metadata_spec
         self.prefill_id = prefill_id
+        # NOTE: new per process, so a decode worker sees a restart on the same address.
+        self.instance = secrets.randbits(63)
+        self.max_room_pages = max_room_pages
         self.metrics = metrics or TransferMetrics()
         self.context = zmq.Context()
         self.io = IOThread(f"prefill-transfer-{prefill_id}", self.context)
@@ -113,6 +82,7 @@ class PrefillTransferServer:
         self._lock = threading.Lock()
         self._peers: dict[bytes, _Peer] = {}
         self._tombstones = Tombstones(config.tombstone_ttl_s)
+        self._bad_messages = RateLimitedLog(logger)
         self.port: int | None = None
         self.dist: DistPlane | None = None
         if config.backend != "tcp":
@@ -124,8 +94,9 @@ class PrefillTransferServer:
                 link_device,
                 config.bootstrap_host,
             )
-        # Buffers announced with SendReady, kept until their send happened (see dist_plane).
-        self._announced: dict[int, tuple[SenderRoom, torch.Tensor]] = {}
+        # Buffers announced with SendReady, kept until their send happened (see dist_plane):
+        # room -> (room, buffer, when announced).
+        self._announced: dict[int, tuple[SenderRoom, torch.Tensor, float]] = {}
 
     # ---- life cycle ------------------------------------------------------------------
 
@@ -133,8 +104,8 @@ class PrefillTransferServer:
         """Bind the bootstrap endpoint (port 0 picks a free one); return the port."""
         self._router = self.context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._router.setsockopt(zmq.SNDTIMEO, int(self.config.send_timeout_s * 1000))
         self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_decode_message_bytes(self.max_room_pages))
         host, port = self.config.bootstrap_host, self.config.bootstrap_port
         if port == 0:
             self.port = self._router.bind_to_random_port(f"tcp://{host}")
@@ -154,14 +125,9 @@ class PrefillTransferServer:
 
     def sender(self, room: int) -> SenderRoom:
         """The room's sender, created in BOOTSTRAPPING if decode has not asked for it yet."""
-        with self._lock:
-            if room not in self._rooms:
-                state = RoomState(room, progress_timeout_s=self.config.progress_timeout_s)
-                if room in self._tombstones:
-                    reason = self._tombstones.failure_reason(room)
-                    state.fail(reason or "room already finished (reused bootstrap_room)")
-                self._rooms[room] = SenderRoom(self, room, state)
-            return self._rooms[room]
+        sender = self._room(room)
+        sender.claimed = True
+        return sender
 
     @property
     def pending_sends(self) -> int:
@@ -173,7 +139,17 @@ class PrefillTransferServer:
         with self._lock:
             self._rooms.pop(room, None)
 
-    # ---- IO thread -------------------------------------------------------------------
+    def _room(self, room: int) -> SenderRoom:
+        with self._lock:
+            if room not in self._rooms:
+                state = RoomState(room, progress_timeout_s=self.config.progress_timeout_s)
+                if room in self._tombstones:
+                    reason = self._tombstones.failure_reason(room)
+                    state.fail(reason or "room already finished (reused bootstrap_room)")
+                self._rooms[room] = SenderRoom(self, room, state)
+            return self._rooms[room]
+
+    # ---- IO thread: receiving --------------------------------------------------------
 
     def _on_socket(self, socket: zmq.Socket) -> None:
         while True:
@@ -181,24 +157,41 @@ class PrefillTransferServer:
                 frames = socket.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
-            if len(frames) < 2:
+            if len(frames) != 2:
+                self._malformed(f"a message of {len(frames) - 1} frames (expected 1)")
                 continue
-            identity, body = frames[0], frames[1]
-            peer = self._peers.setdefault(identity, _Peer())
-            peer.last_seen = time.monotonic()
+            identity, body = frames
             try:
                 msg = decode(body, _FROM_DECODE)
             except ProtocolError as e:
-                self.metrics.failure("malformed_message")
-                logger.warning("dropped a malformed message from a decode peer: %s", e)
+                self._malformed(str(e))
                 continue
-            self._handle(identity, peer, msg)
+            peer = self._peers.get(identity)
+            if isinstance(msg, Hello):
+                self._hello(identity, msg)
+            elif peer is None:
+                self._not_registered(identity, getattr(msg, "room", -1))
+            elif isinstance(msg, Register):
+                peer.last_seen = time.monotonic()
+                self._register(identity, peer, msg)
+            elif peer.rejected is not None and isinstance(msg, TransferRequest):
+                self._refuse_room(identity, msg.room, f"handshake failed: {peer.rejected}")
+            elif not peer.registered:
+                self._not_registered(identity, getattr(msg, "room", -1))
+            else:
+                peer.last_seen = time.monotonic()
+                self._handle(identity, msg)
 
-    def _handle(self, identity: bytes, peer: _Peer, msg) -> None:
-        if isinstance(msg, Register):
-            self._register(identity, peer, msg)
-        elif isinstance(msg, TransferRequest):
-            self._transfer_request(identity, peer, msg)
+    def _reply(self, identity: bytes | None, msg) -> bool:
+        return identity is not None and self._send_to(identity, [encode(msg)])
+
+    def _malformed(self, problem: str) -> None:
+        self.metrics.failure("malformed_message")
+        self._bad_messages.warning("dropped a malformed message from a decode peer: %s", problem)
+
+    def _handle(self, identity: bytes, msg) -> None:
+        if isinstance(msg, TransferRequest):
+            self._transfer_request(identity, msg)
         elif isinstance(msg, AbortRoom):
             room = self._rooms.get(msg.room)
             reason = f"decode aborted: {msg.reason}"
@@ -216,32 +209,13 @@ class PrefillTransferServer:
         elif isinstance(msg, RecvPosted):
             self._recv_posted(identity, msg.room)
 
-    def _register(self, identity: bytes, peer: _Peer, msg: Register) -> None:
-        peer.decode_id = msg.decode_id
-        if not self._token_ok(msg.token):
-            peer.rejected = "authentication failed: wrong or missing transfer token"
-        elif msg.backend != self.config.backend:
-            peer.rejected = (
-                f"transfer backend: prefill {self.config.backend!r} != decode {msg.backend!r}"
-            )
-        else:
-            mismatches = layout_mismatches(self.layout, msg.layout)
-            peer.rejected = "; ".join(mismatches) if mismatches else None
-        if peer.rejected:
-            self.metrics.failure("handshake")
-            logger.error("rejected decode peer %s: %s", msg.decode_id, peer.rejected)
-            self._reply(identity, RegisterRejected(peer.rejected))
-        else:
-            self._reply(identity, RegisterAck(self.prefill_id))
-            if self.dist is not None:
-                self.dist.connect(
-                    identity,
-                    msg.store_address,
-                    msg.pair_name,
-                    lambda error: self.io.call(lambda: self._link_ready(identity, error)),
-                )
+    def _refuse_room(self, identity: bytes, room_id: int, reason: str) -> None:
+        room = self._room(room_id)
+        if room._state.fail(reason):
+            self._tombstones.add(room_id, reason)
+        self._reply(identity, AbortRoom(room_id, reason))
 
-    def _transfer_request(self, identity: bytes, peer: _Peer, msg: TransferRequest) -> None:
+    def _transfer_request(self, identity: bytes, msg: TransferRequest) -> None:
         if msg.room in self._tombstones:
             # A room that failed before decode asked (e.g. prefill rejected the prompt) still
             # fails decode's room at once; a duplicate for a finished room is ignored.
@@ -249,24 +223,25 @@ class PrefillTransferServer:
             if reason is not None:
                 self._reply(identity, AbortRoom(msg.room, reason))
             return
-        room = self.sender(msg.room)
-        reason = None
-        if not self._token_ok(msg.token):
-            reason = "authentication failed: wrong or missing transfer token"
-        elif peer.rejected or not peer.decode_id:
-            reason = peer.rejected or "transfer request before registration"
-        if reason is not None:
-            self._reply(identity, AbortRoom(msg.room, reason))
-            room._state.fail(f"handshake failed: {reason}")
-            self._tombstones.add(msg.room, room.failure_reason)
+        # NOTE: checked before any room exists for it.
+        longest = max(len(msg.page_ids), len(msg.draft_page_ids))
+        if longest > self.max_room_pages:
+            reason = f"transfer request for {longest} pages exceeds {self.max_room_pages}"
+            self._refuse_room(identity, msg.room, reason)
             return
-        if room.peer is not None:
-            return  # duplicate
+        room = self._room(msg.room)
+        if room.peer is not None or room._state.done:
+            return  # duplicate, or a room that already ended here
         room.peer = identity
         room.decode_page_ids = list(msg.page_ids)
         room.draft_page_ids = list(msg.draft_page_ids)
         if room._state.state is TransferState.BOOTSTRAPPING:
             room._state.advance(TransferState.WAITING_FOR_INPUT)
+            # NOTE: waiting for the prefill queue is not a stall: `started()` restarts the
+            # progress deadline when compute begins.
+            room._state.hold(self.config.queue_timeout_s)
+
+    # ---- IO thread: sending ----------------------------------------------------------
 
     def _send_room(self, room: SenderRoom, kv, header, payload: bytes) -> None:
         state = room._state
@@ -279,41 +254,29 @@ class PrefillTransferServer:
         if self.dist is not None:
             # NOTE: the metadata goes first, on the same ordered connection: decode then
             # commits as soon as its receive completes, one round trip sooner.
-            try:
-                self._router.send_multipart([room.peer, encode(header), payload])
-            except zmq.ZMQError as e:
-                self._abort_room(room, f"sending to decode failed: {e}", notify=False)
-                return
-            self._announced[room.room] = (room, kv)
-            self._reply(room.peer, SendReady(room.room, kv.numel()))
-            room.stamps["send_ready_sent"] = time.monotonic()
+            if self._send_to(room.peer, [encode(header), payload]):
+                self._announced[room.room] = (room, kv, time.monotonic())
+                self._reply(room.peer, SendReady(room.room, kv.numel()))
+                room.stamps["send_ready_sent"] = time.monotonic()
             return
         room._buffer = kv  # NOTE: frames are sent zero-copy; keep the buffer until the ack
         view = memoryview(kv.numpy())
         total = kv.numel()
-        try:
-            for offset in range(0, total, self.config.chunk_bytes):
-                nbytes = min(self.config.chunk_bytes, total - offset)
-                self._router.send_multipart(
-                    [
-                        room.peer,
-                        encode(KVChunk(room.room, offset, nbytes)),
-                        view[offset : offset + nbytes],
-                    ],
-                    copy=False,
-                )
-            self._router.send_multipart([room.peer, encode(header), payload])
-            self._router.send_multipart([room.peer, encode(RoomDone(room.room, total))])
-        except zmq.ZMQError as e:
-            self._abort_room(room, f"sending to decode failed: {e}", notify=False)
-            return
-        self.metrics.bytes_sent += total
+        for offset in range(0, total, self.config.chunk_bytes):
+            nbytes = min(self.config.chunk_bytes, total - offset)
+            chunk = [encode(KVChunk(room.room, offset, nbytes)), view[offset : offset + nbytes]]
+            if not self._send_to(room.peer, chunk, copy=False) or room._state.done:
+                return
+        if self._send_to(room.peer, [encode(header), payload]) and self._reply(
+            room.peer, RoomDone(room.room, total)
+        ):
+            self.metrics.bytes_sent += total
 
     def _recv_posted(self, identity: bytes, room_id: int) -> None:
         announced = self._announced.pop(room_id, None)
         if announced is None:
             return
-        room, kv = announced
+        room, kv, _ = announced
         room.stamps["recv_posted_seen"] = time.monotonic()
         # NOTE: send even if the room failed meanwhile: decode's receive is posted.
         self.dist.send(
@@ -331,15 +294,7 @@ class PrefillTransferServer:
         if not room._state.done:  # decode may have acked already (it commits on receipt)
             self._reply(room.peer, RoomDone(room.room, total))
 
-    def _link_ready(self, identity: bytes, error: str | None) -> None:
-        if error is None:
-            return
-        peer = self._peers.get(identity)
-        if peer is not None:
-            peer.rejected = error
-        for room in list(self._rooms.values()):
-            if room.peer == identity:
-                self._abort_room(room, error, notify=True)
+    # ---- endings ---------------------------------------------------------------------
 
     def _abort_room(self, room: SenderRoom, reason: str, *, notify: bool) -> None:
         if room._state.fail(reason):
@@ -359,31 +314,20 @@ class PrefillTransferServer:
 
     def _on_tick(self) -> None:
         now = time.monotonic()
+        self._check_peers(now)
         with self._lock:
             rooms = list(self._rooms.values())
         for room in rooms:
             if room._state.done:
+                if not room.claimed:
+                    self.release(room.room)  # only a decode peer asked for it: nobody will
                 continue
-            peer = self._peers.get(room.peer) if room.peer is not None else None
-            if peer is not None and now - peer.last_seen > self.config.peer_timeout_s:
-                silent = now - peer.last_seen
-                self._abort_room(
-                    room, f"decode peer {peer.decode_id} silent for {silent:.1f} s", notify=False
-                )
-            elif room._state.check_deadline():
+            if room._state.check_deadline():
                 self.metrics.failure("timeout")
                 self._reply(room.peer, AbortRoom(room.room, room.failure_reason))
                 room._buffer = None
                 self._tombstones.add(room.room, room.failure_reason)
-
-    def _reply(self, identity: bytes | None, msg) -> None:
-        if identity is None:
-            return
-        try:
-            self._router.send_multipart([identity, encode(msg)])
-        except zmq.ZMQError as e:
-            logger.warning("could not reach decode peer: %s", e)
-
-    def _token_ok(self, token: str) -> bool:
-        expected = self.config.auth_token
-        return not expected or hmac.compare_digest(token.encode(), expected.encode())
+        for room, _, announced_at in list(self._announced.values()):
+            if now - announced_at > self.config.progress_timeout_s and room.peer is not None:
+                # NOTE: the pair's order depends on this buffer: drop the whole link.
+                self._drop_peer(room.peer, "decode did not post its receive in time")

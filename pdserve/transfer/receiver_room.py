@@ -24,7 +24,7 @@ class ReceiverRoom:
         self,
         client: DecodeTransferClient,
         room: int,
-        peer: _Peer,
+        peer: _Peer | None,
         page_ids: list[int],
         draft_page_ids: list[int],
         expected_bytes: int,
@@ -36,6 +36,8 @@ class ReceiverRoom:
         self.draft_page_ids = draft_page_ids
         self.expected_bytes = expected_bytes
         self._state = RoomState(room, progress_timeout_s=client.config.progress_timeout_s)
+        # NOTE: until the first byte, the room waits for the prefill worker's queue too.
+        self._state.hold(client.config.queue_timeout_s)
         self._buffer: torch.Tensor | None = None
         self._received = 0
         self.metadata: MetadataRecord | None = None
@@ -44,6 +46,10 @@ class ReceiverRoom:
         self.stamps: dict[str, float] = {}
         self._recv_in_flight = False
         self._deferred_done: RoomDone | None = None
+        # The prefill instance our transfer request went to (None: not sent yet), and whether
+        # it was sent again after that prefill worker asked us to register first.
+        self._instance: int | None = None
+        self._retried = False
 
     def poll(self) -> TransferState:
         return self._state.state

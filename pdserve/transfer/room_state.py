@@ -44,6 +44,7 @@ class RoomState:
         self.state = TransferState.BOOTSTRAPPING
         self.failure_reason: str | None = None
         self.entered_at = clock()
+        self.limit_s = progress_timeout_s
 
     @property
     def done(self) -> bool:
@@ -62,8 +63,18 @@ class RoomState:
                 f"room {self.room}: {self.state.name} -> {new_state.name} is not forward"
             )
         self.state = new_state
-        self.entered_at = self._clock()
+        self.restart_clock()
         return True
+
+    def hold(self, limit_s: float) -> None:
+        """Let the room wait up to `limit_s` in its current state (a queue, not a stall);
+        the next `advance` or `restart_clock` returns to progress_timeout_s."""
+        self.limit_s = limit_s
+
+    def restart_clock(self) -> None:
+        """Work on the room starts now: it has progress_timeout_s from here."""
+        self.entered_at = self._clock()
+        self.limit_s = self.progress_timeout_s
 
     def fail(self, reason: str) -> bool:
         """Fail the room. False if it already ended (the first outcome stands)."""
@@ -79,11 +90,10 @@ class RoomState:
         if self.done:
             return False
         waited = self._clock() - self.entered_at
-        if waited <= self.progress_timeout_s:
+        if waited <= self.limit_s:
             return False
         return self.fail(
-            f"timed out after {waited:.1f} s in {self.state.name} "
-            f"(limit {self.progress_timeout_s:g} s)"
+            f"timed out after {waited:.1f} s in {self.state.name} (limit {self.limit_s:g} s)"
         )
 
 

@@ -100,17 +100,22 @@ def test_handshake_mismatch_fails_both_sides_naming_the_field(changes, message):
 
 
 def test_wrong_token_is_refused_on_both_sides():
+    """Decode sees at once that prefill cannot prove the token and sends it nothing more;
+    prefill never accepts the room (a peer that did not authenticate cannot even fail a
+    room), so its room ends at its own deadline."""
     cases = [Case(room=400)]
     prefill, decode, results_p, results_d, _ = start_pair(
         cases,
-        prefill_config=TransferConfig(**{**vars_of(CONFIG), "auth_token": "s3cret"}),
+        prefill_config=TransferConfig(
+            **{**vars_of(CONFIG), "auth_token": "s3cret", "progress_timeout_s": 6}
+        ),
         decode_config=TransferConfig(**{**vars_of(CONFIG), "auth_token": "guess"}),
     )
     ((_, d_state, d_reason, _),) = collect(results_d, 1)
     (_, p_state, p_reason), _ = collect(results_p, 2)
     finish(prefill, decode)
     assert d_state == "FAILED" and "authentication failed" in d_reason
-    assert p_state == "FAILED" and "authentication failed" in p_reason
+    assert p_state == "FAILED" and "timed out" in p_reason and "BOOTSTRAPPING" in p_reason
 
 
 def vars_of(config: TransferConfig) -> dict:
@@ -163,7 +168,7 @@ def test_malformed_and_oversize_frames_are_rejected_and_serving_continues():
             }
         )
     )
-    rogue.send(b"\x00" * (65 << 20))  # oversize
+    rogue.send(b"\x00" * (65 << 20))  # past zmq.MAXMSGSIZE: the connection is dropped
     decode = SPAWN.Process(target=run_decode, args=(cases, CONFIG, port, results_d))
     decode.start()
     ((_, state, detail, _),) = collect(results_d, 1)
@@ -172,7 +177,7 @@ def test_malformed_and_oversize_frames_are_rejected_and_serving_continues():
     rogue.close()
     context.term()
     assert state == "SUCCESS" and detail == (True, True)
-    assert sent[-1][0] == "malformed" and sent[-1][1] == 3
+    assert sent[-1][0] == "malformed" and sent[-1][1] == 2
 
 
 GLOO = TransferConfig(**{**vars_of(CONFIG), "backend": "gloo"})

@@ -13,6 +13,7 @@ from pdserve.decode.handoff import DecodeHandoff
 from pdserve.prefill.handoff import PrefillHandoff
 from pdserve.protocol.engine_messages import Bootstrap, FailRoom
 from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.peer_allow import PeerAllowList, parse_allow_list
 from tests.conftest import random_prompts
 from tests.e2e.pd_cluster import wait_until
 
@@ -161,3 +162,28 @@ def test_decode_refusal_fails_the_prefill_room(pair):
     outputs = drive(prefill, decode, lambda o: finished(o, "p"), deadline_s=2)
     assert "decode rejected the request: too many tokens" in outputs["p"][-1].error
     assert prefill.engine.allocator.num_used == 0
+
+
+def test_a_bootstrap_host_outside_the_allow_list_is_refused_as_invalid(pair):
+    prefill, decode, _ = pair
+    decode.client.allow_list = PeerAllowList(parse_allow_list(["10.0.0.0/8"]))
+    refused = decode.add("d", [5, 6], GREEDY, boot(prefill, 12))
+    assert refused.error_kind == "invalid" and "bootstrap_host '127.0.0.1'" in refused.error
+    # The front end then reports the refusal; still nothing is contacted.
+    decode.fail_room(FailRoom(12, refused.error, "127.0.0.1", prefill.bootstrap_port))
+    decode.poll()
+    assert decode.engine.allocator.num_used == 0 and not decode.client._peers
+
+
+def test_a_refused_room_counts_as_one_failure_on_each_side(pair):
+    prefill, decode, _ = pair
+    too_long = [7] * prefill.engine.max_model_len
+    decode.add("d", [5, 6], GREEDY, boot(prefill, 13))
+    refused = prefill.add("p", too_long, GREEDY, boot(prefill, 13))
+    outputs = drive(prefill, decode, lambda o: finished(o, "d"), deadline_s=2)
+    # Each front end turns its failure output into an error, which reports the room again.
+    prefill.fail_room(FailRoom(13, refused.error))
+    host, port = "127.0.0.1", prefill.bootstrap_port
+    decode.fail_room(FailRoom(13, outputs["d"][-1].error, host, port))
+    assert sum(prefill.failures.counts.values()) == 1
+    assert sum(decode.failures.counts.values()) == 1

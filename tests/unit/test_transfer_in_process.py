@@ -76,7 +76,7 @@ def test_late_messages_for_a_finished_room_are_ignored(pair):
         lambda: server._router.send_multipart([sender.peer, encode(RoomDone(CASE.room, 16))])
     )
     peer = next(iter(client._peers.values()))
-    client.io.call(lambda: client._send(peer, TransferRequest(CASE.room, [1], [], "")))
+    client.io.call(lambda: client._send(peer, TransferRequest(CASE.room, [1], [])))
     # A new room still works, and nothing of the replay landed anywhere. NOTE: each side
     # sends on one socket in order, so room 2 finishing means the replay was handled.
     _, receiver2 = pair.transfer(Case(room=2))
