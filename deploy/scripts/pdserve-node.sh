@@ -14,6 +14,8 @@
 #   POD_IP            the pod's address (Kubernetes downward API: status.podIP)
 #   PORT              HTTP port                               [router 8000, workers 30000]
 #   BOOTSTRAP_PORT    prefill: where decode workers fetch KV                       [8998]
+#   BOOTSTRAP_ALLOW   decode: comma-separated addresses/CIDRs of the prefill workers it may
+#                     contact [pdserve's: loopback and this host's attached networks]
 #   TRANSFER_BACKEND  tcp (ZMQ, anywhere) | nccl (GPU to GPU) | gloo (CPU)          [tcp]
 #   DEVICE            auto | cpu | cuda | cuda:N                                   [auto]
 #   SHUTDOWN_TIMEOUT  seconds in-flight requests may take to finish after SIGTERM; keep it
@@ -143,6 +145,9 @@ else
       0.0.0.0 | :: | "[::]") advertised=$(node_address) ;;
     esac
     args+=(--transfer-backend "${TRANSFER_BACKEND:-tcp}" --bootstrap-host "$advertised")
+  fi
+  if [[ "$ROLE" == decode && -n "${BOOTSTRAP_ALLOW:-}" ]]; then
+    args+=(--bootstrap-allow "$BOOTSTRAP_ALLOW")
   fi
   if [[ "$ROLE" == prefill ]]; then
     BOOTSTRAP_PORT=${BOOTSTRAP_PORT:-8998}

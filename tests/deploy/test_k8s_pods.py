@@ -36,7 +36,11 @@ ENV = {
         "SHUTDOWN_TIMEOUT": "50",
     },
     "prefill": {**WORKER_ENV, "ROLE": "prefill", "BOOTSTRAP_PORT": "8998"},
-    "decode": {**WORKER_ENV, "ROLE": "decode"},
+    "decode": {
+        **WORKER_ENV,
+        "ROLE": "decode",
+        "BOOTSTRAP_ALLOW": "127.0.0.0/8,10.0.0.0/8,172.16.0.0/12,192.168.0.0/16",
+    },
 }
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 PROBE_PATHS = {

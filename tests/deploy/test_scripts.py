@@ -102,6 +102,16 @@ def test_prefill_binds_and_advertises_the_pod_ip_and_passes_the_backend():
     assert value(argv, "--port") == "30000"
 
 
+def test_decode_takes_its_bootstrap_allow_list_and_prefill_ignores_it():
+    allow = "10.0.0.0/8,192.168.1.5"
+    decode = argv_of("pdserve-node.sh", {**WORKER, "ROLE": "decode", "BOOTSTRAP_ALLOW": allow})
+    assert value(decode, "--bootstrap-allow") == allow
+    assert "--bootstrap-allow" not in argv_of("pdserve-node.sh", {**WORKER, "ROLE": "decode"})
+    assert "--bootstrap-allow" not in argv_of(
+        "pdserve-node.sh", {**WORKER, "BOOTSTRAP_ALLOW": allow}
+    )
+
+
 def test_a_wildcard_host_binds_all_but_advertises_the_node_address():
     argv = argv_of("pdserve-node.sh", {**WORKER, "HOST": "0.0.0.0"})
     assert value(argv, "--host") == "0.0.0.0"
