@@ -16,6 +16,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import tempfile
 import time
 from collections import deque
@@ -46,6 +47,8 @@ from pdserve.server.role import WorkerRole
 logger = logging.getLogger(__name__)
 
 SEND_TIMEOUT_MS = 2000
+# Exit codes (negative signal numbers) of an engine that was stopped, not crashed.
+STOP_SIGNALS = (-signal.SIGTERM, -signal.SIGINT)
 
 
 class EngineUnavailable(RuntimeError):
@@ -145,12 +148,11 @@ class EngineClient:
             self._restarts.popleft()
         if len(self._restarts) >= self.options.max_restarts:
             self.gave_up = True
-            logger.error(
-                "engine failed %d times within %.0f s; not restarting it: %s",
-                len(self._restarts) + 1,
-                self.options.restart_window_s,
-                self.failure,
+            self.failure = (
+                f"{self.failure} (not restarting: {len(self._restarts)} restarts within "
+                f"{self.options.restart_window_s:.0f} s)"
             )
+            logger.error("%s", self.failure)
             return
         self._restarts.append(now)
         logger.warning("restarting the engine after: %s", self.failure)
@@ -212,10 +214,7 @@ class EngineClient:
             return "ok"
         reason = self.failure or "the engine is not answering"
         if self.gave_up:
-            return (
-                f"engine failed: {reason} (not restarting: {self.options.max_restarts} "
-                f"restarts within {self.options.restart_window_s:.0f} s)"
-            )
+            return f"engine down, not restarting: {reason}"
         return f"engine restarting after: {reason}"
 
     @property
@@ -304,7 +303,14 @@ class EngineClient:
 
     def _check_alive(self) -> None:
         if self._process is not None and not self._process.is_alive():
-            self._mark_failed(f"engine process exited with code {self._process.exitcode}")
+            code = self._process.exitcode
+            if code in STOP_SIGNALS:
+                # NOTE: someone stopped it on purpose (the worker's process group is being
+                # stopped, or Ctrl-C): restarting would fight them.
+                self.gave_up = True
+                self._mark_failed(f"engine process stopped by {signal.Signals(-code).name}")
+            else:
+                self._mark_failed(f"engine process exited with code {code}")
         elif time.monotonic() - self._last_message > self.options.engine_timeout_s:
             self._mark_failed(f"engine silent for over {self.options.engine_timeout_s:.0f} s")
 

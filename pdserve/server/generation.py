@@ -200,14 +200,16 @@ def fails_room_on_error(handler):
     return endpoint
 
 
-def sampling_settings(state: ServerState, **fields: Any) -> dict[str, Any]:
+def sampling_settings(
+    state: ServerState, names: dict[str, str] = API_NAMES, **fields: Any
+) -> dict[str, Any]:
     """Keep the fields that were set, check them with SamplingParams (types, bounds, token ids
-    against the vocabulary), return them as a map."""
+    against the vocabulary), return them as a map. Errors name fields as `names` says."""
     settings = {k: v for k, v in fields.items() if v is not None}
     try:
         SamplingParams(**settings).check_vocab(state.client.ready.vocab_size)
     except InvalidSamplingParams as e:
-        name = API_NAMES.get(e.param, e.param)
+        name = names.get(e.param, e.param)
         raise bad_request(str(e).replace(e.param, name, 1), param=name) from None
     except TypeError as e:
         raise bad_request(str(e)) from None

@@ -89,7 +89,7 @@ async def generate(body: GenerateBody, request: Request):
     raw.setdefault("max_new_tokens", 128)
     logprobs = body.top_logprobs_num if body.return_logprob else None
     # Checked (types included) before any prompt is tokenized or measured against them.
-    sampling = sampling_settings(state, **raw, logprobs=logprobs)
+    sampling = sampling_settings(state, {}, **raw, logprobs=logprobs)
     if body.text is not None:
         texts = [body.text] if isinstance(body.text, str) else body.text
         check_job_count(state, len(texts), param="text")
