@@ -15,7 +15,7 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 ENGINE_KILLERS = [
     ({"min_tokens": 1, "stop_token_ids": [5000]}, "stop_token_ids"),
-    ({"stop_token_ids": [2**63]}, "stop_token_ids"),
+    ({"min_tokens": 1, "stop_token_ids": [2**63]}, "stop_token_ids"),
     ({"temperature": 1, "top_p": 0.9, "top_k": 2**63}, "top_k"),
     ({"temperature": 1, "repetition_penalty": 1e-40}, "repetition_penalty"),
     ({"temperature": 1e-40}, None),  # valid: sampled at the temperature floor
