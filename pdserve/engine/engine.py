@@ -25,7 +25,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.page_allocator import PageAllocator, pages_needed
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,10 @@ class Engine:
     def _new_request(self, request_id: str, token_ids: list[int], params: SamplingParams):
         if request_id in self.requests or request_id in self.held:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        params.check_vocab(self.model_config.vocab_size)
+        try:
+            params.check_vocab(self.model_config.vocab_size)
+        except InvalidSamplingParams as e:
+            raise InvalidRequestError(str(e), param=e.param) from None
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,

@@ -149,7 +149,7 @@ class EngineClient:
         if len(self._restarts) >= self.options.max_restarts:
             self.gave_up = True
             self.failure = (
-                f"{self.failure} (not restarting: {len(self._restarts)} restarts within "
+                f"{self.failure} (after {len(self._restarts)} restarts within "
                 f"{self.options.restart_window_s:.0f} s)"
             )
             logger.error("%s", self.failure)
