@@ -101,10 +101,7 @@ def check_prompt(state: ServerState, prompt_ids: list[int], max_tokens: int | No
     if not prompt_ids:
         raise bad_request("the prompt is empty", param="prompt")
     limit = state.max_model_len
-    if len(prompt_ids) < limit:
-        vocab = state.client.ready.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
+    # NOTE: the length first: a token list of any size is refused without reading its ids.
     if len(prompt_ids) >= limit:
         raise APIError(
             400,
@@ -113,6 +110,9 @@ def check_prompt(state: ServerState, prompt_ids: list[int], max_tokens: int | No
             param="prompt",
             code="context_length_exceeded",
         )
+    vocab = state.client.ready.vocab_size
+    if any(not 0 <= t < vocab for t in prompt_ids):
+        raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
     if max_tokens is None:
         return limit - len(prompt_ids)
     # NOTE: a prefill worker generates one token; the decode worker checks the whole length.
