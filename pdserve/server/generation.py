@@ -60,7 +60,7 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 def check_capacity(state: ServerState, new_requests: int) -> None:
     if not state.client.healthy:
-        raise APIError(503, f"engine unavailable: {state.client.failure or 'not running'}")
+        raise APIError(503, f"engine unavailable: {state.client.health_detail}")
     waiting = state.client.num_in_flight - state.client.stats.num_running
     if waiting + new_requests > state.max_queued_requests:
         raise APIError(
