@@ -25,7 +25,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.page_allocator import PageAllocator, pages_needed
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ class Engine:
         # Finished requests whose pages are kept for a KV transfer (see `hold_pages`).
         self.held: dict[str, Request] = {}
         self.last_batch_tokens = 0  # tokens computed by the latest step (for step statistics)
+        # The batch the latest step scheduled (None while scheduling): what `fail_step` ends.
+        self.current_batch: ScheduledBatch | None = None
         logger.info(
             "engine ready: %s on %s (%s), %d KV pages of %d tokens, max_model_len %d",
             self.model_config.architecture,
@@ -140,6 +142,10 @@ class Engine:
     def _new_request(self, request_id: str, token_ids: list[int], params: SamplingParams):
         if request_id in self.requests or request_id in self.held:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        try:
+            params.check_vocab(self.model_config.vocab_size)
+        except InvalidSamplingParams as e:
+            raise InvalidRequestError(str(e), param=e.param) from None
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -257,12 +263,35 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run, post-process. Returns an output for every request that produced
         tokens this step (and for every request that finished)."""
+        self.current_batch = None
         batch = self.scheduler.schedule()
+        self.current_batch = batch
         self.last_batch_tokens = sum(batch.num_new_tokens)
         if not batch:
             return []
         sampled, result = self.runner.run(batch)
         return self._process(batch, sampled, result)
+
+    def fail_step(self, reason: str) -> list[RequestOutput]:
+        """After `step()` raised: end every request of its batch (every running request if it
+        raised while scheduling) with `reason`, free their pages, and report each one. A
+        request that finished inside the failed step lost its output, so it is failed too."""
+        batch = self.current_batch
+        touched = list(batch.requests) if batch is not None else list(self.scheduler.running)
+        self.current_batch = None
+        outputs = []
+        for request in touched:
+            if not request.finished:
+                self.scheduler.finish(request, FinishReason.ABORT)
+                self.requests.pop(request.request_id, None)
+                request.detokenizer.finish()
+            elif request.request_id in self.held:
+                self.release_held(request.request_id)
+            request.error = reason
+            output = self._output(request, [])
+            output.error_kind = "internal"
+            outputs.append(output)
+        return outputs
 
     def _process(self, batch: ScheduledBatch, sampled: list[int], result) -> list[RequestOutput]:
         for request, count in zip(batch.requests, batch.num_new_tokens, strict=True):

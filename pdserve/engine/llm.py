@@ -65,6 +65,8 @@ class LLM:
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         # NOTE: validate every prompt before queueing any, so a bad one leaves nothing behind.
         token_ids = [self.engine.validate_prompt(prompt) for prompt in prompts]
+        for params in sampling_params:
+            params.check_vocab(self.engine.model_config.vocab_size)
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         for request_id, ids_of_prompt, params in zip(ids, token_ids, sampling_params, strict=True):
             self.engine.add_request(request_id, ids_of_prompt, params)

@@ -21,8 +21,9 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
-    # Why it failed, for the HTTP edge: "invalid" (the request; 400) or "unavailable" (a
-    # worker or transfer failed; 503, worth a retry elsewhere).
+    # Why it failed, for the HTTP edge: "invalid" (the request; 400), "unavailable" (a
+    # worker or transfer failed; 503, worth a retry elsewhere) or "internal" (an engine step
+    # raised; 500, the engine carries on).
     error_kind: str | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None

@@ -6,6 +6,10 @@ style); greedy rows take the argmax; sampled rows divide by temperature, keep th
 top-p nucleus and tokens with at least min_p times the top probability, then draw. A request
 with a seed draws from its own generator, so its tokens do not depend on what else is batched
 with it. Reported logprobs are those of the raw model distribution.
+
+Whatever the settings, a row always yields a valid token id: `SamplingParams` bounds keep the
+arithmetic finite, and a row that still ends with no probability mass (every token banned or
+filtered out) takes the argmax of its logits instead of feeding NaN to the draw.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.request import Request
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -75,6 +81,8 @@ class Sampler:
             if request.num_output_tokens >= p.min_new_tokens:
                 continue
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+            # NOTE: the engine refuses ids outside the vocabulary; a stray one must not crash.
+            banned = [t for t in banned if t < logits.shape[-1]]
             if banned:
                 logits[row, banned] = float("-inf")
 
@@ -108,10 +116,10 @@ def _apply_penalties(row_logits: torch.Tensor, request: Request) -> None:
 def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p, renormalized."""
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
-    logits = logits / temperature[:, None]
+    temperature = torch.tensor([p.sampling_temperature for p in params], device=device)
+    logits = (logits / temperature[:, None]).nan_to_num_(nan=float("-inf"), posinf=FLOAT32_MAX)
     vocab = logits.shape[-1]
-    top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     top_p = [p.top_p for p in params]
     if any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -131,4 +139,16 @@ def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
+    return _with_mass(probs, logits)
+
+
+def _with_mass(probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Rows without a usable distribution (NaN, or all mass filtered out: every token was
+    banned before min_new_tokens) become a point mass on their logits' argmax."""
+    empty = ~(probs.sum(dim=-1) > 0) | probs.isnan().any(dim=-1)
+    if not bool(empty.any()):
+        return probs
+    probs = probs.nan_to_num(nan=0.0)
+    choice = logits[empty].argmax(dim=-1)
+    probs[empty] = torch.nn.functional.one_hot(choice, probs.shape[-1]).to(probs.dtype)
     return probs

@@ -15,12 +15,18 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from pdserve.engine.config import EngineConfig
 from pdserve.server import native_api, openai_api
 from pdserve.server.engine_client import EngineClient, EngineClientConfig
-from pdserve.server.errors import APIError, api_error_handler, validation_error_handler
+from pdserve.server.errors import (
+    APIError,
+    api_error_handler,
+    http_error_handler,
+    validation_error_handler,
+)
 from pdserve.server.generation import ServerState
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.role import WorkerRole
@@ -78,6 +84,7 @@ def build_app(
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
@@ -93,8 +100,12 @@ def build_app(
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        healthy = request.app.state.pdserve.client.healthy
-        return Response(status_code=200 if healthy else 503)
+        """200 while the engine serves; else 503 saying whether it is being restarted or
+        has failed for good (then the worker's supervisor should replace it)."""
+        client = request.app.state.pdserve.client
+        if client.healthy:
+            return Response(status_code=200)
+        return Response(client.health_detail, status_code=503, media_type="text/plain")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -3,7 +3,10 @@
 Requests go out on a PUSH socket (plain, with a send timeout, so an abort can be sent from any
 `finally:` even while a task is being cancelled); outputs come back on an asyncio PULL socket
 and a reader task routes them to per-request queues. If the engine dies or stops sending
-(no step output or heartbeat for `engine_timeout_s`), every pending request fails at once.
+(no step output or heartbeat for `engine_timeout_s`), every pending request fails at once and
+the engine process is started again (at most `max_restarts` times per `restart_window_s`;
+after that the worker stays unhealthy for its supervisor to replace). Each engine process gets
+fresh sockets, so nothing a dead engine sent is ever read as the new one's.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import tempfile
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,16 +47,26 @@ from pdserve.server.role import WorkerRole
 logger = logging.getLogger(__name__)
 
 SEND_TIMEOUT_MS = 2000
+# Exit codes (negative signal numbers) of an engine that was stopped, not crashed.
+STOP_SIGNALS = (-signal.SIGTERM, -signal.SIGINT)
 
 
 class EngineUnavailable(RuntimeError):
     """The engine process is not running or stopped answering."""
 
 
+class DuplicateRequestId(ValueError):
+    """A request id that is already in flight on this worker."""
+
+
 @dataclass(frozen=True)
 class EngineClientConfig:
     start_timeout_s: float = 900.0
     engine_timeout_s: float = 60.0
+    # NOTE: a crash loop (a device gone bad) must not restart forever: past this many
+    # restarts within the window, the worker reports itself failed and stays so.
+    max_restarts: int = 3
+    restart_window_s: float = 300.0
 
 
 class EngineClient:
@@ -69,23 +84,35 @@ class EngineClient:
         self.ready: EngineReady | None = None
         self.stats = EngineStats(0, 0, 0, 0)
         self.failure: str | None = None
+        self.gave_up = False
+        self._restarts: deque[float] = deque()
+        self._generation = 0
         self._queues: dict[str, asyncio.Queue[TokenOutput]] = {}
         self._last_message = time.monotonic()
         self._scratch = tempfile.TemporaryDirectory(prefix="pdserve-ipc-")
+        self._sync_context = zmq.Context()
+        self._async_context = zmq.asyncio.Context()
+        self._push: zmq.Socket | None = None
+        self._pull: zmq.asyncio.Socket | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
         self._reader: asyncio.Task | None = None
 
     # ---- life cycle ------------------------------------------------------------------
 
     async def start(self) -> EngineReady:
-        requests_addr = f"ipc://{os.path.join(self._scratch.name, 'requests')}"
-        outputs_addr = f"ipc://{os.path.join(self._scratch.name, 'outputs')}"
-        self._sync_context = zmq.Context()
+        self.ready = await self._spawn()
+        self._reader = asyncio.create_task(self._read_outputs(), name="engine-output-reader")
+        return self.ready
+
+    async def _spawn(self) -> EngineReady:
+        """Fresh sockets and a fresh engine process; returns once it is ready."""
+        self._generation += 1
+        requests_addr = f"ipc://{os.path.join(self._scratch.name, f'requests-{self._generation}')}"
+        outputs_addr = f"ipc://{os.path.join(self._scratch.name, f'outputs-{self._generation}')}"
         self._push = self._sync_context.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.bind(requests_addr)
-        self._async_context = zmq.asyncio.Context()
         self._pull = self._async_context.socket(zmq.PULL)
         self._pull.bind(outputs_addr)
         spawn = multiprocessing.get_context("spawn")
@@ -97,7 +124,7 @@ class EngineClient:
         )
         self._process.start()
         deadline = time.monotonic() + self.options.start_timeout_s
-        while self.ready is None:
+        while True:
             if not self._process.is_alive():
                 raise EngineUnavailable(
                     f"engine process exited with code {self._process.exitcode} while starting"
@@ -111,10 +138,47 @@ class EngineClient:
                 if isinstance(msg, EngineFailed):
                     raise EngineUnavailable(f"engine failed to start: {msg.reason}")
                 if isinstance(msg, EngineReady):
-                    self.ready = msg
-        self._last_message = time.monotonic()
-        self._reader = asyncio.create_task(self._read_outputs(), name="engine-output-reader")
-        return self.ready
+                    self._last_message = time.monotonic()
+                    return msg
+
+    async def _restart(self) -> None:
+        """Replace a failed engine process, unless it failed too often lately."""
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > self.options.restart_window_s:
+            self._restarts.popleft()
+        if len(self._restarts) >= self.options.max_restarts:
+            self.gave_up = True
+            self.failure = (
+                f"{self.failure} (after {len(self._restarts)} restarts within "
+                f"{self.options.restart_window_s:.0f} s)"
+            )
+            logger.error("%s", self.failure)
+            return
+        self._restarts.append(now)
+        logger.warning("restarting the engine after: %s", self.failure)
+        await self._stop_process()
+        self._close_sockets()
+        try:
+            self.ready = await self._spawn()
+        except Exception as e:
+            self.failure = f"engine restart failed: {_one_line(str(e))}"
+            logger.error("%s", self.failure)
+            return
+        self.failure = None
+        logger.info("engine restarted")
+
+    async def _stop_process(self) -> None:
+        process = self._process
+        if process is None:
+            return
+        if process.is_alive():
+            process.kill()  # NOTE: a failed engine gets no grace: it may be wedged
+        await asyncio.to_thread(process.join, 10)
+
+    def _close_sockets(self) -> None:
+        for socket in (self._push, self._pull):
+            if socket is not None:
+                socket.close(0)
 
     async def shutdown(self) -> None:
         if self._reader is not None:
@@ -129,8 +193,7 @@ class EngineClient:
                 self._process.kill()
                 await asyncio.to_thread(self._process.join, 5)
         self._fail_all("server shutting down")
-        for socket in (self._push, self._pull):
-            socket.close(0)
+        self._close_sockets()
         self._sync_context.term()
         self._async_context.term()
         self._scratch.cleanup()
@@ -143,6 +206,16 @@ class EngineClient:
             and self._process.is_alive()
             and time.monotonic() - self._last_message < self.options.engine_timeout_s
         )
+
+    @property
+    def health_detail(self) -> str:
+        """What /health says: why the engine is not serving, and whether that will pass."""
+        if self.healthy:
+            return "ok"
+        reason = self.failure or "the engine is not answering"
+        if self.gave_up:
+            return f"engine down, not restarting: {reason}"
+        return f"engine restarting after: {reason}"
 
     @property
     def num_in_flight(self) -> int:
@@ -162,7 +235,7 @@ class EngineClient:
         if not self.healthy:
             raise EngineUnavailable(self.failure or "the engine is not running")
         if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in flight")
+            raise DuplicateRequestId(f"request id {request_id!r} is already in flight")
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
@@ -186,6 +259,9 @@ class EngineClient:
             self._send(AbortRequest(request_id))
 
     def _send(self, msg) -> None:
+        if self.failure is not None:
+            # NOTE: a failed (or restarting) engine holds none of our requests any more.
+            raise EngineUnavailable(self.failure)
         try:
             self._push.send(encode(msg))
         except zmq.Again:
@@ -195,7 +271,10 @@ class EngineClient:
     # ---- outputs ---------------------------------------------------------------------
 
     async def _read_outputs(self) -> None:
-        while True:
+        while not self.gave_up:
+            if self.failure is not None:
+                await self._restart()
+                continue
             if not await self._pull.poll(timeout=1000):
                 self._check_alive()
                 continue
@@ -207,7 +286,7 @@ class EngineClient:
                 logger.error("dropped a malformed message from the engine: %s", e)
                 continue
             if isinstance(msg, EngineFailed):
-                self._mark_failed(f"engine failed: {msg.reason}")
+                self._mark_failed(f"engine failed: {_one_line(msg.reason)}")
             elif isinstance(msg, EngineStats):
                 self._set_stats(msg)
             else:
@@ -224,7 +303,14 @@ class EngineClient:
 
     def _check_alive(self) -> None:
         if self._process is not None and not self._process.is_alive():
-            self._mark_failed(f"engine process exited with code {self._process.exitcode}")
+            code = self._process.exitcode
+            if code in STOP_SIGNALS:
+                # NOTE: someone stopped it on purpose (the worker's process group is being
+                # stopped, or Ctrl-C): restarting would fight them.
+                self.gave_up = True
+                self._mark_failed(f"engine process stopped by {signal.Signals(-code).name}")
+            else:
+                self._mark_failed(f"engine process exited with code {code}")
         elif time.monotonic() - self._last_message > self.options.engine_timeout_s:
             self._mark_failed(f"engine silent for over {self.options.engine_timeout_s:.0f} s")
 
@@ -237,5 +323,22 @@ class EngineClient:
     def _fail_all(self, reason: str) -> None:
         for request_id, queue in list(self._queues.items()):
             queue.put_nowait(
-                TokenOutput(request_id, [], "", True, 0, 0, finish_reason="abort", error=reason)
+                TokenOutput(
+                    request_id,
+                    [],
+                    "",
+                    True,
+                    0,
+                    0,
+                    finish_reason="abort",
+                    error=reason,
+                    error_kind="unavailable",
+                )
             )
+
+
+def _one_line(reason: str, limit: int = 200) -> str:
+    """An engine's failure as clients may see it: its first line, bounded."""
+    lines = reason.strip().splitlines()
+    line = lines[0] if lines else "unknown error"
+    return line if len(line) <= limit else line[: limit - 3] + "..."

@@ -4,14 +4,20 @@ It is a separate process so HTTP parsing, tokenization and streaming never take 
 step loop. Each step sends one `StepOutputs` message; while idle it sends `EngineStats` every
 `HEARTBEAT_S` so the front end can tell a live engine from a hung one. A message the engine
 cannot decode is logged and dropped; it never stops the loop.
+
+A step that raises fails the requests of its batch (their pages are freed), not the engine:
+the traceback goes to this process's log, each request gets a one-line error. Only
+`MAX_CONSECUTIVE_FAILURES` failed steps in a row (a broken device, not a bad request) end the
+process, which the front end then restarts. Tracebacks never travel to the front end.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import time
-import traceback
 
 import zmq
 
@@ -36,6 +42,7 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_S = 0.5
 HANDOFF_POLL_MS = 1
 SEND_TIMEOUT_MS = 5000
+MAX_CONSECUTIVE_FAILURES = 3
 
 
 def run_engine_process(
@@ -58,13 +65,14 @@ def run_engine_process(
         engine = build_engine(config)
         handoff = _build_handoff(engine, role)
     except Exception as e:
-        outbox.send(encode(EngineFailed(f"{type(e).__name__}: {e}")))
+        outbox.send(encode(EngineFailed(short_reason(e))))
         raise
     outbox.send(encode(_ready(engine, role, handoff)))
     try:
         EngineLoop(engine, inbox, outbox, handoff).run()
-    except Exception:
-        outbox.send(encode(EngineFailed(traceback.format_exc())))
+    except Exception as e:
+        # NOTE: the traceback is logged here (raise); the front end gets one line.
+        outbox.send(encode(EngineFailed(short_reason(e))))
         raise
     finally:
         if handoff is not None:
@@ -118,6 +126,7 @@ class EngineLoop:
         self.num_steps = 0
         self.step_seconds = 0.0
         self.batched_tokens = 0
+        self.consecutive_failures = 0
 
     def run(self) -> None:
         while self.running:
@@ -127,21 +136,68 @@ class EngineLoop:
                 logger.error("front end process is gone; shutting the engine down")
                 return
             self._receive(timeout_ms=self._idle_wait_ms())
-            outputs = self.handoff.poll() if self.handoff is not None else []
+            outputs = self._guarded(self.handoff.poll) if self.handoff is not None else []
             stepped = self.engine.has_unfinished()
             if stepped:
-                started = time.perf_counter()
-                step_outputs = self.engine.step()
-                self.step_seconds += time.perf_counter() - started
-                self.num_steps += 1
-                self.batched_tokens += self.engine.last_batch_tokens
+                step_outputs = self._step()
                 if self.handoff is not None:
-                    step_outputs = self.handoff.on_step(step_outputs)
+                    step_outputs = self._hand_over(step_outputs)
                 outputs.extend(step_outputs)
             if stepped or outputs:
                 self._send(StepOutputs([_to_wire(o) for o in outputs], self._stats()))
             elif time.monotonic() - self.last_sent >= HEARTBEAT_S:
                 self._send(self._stats())
+
+    def _step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self._count_failure()
+            logger.exception("engine step failed; failing the requests of its batch")
+            outputs = self.engine.fail_step(
+                f"the engine failed while running this request: {short_reason(e)}"
+            )
+        else:
+            self.consecutive_failures = 0
+        self.step_seconds += time.perf_counter() - started
+        self.num_steps += 1
+        self.batched_tokens += self.engine.last_batch_tokens
+        return outputs
+
+    def _guarded(self, work) -> list[RequestOutput]:
+        """Handoff bookkeeping: a failure is logged and counted like a failed step."""
+        try:
+            return work()
+        except Exception:
+            self._count_failure()
+            logger.exception("disaggregation handoff failed")
+            return []
+
+    def _hand_over(self, step_outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The handoff takes the step's outputs; if it raises, their requests fail (aborted
+        in the handoff and the engine) instead of waiting for outputs that never come."""
+        try:
+            return self.handoff.on_step(step_outputs)
+        except Exception as e:
+            self._count_failure()
+            logger.exception("disaggregation handoff failed on a step's outputs")
+            reason = f"the engine failed while running this request: {short_reason(e)}"
+            failed = []
+            for output in step_outputs:
+                with contextlib.suppress(Exception):
+                    if not self.handoff.abort(output.request_id):
+                        self.engine.abort_request(output.request_id)
+                failed.append(_failed_output(output, reason))
+            return failed
+
+    def _count_failure(self) -> None:
+        self.consecutive_failures += 1
+        if self.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+            # NOTE: step after step failing is the engine's state, not one request: end the
+            # process (the exception propagates) so the front end starts a fresh one.
+            logger.error("%d consecutive failures; stopping the engine", self.consecutive_failures)
+            raise
 
     def _idle_wait_ms(self) -> int:
         """How long to wait for requests: not at all while the engine has work, briefly while
@@ -191,6 +247,10 @@ class EngineLoop:
                 self._send(StepOutputs([_to_wire(refused)], self._stats()))
         except (InvalidRequestError, InvalidSamplingParams, TypeError) as e:
             self._send(StepOutputs([_failed(msg, str(e))], self._stats()))
+        except Exception as e:
+            logger.exception("could not add request %s", msg.request_id)
+            reason = f"the engine could not take this request: {short_reason(e)}"
+            self._send(StepOutputs([_failed(msg, reason, "internal")], self._stats()))
 
     def _stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
@@ -215,6 +275,13 @@ class EngineLoop:
         self.last_sent = time.monotonic()
 
 
+def short_reason(error: BaseException, limit: int = 200) -> str:
+    """One line naming an exception, for clients: never a traceback, never a huge message."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _role_mismatch(disaggregated: bool) -> str:
     if disaggregated:
         return (
@@ -224,7 +291,19 @@ def _role_mismatch(disaggregated: bool) -> str:
     return "this is a colocated worker: requests must not carry bootstrap fields"
 
 
-def _failed(msg: GenerateRequest, reason: str) -> TokenOutput:
+def _failed_output(output: RequestOutput, reason: str) -> RequestOutput:
+    return dataclasses.replace(
+        output,
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason="abort",
+        error=reason,
+        error_kind="internal",
+    )
+
+
+def _failed(msg: GenerateRequest, reason: str, kind: str = "invalid") -> TokenOutput:
     return TokenOutput(
         request_id=msg.request_id,
         new_token_ids=[],
@@ -234,7 +313,7 @@ def _failed(msg: GenerateRequest, reason: str) -> TokenOutput:
         num_output_tokens=0,
         finish_reason="abort",
         error=reason,
-        error_kind="invalid",
+        error_kind=kind,
     )
 
 

@@ -7,11 +7,13 @@ import json
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     429: "rate_limit_error",
     503: "server_error",
     500: "server_error",
@@ -22,6 +24,8 @@ class APIError(Exception):
     def __init__(
         self, status: int, message: str, *, param: str | None = None, code: str | None = None
     ):
+        # NOTE: a message may quote client input; keep it encodable whatever that held.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.message = message
@@ -54,6 +58,11 @@ async def api_error_handler(_request: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
+async def http_error_handler(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown path, wrong method, unreadable body) in OpenAI's shape."""
+    return APIError(exc.status_code, str(exc.detail)).response()
+
+
 async def validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
     """Pydantic's 422 becomes OpenAI's 400, naming the first offending parameter. On a
     prefill worker the request's room (if it names one) fails too."""
@@ -78,6 +87,7 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(location) or None
     if first.get("type") == "json_invalid":
-        return bad_request(f"invalid JSON body: {first.get('msg', '')}").response()
+        detail = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+        return bad_request(f"invalid JSON body: {detail}").response()
     message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "")
     return bad_request(message or "invalid request", param=param).response()

@@ -11,15 +11,23 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from pdserve.engine.sampling_params import INT64_MIN, InvalidSamplingParams, SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, TokenOutput
-from pdserve.server.engine_client import EngineClient, EngineUnavailable
+from pdserve.server.engine_client import DuplicateRequestId, EngineClient, EngineUnavailable
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.role import WorkerRole
 
 # SamplingParams field -> the name clients use for it.
 API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+# NOTE: text is measured before it is tokenized (tokenizing 10 MB takes half a minute and
+# leaves the front end over a GB larger): a prompt longer than this many characters per token
+# of the context cannot fit it. Real text averages 3-5 characters per token; only runs of
+# repeated characters reach 16 or more.
+MAX_PROMPT_CHARS_PER_TOKEN = 16
+# A request id travels in every message about its request.
+MAX_REQUEST_ID_CHARS = 256
 
 
 @dataclass
@@ -52,7 +60,7 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 def check_capacity(state: ServerState, new_requests: int) -> None:
     if not state.client.healthy:
-        raise APIError(503, f"engine unavailable: {state.client.failure or 'not running'}")
+        raise APIError(503, f"engine unavailable: {state.client.health_detail}")
     waiting = state.client.num_in_flight - state.client.stats.num_running
     if waiting + new_requests > state.max_queued_requests:
         raise APIError(
@@ -62,14 +70,38 @@ def check_capacity(state: ServerState, new_requests: int) -> None:
         )
 
 
+def check_text_size(state: ServerState, lengths: list[int], param: str = "prompt") -> None:
+    """Refuse text (given by its lengths in characters) that cannot fit the context, before
+    any work is spent tokenizing it."""
+    limit = MAX_PROMPT_CHARS_PER_TOKEN * state.max_model_len
+    for length in lengths:
+        if length > limit:
+            raise APIError(
+                400,
+                f"{param}: {length} characters is over this worker's limit of {limit} "
+                f"characters ({MAX_PROMPT_CHARS_PER_TOKEN} per token of the "
+                f"{state.max_model_len}-token context)",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+
+def check_job_count(state: ServerState, count: int, param: str = "prompt") -> None:
+    """A request may not carry more prompts x choices than the waiting queue holds."""
+    if count > state.max_queued_requests:
+        raise bad_request(
+            f"{count} prompts x choices in one request; this worker queues at most "
+            f"{state.max_queued_requests}",
+            param=param,
+        )
+
+
 def check_prompt(state: ServerState, prompt_ids: list[int], max_tokens: int | None) -> int:
     """Validate a tokenized prompt; return the max_tokens to use."""
     if not prompt_ids:
         raise bad_request("the prompt is empty", param="prompt")
-    vocab = state.client.ready.vocab_size
-    if any(not 0 <= t < vocab for t in prompt_ids):
-        raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
     limit = state.max_model_len
+    # NOTE: the length first: a token list of any size is refused without reading its ids.
     if len(prompt_ids) >= limit:
         raise APIError(
             400,
@@ -78,6 +110,9 @@ def check_prompt(state: ServerState, prompt_ids: list[int], max_tokens: int | No
             param="prompt",
             code="context_length_exceeded",
         )
+    vocab = state.client.ready.vocab_size
+    if any(not 0 <= t < vocab for t in prompt_ids):
+        raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
     if max_tokens is None:
         return limit - len(prompt_ids)
     # NOTE: a prefill worker generates one token; the decode worker checks the whole length.
@@ -165,25 +200,33 @@ def fails_room_on_error(handler):
     return endpoint
 
 
-def sampling_settings(**fields: Any) -> dict[str, Any]:
-    """Keep the fields that were set, check them with SamplingParams, return them as a map."""
+def sampling_settings(
+    state: ServerState, names: dict[str, str] = API_NAMES, **fields: Any
+) -> dict[str, Any]:
+    """Keep the fields that were set, check them with SamplingParams (types, bounds, token ids
+    against the vocabulary), return them as a map. Errors name fields as `names` says."""
     settings = {k: v for k, v in fields.items() if v is not None}
     try:
-        SamplingParams(**settings)
+        SamplingParams(**settings).check_vocab(state.client.ready.vocab_size)
     except InvalidSamplingParams as e:
-        name = API_NAMES.get(e.param, e.param)
+        name = names.get(e.param, e.param)
         raise bad_request(str(e).replace(e.param, name, 1), param=name) from None
     except TypeError as e:
         raise bad_request(str(e)) from None
     if "stop" in settings:
-        settings["stop"] = list(settings["stop"])
+        settings["stop"] = (
+            [settings["stop"]] if isinstance(settings["stop"], str) else list(settings["stop"])
+        )
     return settings
 
 
 def seeds_for(sampling: dict[str, Any], n: int) -> list[dict[str, Any]]:
-    """n choices of one request: with a seed, choice i uses seed + i so they differ."""
+    """n choices of one request: with a seed, choice i uses seed + i (wrapping within int64,
+    the range seeds are checked against) so they differ."""
     seed = sampling.get("seed")
-    return [sampling if seed is None else {**sampling, "seed": seed + i} for i in range(n)]
+    if seed is None:
+        return [sampling] * n
+    return [{**sampling, "seed": (seed + i - INT64_MIN) % (1 << 64) + INT64_MIN} for i in range(n)]
 
 
 async def run_one(
@@ -202,11 +245,7 @@ async def run_one(
         async for output in outputs:
             now = time.monotonic()
             if output.error is not None:
-                if not state.client.healthy:
-                    raise APIError(503, f"engine unavailable: {output.error}")
-                if output.error_kind == "unavailable":
-                    raise APIError(503, output.error, code="transfer_failed")
-                raise APIError(500 if output.num_output_tokens else 400, output.error)
+                raise _output_error(state, output)
             if output.new_token_ids:
                 if first:
                     metrics.time_to_first_token.observe(now - arrival)
@@ -227,9 +266,24 @@ async def run_one(
             yield output
     except EngineUnavailable as e:
         raise APIError(503, f"engine unavailable: {e}") from None
+    except DuplicateRequestId as e:
+        raise bad_request(str(e), param="rid") from None
     finally:
         if not finished:  # the caller left early: the engine request was aborted
             metrics.request_finished("abort")
+
+
+def _output_error(state: ServerState, output: TokenOutput) -> APIError:
+    """A failed request's error, by the kind the engine (or the client) gave it."""
+    if not state.client.healthy:
+        return APIError(503, f"engine unavailable: {output.error}")
+    if output.error_kind == "unavailable":
+        return APIError(503, output.error, code="transfer_failed")
+    if output.error_kind == "internal":
+        return APIError(500, output.error, code="engine_error")
+    if output.error_kind == "invalid":
+        return bad_request(output.error)
+    return APIError(500 if output.num_output_tokens else 400, output.error)
 
 
 async def run_many(

@@ -17,17 +17,21 @@ from pydantic import BaseModel, ConfigDict
 import pdserve
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.generation import (
+    MAX_REQUEST_ID_CHARS,
     ServerState,
     bootstrap_of,
     check_capacity,
+    check_job_count,
     check_prompt,
+    check_text_size,
     fails_room_on_error,
     new_request_id,
     run_many,
     sampling_settings,
 )
+from pdserve.server.json_body import StrictJSONRoute
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 # SGLang sampling_params keys -> SamplingParams fields (same name unless listed).
 _SAMPLING_KEYS = {
@@ -78,22 +82,25 @@ async def generate(body: GenerateBody, request: Request):
     single = isinstance(body.text, str) or (
         body.input_ids is not None and all(isinstance(t, int) for t in body.input_ids)
     )
+    if body.rid is not None and len(body.rid) > MAX_REQUEST_ID_CHARS:
+        raise bad_request(f"rid: at most {MAX_REQUEST_ID_CHARS} characters", param="rid")
+    # NOTE: like SGLang, keys this server does not use are ignored.
+    raw = {k: v for k, v in (body.sampling_params or {}).items() if k in _SAMPLING_KEYS}
+    raw.setdefault("max_new_tokens", 128)
+    logprobs = body.top_logprobs_num if body.return_logprob else None
+    # Checked (types included) before any prompt is tokenized or measured against them.
+    sampling = sampling_settings(state, {}, **raw, logprobs=logprobs)
     if body.text is not None:
         texts = [body.text] if isinstance(body.text, str) else body.text
+        check_job_count(state, len(texts), param="text")
+        check_text_size(state, [len(t) for t in texts], param="text")
         prompts = await asyncio.to_thread(lambda: [state.tokenizer.encode(t) for t in texts])
     else:
         prompts = [body.input_ids] if single else [list(p) for p in body.input_ids]
-    raw = dict(body.sampling_params or {})
-    # NOTE: like SGLang, keys this server does not use are ignored.
-    raw = {k: v for k, v in raw.items() if k in _SAMPLING_KEYS}
-    raw.setdefault("max_new_tokens", 128)
-    if isinstance(raw.get("stop"), str):
-        raw["stop"] = [raw["stop"]]
-    logprobs = body.top_logprobs_num if body.return_logprob else None
+        check_job_count(state, len(prompts), param="input_ids")
     jobs = []
     for i, prompt_ids in enumerate(prompts):
-        max_tokens = check_prompt(state, prompt_ids, raw["max_new_tokens"])
-        sampling = sampling_settings(**{**raw, "max_new_tokens": max_tokens}, logprobs=logprobs)
+        check_prompt(state, prompt_ids, sampling["max_new_tokens"])
         rid = body.rid if body.rid and single else f"{body.rid or new_request_id('gen')}-{i}"
         jobs.append((rid, prompt_ids, sampling))
     boot = bootstrap_of(

@@ -22,17 +22,20 @@ from pdserve.server.generation import (
     ServerState,
     bootstrap_of,
     check_capacity,
+    check_job_count,
     check_model,
     check_prompt,
+    check_text_size,
     fails_room_on_error,
     new_request_id,
     run_many,
     sampling_settings,
     seeds_for,
 )
+from pdserve.server.json_body import StrictJSONRoute
 from pdserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 def _state(request: Request) -> ServerState:
@@ -64,13 +67,14 @@ async def completions(body: CompletionRequest, request: Request):
     check_model(state, body.model)
     if body.echo:
         raise bad_request("echo is not supported", param="echo")
+    _check_completion_sizes(state, body.prompt, body.n)
     # NOTE: tokenization runs in a worker thread so a long prompt never stalls other streams.
     prompts = await asyncio.to_thread(_completion_prompts, state, body.prompt)
     sampling_common = _common_sampling(body, logprobs=body.logprobs)
     jobs = []
     for prompt_ids in prompts:
         max_tokens = check_prompt(state, prompt_ids, body.max_tokens)
-        sampling = sampling_settings(max_new_tokens=max_tokens, **sampling_common)
+        sampling = sampling_settings(state, max_new_tokens=max_tokens, **sampling_common)
         for choice_sampling in seeds_for(sampling, body.n):
             jobs.append((new_request_id("cmpl"), prompt_ids, choice_sampling))
     boot = bootstrap_of(
@@ -88,14 +92,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     check_model(state, body.model)
     if not body.messages:
         raise bad_request("messages must not be empty", param="messages")
-    prompt_ids = await asyncio.to_thread(_chat_prompt, state, body)
+    contents = _chat_contents(state, body)
+    prompt_ids = await asyncio.to_thread(_chat_prompt, state, body, contents)
     top = body.top_logprobs
     if top is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     logprobs = (top or 0) if body.logprobs else None
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = check_prompt(state, prompt_ids, requested)
-    sampling = sampling_settings(max_new_tokens=max_tokens, **_common_sampling(body, logprobs))
+    sampling = sampling_settings(
+        state, max_new_tokens=max_tokens, **_common_sampling(body, logprobs)
+    )
     jobs = [(new_request_id("chatcmpl"), prompt_ids, s) for s in seeds_for(sampling, body.n)]
     boot = bootstrap_of(
         state, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, len(jobs)
@@ -128,6 +135,14 @@ def _common_sampling(body, logprobs: int | None) -> dict[str, Any]:
     }
 
 
+def _check_completion_sizes(state: ServerState, prompt, n: int) -> None:
+    """Bounds checked before any prompt is tokenized."""
+    single = isinstance(prompt, str) or all(isinstance(p, int) for p in prompt)
+    prompts = [prompt] if single else prompt
+    check_job_count(state, len(prompts) * n)
+    check_text_size(state, [len(p) for p in prompts if isinstance(p, str)])
+
+
 def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
     if isinstance(prompt, str):
         return [state.tokenizer.encode(prompt)]
@@ -140,16 +155,33 @@ def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
     return [list(p) for p in prompt]
 
 
-def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    messages = []
+def _chat_contents(state: ServerState, body: ChatCompletionRequest) -> list[str]:
+    """Each message's text, checked for size before the template and tokenizer see it."""
+    if len(body.messages) > state.max_model_len:
+        raise bad_request(
+            f"{len(body.messages)} messages cannot fit the {state.max_model_len}-token context",
+            param="messages",
+        )
+    contents = []
     for message in body.messages:
         content = message.content
         if isinstance(content, list):
             texts = [part.get("text") for part in content if part.get("type") == "text"]
             if len(texts) != len(content):
                 raise bad_request("only text content parts are supported", param="messages")
+            if not all(t is None or isinstance(t, str) for t in texts):
+                raise bad_request("a text content part's text must be a string", "messages")
             content = "".join(t or "" for t in texts)
-        messages.append({"role": message.role, "content": content or ""})
+        contents.append(content or "")
+    check_text_size(state, [sum(len(c) for c in contents)], param="messages")
+    return contents
+
+
+def _chat_prompt(state: ServerState, body: ChatCompletionRequest, contents: list[str]) -> list[int]:
+    messages = [
+        {"role": message.role, "content": content}
+        for message, content in zip(body.messages, contents, strict=True)
+    ]
     try:
         text = state.tokenizer.apply_chat_template(
             messages, add_generation_prompt=body.add_generation_prompt, tokenize=False

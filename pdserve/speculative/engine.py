@@ -95,7 +95,9 @@ class SpeculativeEngine(Engine):
     # ---- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self.current_batch = None
         batch = self.scheduler.schedule()
+        self.current_batch = batch
         self.last_batch_tokens = sum(batch.num_new_tokens)
         if not batch:
             return []

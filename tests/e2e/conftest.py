@@ -48,6 +48,18 @@ class Server:
             time.sleep(0.05)
 
 
+def engine_pid(server: Server) -> int:
+    """The pid of a worker's engine process (its spawned child)."""
+    children = f"/proc/{server.process.pid}/task/{server.process.pid}/children"
+    with open(children) as f:
+        pids = [int(p) for p in f.read().split()]
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                return pid
+    raise AssertionError(f"no engine process among {pids}")
+
+
 def start_server(model_path: str, *extra: str) -> Server:
     local = LocalServer(["serve", "--model-path", model_path, "--device", "cpu", *extra])
     return Server(local.wait_healthy(START_DEADLINE_S), model_path)

@@ -1,0 +1,71 @@
+"""The front end restarts a failed engine process a bounded number of times per window, and
+never one that was stopped on purpose; /health's detail says which it is."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from pdserve.engine.config import EngineConfig
+from pdserve.server.engine_client import EngineClient, EngineClientConfig
+
+
+@pytest.fixture
+def client(monkeypatch, tiny_model_dirs):
+    options = EngineClientConfig(max_restarts=2, restart_window_s=300.0)
+    client = EngineClient(EngineConfig(model_path=tiny_model_dirs("llama")), options)
+    spawned = []
+
+    async def spawn():
+        spawned.append(True)
+        client._process = SimpleNamespace(is_alive=lambda: True, exitcode=None)
+        return SimpleNamespace(role="colocated")
+
+    async def stop_process():
+        client._process = None
+
+    monkeypatch.setattr(client, "_spawn", spawn)
+    monkeypatch.setattr(client, "_stop_process", stop_process)
+    client.spawned = spawned
+    yield client
+    client._sync_context.term()
+    client._async_context.term()
+    client._scratch.cleanup()
+
+
+def _die(client, exitcode: int) -> None:
+    client._process = SimpleNamespace(is_alive=lambda: False, exitcode=exitcode)
+    client._check_alive()
+
+
+def test_a_crashed_engine_is_restarted_until_the_budget_is_spent(client):
+    for _ in range(2):
+        _die(client, 1)
+        assert client.health_detail == "engine restarting after: engine process exited with code 1"
+        asyncio.run(client._restart())
+        assert client.failure is None and not client.gave_up
+    assert len(client.spawned) == 2
+    _die(client, -signal.SIGKILL)
+    asyncio.run(client._restart())
+    assert client.gave_up and len(client.spawned) == 2
+    assert client.health_detail == (
+        "engine down, not restarting: engine process exited with code -9 "
+        "(after 2 restarts within 300 s)"
+    )
+
+
+def test_restarts_older_than_the_window_do_not_count(client):
+    for _ in range(5):
+        _die(client, 1)
+        asyncio.run(client._restart())
+        client._restarts = type(client._restarts)(t - 301 for t in client._restarts)
+    assert not client.gave_up and len(client.spawned) == 5
+
+
+def test_an_engine_stopped_by_sigterm_is_not_restarted(client):
+    _die(client, -signal.SIGTERM)
+    assert client.gave_up
+    assert client.health_detail == "engine down, not restarting: engine process stopped by SIGTERM"

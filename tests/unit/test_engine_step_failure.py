@@ -1,0 +1,84 @@
+"""A step that raises fails the requests of its batch (pages freed), not the engine loop."""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+
+from pdserve import LLM, SamplingParams
+from pdserve.server.engine_process import MAX_CONSECUTIVE_FAILURES, EngineLoop
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dirs):
+    return LLM(tiny_model_dirs("llama"), device="cpu", max_model_len=128).engine
+
+
+@pytest.fixture
+def loop(engine):
+    context = zmq.Context()
+    inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    yield EngineLoop(engine, inbox, outbox)
+    inbox.close(0)
+    outbox.close(0)
+    context.term()
+
+
+def params(n: int = 8) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+
+
+def break_next_steps(monkeypatch, engine, count: int) -> None:
+    run = engine.runner.run
+    left = [count]
+
+    def failing_run(batch):
+        if left[0]:
+            left[0] -= 1
+            raise RuntimeError("device lost\nsecond line of detail")
+        return run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", failing_run)
+
+
+def test_a_failed_step_fails_its_requests_and_frees_their_pages(engine, loop, monkeypatch):
+    engine.add_request("a", [5, 6, 7], params())
+    engine.add_request("b", [8, 9, 10, 11], params())
+    loop._step()  # prefill: both requests hold pages now
+    assert engine.allocator.num_used > 0
+    break_next_steps(monkeypatch, engine, 1)
+    outputs = loop._step()
+    assert sorted(o.request_id for o in outputs) == ["a", "b"]
+    for output in outputs:
+        assert output.finished and output.error_kind == "internal"
+        assert output.error == (
+            "the engine failed while running this request: RuntimeError: device lost"
+        )
+    assert engine.allocator.num_used == 0
+    assert not engine.has_unfinished()
+    engine.add_request("c", [5, 6, 7], params(3))
+    while engine.has_unfinished():
+        finished = [o for o in loop._step() if o.finished]
+    assert finished[0].error is None and len(finished[0].token_ids) == 3
+    assert engine.allocator.num_used == 0
+
+
+def test_a_request_admitted_in_the_failed_step_is_failed_too(engine, loop, monkeypatch):
+    engine.add_request("fresh", [5, 6, 7], params())
+    break_next_steps(monkeypatch, engine, 1)
+    outputs = loop._step()
+    assert [o.request_id for o in outputs] == ["fresh"]
+    assert outputs[0].error_kind == "internal"
+    assert engine.allocator.num_used == 0 and not engine.requests
+
+
+def test_consecutive_failures_end_the_loop(engine, loop, monkeypatch):
+    break_next_steps(monkeypatch, engine, MAX_CONSECUTIVE_FAILURES)
+    for i in range(MAX_CONSECUTIVE_FAILURES - 1):
+        engine.add_request(f"x{i}", [5, 6], params())
+        assert loop._step()[0].error_kind == "internal"
+    engine.add_request("last", [5, 6], params())
+    with pytest.raises(RuntimeError, match="device lost"):
+        loop._step()
+    engine.abort_request("last")
+    assert engine.allocator.num_used == 0
