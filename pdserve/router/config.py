@@ -5,12 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.protocol.strict_json import MAX_BODY_BYTES as DEFAULT_MAX_BODY_BYTES
 from pdserve.router.discovery import ServiceName
 from pdserve.router.policies import POLICIES
-
-# NOTE: a 128k-token prompt is about 1 MiB as JSON (text or token ids); 32 MiB leaves room
-# for long chat histories while bounding what one client can make the router hold.
-DEFAULT_MAX_BODY_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)

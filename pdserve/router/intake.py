@@ -9,12 +9,12 @@ than the limit; the 413 closes the connection, so the rest of the upload is neve
 from __future__ import annotations
 
 import hmac
-import json
 
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdserve.protocol.strict_json import BodyTooLarge, InvalidJSON, parse_json, read_bounded
 from pdserve.router.errors import error_response
 
 
@@ -34,30 +34,21 @@ class BadBody(Exception):
 
 
 async def read_json_body(request: Request, limit: int) -> dict:
-    """The body as a JSON object, read chunk by chunk and never held past `limit` bytes.
-    Raises BadBody, or starlette's ClientDisconnect if the client leaves mid-upload."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        parts.append(chunk)
+    """The body as a JSON object, read chunk by chunk and never held past `limit` bytes, and
+    parsed strictly (no NaN, lone surrogates or deep nesting). Raises BadBody, or
+    starlette's ClientDisconnect if the client leaves mid-upload."""
     try:
-        body = json.loads(b"".join(parts))
-    except ValueError as e:
+        raw = await read_bounded(request.stream(), request.headers.get("content-length"), limit)
+        body = parse_json(raw)
+    except BodyTooLarge:
+        raise BadBody(
+            413, f"request body over {limit} bytes (the router's --max-body-size)", "body_too_large"
+        ) from None
+    except InvalidJSON as e:
         raise BadBody(400, f"invalid JSON body: {e}") from None
     if not isinstance(body, dict):
         raise BadBody(400, "the request body must be a JSON object")
     return body
-
-
-def _too_large(limit: int) -> BadBody:
-    return BadBody(
-        413, f"request body over {limit} bytes (the router's --max-body-size)", "body_too_large"
-    )
 
 
 async def client_left(receive: Receive) -> None:

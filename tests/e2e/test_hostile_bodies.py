@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from pdserve.protocol.strict_json import MAX_BODY_BYTES
 from pdserve.server.generation import MAX_PROMPT_CHARS_PER_TOKEN
 
 COMPLETIONS = "/v1/completions"
@@ -163,6 +164,15 @@ def test_a_10mb_prompt_is_refused_before_tokenizing(server):
         error = assert_openai_error(server.post(path, body), 400, None)
         assert f"limit of {limit} characters" in error["message"], error
     assert time.monotonic() - started < 30  # tokenizing even one of them took 18-30 s
+    assert _rss_kb(server.process.pid) - before < 200_000
+    assert_serving(server)
+
+
+def test_a_body_over_the_size_limit_is_413_before_it_is_read(server):
+    before = _rss_kb(server.process.pid)
+    body = b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
+    response = post_raw(server, COMPLETIONS, body)
+    assert_openai_error(response, 413, None)
     assert _rss_kb(server.process.pid) - before < 200_000
     assert_serving(server)
 

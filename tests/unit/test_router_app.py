@@ -153,3 +153,11 @@ def test_router_checks_its_api_key_and_the_body(lonely_router):
     assert response.status_code == 400 and "JSON object" in response.json()["error"]["message"]
     response = lonely_router.post("/generate", content=b"{oops", headers=auth)
     assert response.status_code == 400 and "invalid JSON" in response.json()["error"]["message"]
+    for hostile, word in [
+        (b'{"text": "hi", "sampling_params": {"temperature": NaN}}', "NaN"),
+        (b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested"),
+        (b'{"text": "\\ud800"}', "surrogate"),
+    ]:
+        response = lonely_router.post("/generate", content=hostile, headers=auth)
+        assert response.status_code == 400, response.text
+        assert word in response.json()["error"]["message"]
