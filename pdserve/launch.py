@@ -18,11 +18,11 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
 
 import httpx
 
 from pdserve.server.local_process import LocalServer, ServerStartError, free_port
+from pdserve.server.restart_budget import RestartBudget
 
 ENGINE_FLAGS = (
     "dtype",
@@ -55,24 +55,6 @@ def engine_argv(args: argparse.Namespace, model_path: str) -> list[str]:
 RESTART_WINDOW_S = 600.0
 
 
-class RestartBudget:
-    """At most `max_restarts` restarts of one child within `window_s` seconds."""
-
-    def __init__(self, max_restarts: int, window_s: float = RESTART_WINDOW_S):
-        self.max_restarts = max_restarts
-        self.window_s = window_s
-        self._times: deque[float] = deque()
-
-    def take(self, now: float) -> bool:
-        """Spend one restart at `now`; False when the window's budget is used up."""
-        while self._times and now - self._times[0] > self.window_s:
-            self._times.popleft()
-        if len(self._times) >= self.max_restarts:
-            return False
-        self._times.append(now)
-        return True
-
-
 class Deployment:
     """The children of one launch: workers first, the router last; stopped in reverse."""
 
@@ -100,7 +82,9 @@ class Deployment:
             code = server.process.poll()
             if code is None:
                 continue
-            budget = self._budgets.setdefault(name, RestartBudget(self.max_restarts))
+            if name not in self._budgets:
+                self._budgets[name] = RestartBudget(self.max_restarts, RESTART_WINDOW_S)
+            budget = self._budgets[name]
             if not budget.take(time.monotonic()):
                 return (
                     f"{name} exited with code {code} (restarted {self.max_restarts} times "

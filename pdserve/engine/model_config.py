@@ -24,7 +24,7 @@ class UnsupportedModelError(ValueError):
 
 
 def spec_hidden_size_of(hf_config: dict[str, Any]) -> int:
-    """Width of the hidden-state row that speculative decoding carries (DESIGN.md §6).
+    """Width of the hidden-state row that speculative decoding carries (docs/architecture.md §6).
 
     `hidden_size * hc_mult` for models with hyper-connections (`hc_mult > 1`), else
     `hidden_size`. Computed from the config alone, so a rank without the model loaded can size

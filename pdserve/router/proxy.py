@@ -1,4 +1,4 @@
-"""One client request across a prefill/decode pair (SGLang's PD protocol, DESIGN.md §2).
+"""One client request across a prefill/decode pair (SGLang's PD protocol, docs/architecture.md §2).
 
 Both legs get the same body plus the bootstrap fields and run concurrently; the client gets
 the decode leg's response, streamed when asked. The prefill leg is sent without streaming so

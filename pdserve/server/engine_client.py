@@ -19,7 +19,6 @@ import os
 import signal
 import tempfile
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +41,7 @@ from pdserve.protocol.engine_messages import (
     TokenOutput,
 )
 from pdserve.server.engine_process import run_engine_process
+from pdserve.server.restart_budget import RestartBudget
 from pdserve.server.role import WorkerRole
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class EngineClient:
         self.stats = EngineStats(0, 0, 0, 0)
         self.failure: str | None = None
         self.gave_up = False
-        self._restarts: deque[float] = deque()
+        self._restarts = RestartBudget(self.options.max_restarts, self.options.restart_window_s)
         self._generation = 0
         self._queues: dict[str, asyncio.Queue[TokenOutput]] = {}
         self._last_message = time.monotonic()
@@ -143,18 +143,14 @@ class EngineClient:
 
     async def _restart(self) -> None:
         """Replace a failed engine process, unless it failed too often lately."""
-        now = time.monotonic()
-        while self._restarts and now - self._restarts[0] > self.options.restart_window_s:
-            self._restarts.popleft()
-        if len(self._restarts) >= self.options.max_restarts:
+        if not self._restarts.take(time.monotonic()):
             self.gave_up = True
             self.failure = (
-                f"{self.failure} (after {len(self._restarts)} restarts within "
+                f"{self.failure} (after {self.options.max_restarts} restarts within "
                 f"{self.options.restart_window_s:.0f} s)"
             )
             logger.error("%s", self.failure)
             return
-        self._restarts.append(now)
         logger.warning("restarting the engine after: %s", self.failure)
         await self._stop_process()
         self._close_sockets()

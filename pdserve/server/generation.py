@@ -174,8 +174,8 @@ def bootstrap_of(
 
 def refuse_room(state: ServerState, room: Any, reason: str, host: Any, port: Any) -> None:
     """A worker that refuses a disaggregated request before its engine sees it still fails
-    the room, so the other side stops waiting at once (DESIGN.md §3): a prefill worker fails
-    its own room, a decode worker tells the prefill worker at host:port."""
+    the room, so the other side stops waiting at once (docs/architecture.md §3): a prefill
+    worker fails its own room, a decode worker tells the prefill worker at host:port."""
     if not state.role.disaggregated or not isinstance(room, int) or not 0 <= room <= MAX_ROOM:
         return
     if state.role.kind == "prefill":

@@ -1,6 +1,6 @@
-"""Speculative decoding (DESIGN.md §6): a draft proposes tokens, the target verifies them in
-one forward pass, and lossless verification keeps the output exactly the target's (greedy) or
-distributed exactly as the target's (sampling).
+"""Speculative decoding (docs/architecture.md §6): a draft proposes tokens, the target verifies
+them in one forward pass, and lossless verification keeps the output exactly the target's
+(greedy) or distributed exactly as the target's (sampling).
 
 - `algorithm.py`: what an algorithm is (capabilities, config-only sizing, the hooks);
   `registry.py`: built-ins and plugins by name.

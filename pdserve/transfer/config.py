@@ -1,4 +1,5 @@
-"""Transfer settings shared by both sides; defaults are seconds, not minutes (DESIGN.md §3)."""
+"""Transfer settings shared by both sides; defaults are seconds, not minutes
+(docs/architecture.md §3)."""
 
 from __future__ import annotations
 

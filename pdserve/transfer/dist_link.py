@@ -1,4 +1,4 @@
-"""Point-to-point tensor link between one prefill and one decode process (DESIGN.md §5).
+"""Point-to-point tensor link between one prefill and one decode process (docs/architecture.md §5).
 
 Each (prefill, decode) pair gets its own 2-rank torch.distributed process group, built directly
 from a store rather than through `init_process_group`, so that one process can hold many pair

@@ -1,4 +1,4 @@
-"""Sizes of the per-request metadata record that travels with the KV (DESIGN.md §6).
+"""Sizes of the per-request metadata record that travels with the KV (docs/architecture.md §6).
 
 Computed from configs alone, so a rank that never loads the draft model can size its buffers.
 The hidden-state row is the draft's recurrent width, `spec_hidden_size` of the *draft* config

@@ -162,7 +162,8 @@ class Launched:
             command, stdout=subprocess.PIPE, text=True, start_new_session=True
         )
         self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         if not self._ready.wait(240):
             self.close()
             raise RuntimeError("pdserve launch did not get ready in 240 s")
@@ -183,6 +184,8 @@ class Launched:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=10)
+        self._reader.join(10)  # EOF once the launcher (the pipe's only writer) is gone
+        self.process.stdout.close()
 
 
 def wait_until(predicate, what: str, deadline_s: float) -> None:

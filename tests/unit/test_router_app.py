@@ -62,7 +62,7 @@ def _imports(folder: str) -> set[str]:
     ],
 )
 def test_dependency_direction(folder, allowed_pdserve):
-    """DESIGN.md §1: the router and protocol never import torch; roles don't import each
+    """docs/architecture.md §1: the router and protocol never import torch; roles don't import each
     other."""
     imports = _imports(folder)
     ours = {m for m in imports if m.startswith("pdserve")}

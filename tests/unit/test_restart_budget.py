@@ -1,8 +1,9 @@
-"""`pdserve launch` restarts a child that exits, within a budget per time window."""
+"""A supervisor (a worker for its engine, `pdserve launch` for its children) restarts within
+a budget per sliding time window."""
 
 from __future__ import annotations
 
-from pdserve.launch import RestartBudget
+from pdserve.server.restart_budget import RestartBudget
 
 
 def test_restart_budget_allows_max_restarts_within_the_window():
@@ -21,4 +22,4 @@ def test_restart_budget_refills_as_old_restarts_leave_the_window():
 
 
 def test_zero_restarts_means_stop_at_the_first_exit():
-    assert not RestartBudget(max_restarts=0).take(0.0)
+    assert not RestartBudget(max_restarts=0, window_s=10.0).take(0.0)
