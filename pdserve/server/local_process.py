@@ -4,6 +4,7 @@ it with everything it started. Used by tests, benchmarks and `pdserve launch`.""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,10 +18,43 @@ class ServerStartError(RuntimeError):
     """The process exited or stayed unhealthy past its deadline."""
 
 
+# Ports this process handed out: never handed out twice, even before anything binds them.
+_handed_out: set[int] = set()
+# How far below the kernel's ephemeral range free ports are drawn from.
+PORT_SPAN = 12_000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port nothing is bound to now, drawn at random from below the kernel's ephemeral range.
+
+    NOTE: a port the kernel picks (bind to 0) lies in the ephemeral range, which is also where
+    outgoing connections take their local ports: between this call and the server's bind, any
+    connection on the machine could take it ("address already in use"). Below that range
+    only another server can."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - PORT_SPAN), low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # the whole span is busy: fall back on the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 class LocalServer:
