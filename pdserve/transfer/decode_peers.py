@@ -40,8 +40,6 @@ from pdserve.transfer.wire_limits import max_prefill_frame_bytes
 
 logger = logging.getLogger(__name__)
 
-OUTBOX_MESSAGES = 4096
-
 
 @dataclass
 class _Peer:
@@ -78,7 +76,7 @@ class PeerConnections:
             if address.startswith("tcp://["):
                 socket.setsockopt(zmq.IPV6, 1)
             socket.connect(address)
-            peer = _Peer(address, socket, Outbox(OUTBOX_MESSAGES, self.config.peer_timeout_s))
+            peer = _Peer(address, socket, Outbox(self.config.peer_timeout_s))
             self._peers[address] = peer
             self._by_socket[socket] = peer
             self.io.poller.register(socket, zmq.POLLIN)

@@ -13,13 +13,16 @@ from collections import deque
 
 import zmq
 
+# Messages queued for one slow peer before it counts as stuck (KV chunks are views, not copies).
+OUTBOX_MESSAGES = 4096
+
 
 class PeerBlocked(RuntimeError):
     """A peer does not take what we send: its queue is full or has not moved for too long."""
 
 
 class Outbox:
-    def __init__(self, max_messages: int, stuck_after_s: float):
+    def __init__(self, stuck_after_s: float, max_messages: int = OUTBOX_MESSAGES):
         self.max_messages = max_messages
         self.stuck_after_s = stuck_after_s
         self._queue: deque[tuple[list, bool]] = deque()

@@ -38,9 +38,6 @@ from pdserve.transfer.peer_auth import (
 
 logger = logging.getLogger(__name__)
 
-# Messages queued for one slow peer before it counts as stuck (KV chunks are views, not copies).
-OUTBOX_MESSAGES = 4096
-
 
 @dataclass
 class _Peer:
@@ -66,9 +63,7 @@ class PeerRegistry:
             self._bad_messages.warning("refused a decode connection: %d peers", len(self._peers))
             return
         nonce = new_nonce()
-        self._peers[identity] = _Peer(
-            msg.nonce, nonce, Outbox(OUTBOX_MESSAGES, self.config.peer_timeout_s)
-        )
+        self._peers[identity] = _Peer(msg.nonce, nonce, Outbox(self.config.peer_timeout_s))
         proof = prefill_proof(self.config.auth_token, msg.nonce, nonce)
         self._reply(identity, HelloReply(self.prefill_id, self.instance, nonce, proof))
 
