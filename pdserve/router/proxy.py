@@ -80,6 +80,7 @@ class Proxy:
         self.prefill_policy = make_policy(config.prefill_policy)
         self.decode_policy = make_policy(config.decode_policy)
         self.leg_warnings = RateLimitedLog(logger)
+        self._background: set[asyncio.Task] = set()  # room aborts under way
 
     async def handle(
         self,
@@ -184,13 +185,39 @@ class Proxy:
                 prefill.result()  # raises the prefill leg's LegError; else wait for decode
                 pending = {decode}
         except BaseException:
+            legs = ((pair.prefill, prefill), (pair.decode, decode))
+            cut = [worker for worker, leg in legs if not leg.done()]
             prefill.cancel()
             decode.cancel()
             with contextlib.suppress(BaseException):
                 response, _, _ = await decode
                 await response.aclose()
             self.decode.release(pair.decode)
+            self._abort_rooms(cut, leg_body, headers)
             raise
+
+    def _abort_rooms(self, workers: list[Worker], leg_body: dict, headers) -> None:
+        """Tell the workers whose legs were cut off to end the room, in the background.
+
+        NOTE: closing a leg's connection aborts it only on a worker that got it: a leg cut
+        before it went out never arrives, while the peer's transfer request for its room does
+        and would hold the other worker's room (and pages) until the transfer deadline."""
+        room = {k: leg_body[k] for k in ("bootstrap_room", "bootstrap_host", "bootstrap_port")}
+        for worker in workers:
+            task = asyncio.ensure_future(self._abort_room(worker, room, headers))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _abort_room(self, worker: Worker, room: dict, headers) -> None:
+        try:
+            await self.client.post(
+                worker.url + "/abort_room",
+                json=room,
+                headers=headers,
+                timeout=self.config.connect_timeout_s,
+            )
+        except httpx.HTTPError as e:
+            logger.info("could not abort room %s on %s: %s", room["bootstrap_room"], worker.url, e)
 
     async def _send(self, pool: WorkerPool, worker: Worker, endpoint, body, headers):
         """Send one leg; its response with the body still to read. A pooled connection the

@@ -254,6 +254,16 @@ class EngineClient:
         with contextlib.suppress(EngineUnavailable):
             self._send(AbortRequest(request_id))
 
+    def cancel(self, request_id: str, reason: str) -> bool:
+        """End a request in flight from outside its stream: abort it in the engine and end
+        its stream with `reason`. False if no such request is in flight."""
+        queue = self._queues.get(request_id)
+        if queue is None:
+            return False
+        self.abort(request_id)
+        queue.put_nowait(_failed(request_id, reason))
+        return True
+
     def _send(self, msg) -> None:
         if self.failure is not None:
             # NOTE: a failed (or restarting) engine holds none of our requests any more.
@@ -318,19 +328,15 @@ class EngineClient:
 
     def _fail_all(self, reason: str) -> None:
         for request_id, queue in list(self._queues.items()):
-            queue.put_nowait(
-                TokenOutput(
-                    request_id,
-                    [],
-                    "",
-                    True,
-                    0,
-                    0,
-                    finish_reason="abort",
-                    error=reason,
-                    error_kind="unavailable",
-                )
-            )
+            queue.put_nowait(_failed(request_id, reason))
+
+
+def _failed(request_id: str, reason: str) -> TokenOutput:
+    """The last output of a request that ended outside the engine (it is worth a retry)."""
+    return TokenOutput(
+        request_id, [], "", True, 0, 0, finish_reason="abort", error=reason,
+        error_kind="unavailable",
+    )  # fmt: skip
 
 
 def _one_line(reason: str, limit: int = 200) -> str:

@@ -42,6 +42,8 @@ class ServerState:
     role: WorkerRole = field(default_factory=WorkerRole)
     server_args: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
+    # Disaggregated requests in flight: bootstrap_room -> engine request id (see abort_room).
+    rooms: dict[int, str] = field(default_factory=dict)
 
 
 def new_request_id(prefix: str) -> str:
@@ -240,6 +242,8 @@ async def run_one(
     metrics = state.metrics
     arrival = last = time.monotonic()
     first, finished = True, False
+    if bootstrap is not None:
+        state.rooms[bootstrap.room] = request_id
     try:
         outputs = state.client.generate(request_id, prompt_ids, sampling, bootstrap)
         async for output in outputs:
@@ -269,8 +273,21 @@ async def run_one(
     except DuplicateRequestId as e:
         raise bad_request(str(e), param="rid") from None
     finally:
+        if bootstrap is not None and state.rooms.get(bootstrap.room) == request_id:
+            del state.rooms[bootstrap.room]
         if not finished:  # the caller left early: the engine request was aborted
             metrics.request_finished("abort")
+
+
+def abort_room(state: ServerState, room: int, reason: str, host: Any, port: Any) -> bool:
+    """End a disaggregated request by its room, for a router that gave up on it: abort the
+    engine request if it is here (True), else fail the room so that a leg or a transfer
+    request for it that arrives later fails at once (`refuse_room`)."""
+    request_id = state.rooms.get(room)
+    if request_id is not None and state.client.cancel(request_id, reason):
+        return True
+    refuse_room(state, room, reason, host, port)
+    return False
 
 
 def _output_error(state: ServerState, output: TokenOutput) -> APIError:

@@ -1,6 +1,7 @@
 """SGLang's native API, so its router and `bench_serving --backend sglang` work unchanged:
 POST /generate, GET /get_model_info, /get_server_info (and /model_info, /server_info),
-GET /health_generate."""
+GET /health_generate; and POST /abort_room, with which pdserve's router ends both legs of a
+request it gave up on."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
 
 import pdserve
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.generation import (
     MAX_REQUEST_ID_CHARS,
+    MAX_ROOM,
     ServerState,
+    abort_room,
     bootstrap_of,
     check_capacity,
     check_job_count,
@@ -30,6 +33,7 @@ from pdserve.server.generation import (
     sampling_settings,
 )
 from pdserve.server.json_body import StrictJSONRoute
+from pdserve.server.streaming import WatchfulStreamingResponse
 
 router = APIRouter(route_class=StrictJSONRoute)
 
@@ -67,6 +71,13 @@ class GenerateBody(BaseModel):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+
+
+class AbortRoomBody(BaseModel):
+    bootstrap_room: int = Field(ge=0, le=MAX_ROOM)
+    bootstrap_host: str | None = Field(default=None, max_length=255)
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    reason: str = Field(default="the router gave up on the request", max_length=200)
 
 
 def _state(request: Request) -> ServerState:
@@ -108,7 +119,7 @@ async def generate(body: GenerateBody, request: Request):
     )
     check_capacity(state, len(jobs))
     if body.stream:
-        return StreamingResponse(_stream(state, jobs, boot), media_type="text/event-stream")
+        return WatchfulStreamingResponse(_stream(state, jobs, boot), media_type="text/event-stream")
     task = asyncio.ensure_future(_collect(state, jobs, boot))
     while not task.done():
         await asyncio.wait({task}, timeout=0.1)
@@ -203,6 +214,20 @@ async def _stream(server: ServerState, jobs, bootstrap):
     except APIError as e:
         yield e.sse()
     yield "data: [DONE]\n\n"
+
+
+@router.post("/abort_room")
+async def abort_room_endpoint(body: AbortRoomBody, request: Request) -> dict:
+    """End the disaggregated request of `bootstrap_room`: a router that gave up on a request
+    (client gone, the other leg failed) calls both workers. Closing a leg's connection is not
+    enough: a leg the router cancelled before it went out never reaches this worker, while the
+    peer's transfer request for its room does (and would wait for it until the deadline)."""
+    state = _state(request)
+    if not state.role.disaggregated:
+        raise bad_request("this is a colocated worker: it has no rooms", param="bootstrap_room")
+    host, port = body.bootstrap_host, body.bootstrap_port
+    found = abort_room(state, body.bootstrap_room, body.reason, host, port)
+    return {"aborted": found}
 
 
 @router.get("/get_model_info")

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from pdserve.protocol.engine_messages import TokenOutput
 from pdserve.server.errors import APIError, bad_request
@@ -34,6 +34,7 @@ from pdserve.server.generation import (
 )
 from pdserve.server.json_body import StrictJSONRoute
 from pdserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.server.streaming import WatchfulStreamingResponse
 
 router = APIRouter(route_class=StrictJSONRoute)
 
@@ -267,7 +268,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 async def _respond(request, state, jobs, view: _View, body, bootstrap):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
+        return WatchfulStreamingResponse(
             _stream(state, jobs, view, include_usage, bootstrap), media_type="text/event-stream"
         )
     task = asyncio.ensure_future(_collect(state, jobs, view, bootstrap))

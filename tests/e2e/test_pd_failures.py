@@ -200,6 +200,39 @@ def test_decode_rejection_ends_the_prefill_leg_at_once(shared, prefill_first):
     shared.wait_all_free()
 
 
+def test_abort_room_ends_a_decode_leg_whose_prefill_leg_never_came(shared):
+    """The router cut the prefill leg before it went out: decode's room would wait for the
+    prefill queue's deadline (120 s). The router's /abort_room ends it at once."""
+    decode = shared.decode[0]
+    body = _direct_body(_generate_body([5, 6, 7]), shared, room=9191)
+    join_decode = _in_background(lambda: decode.post("/generate", body))
+    wait_until(lambda: shared.state(decode)["num_transferring"] == 1, "the decode room")
+    room = {k: body[k] for k in ("bootstrap_room", "bootstrap_host", "bootstrap_port")}
+    assert decode.post("/abort_room", room).json() == {"aborted": True}
+    response, seconds = join_decode()
+    assert response.status_code >= 400 and seconds < 5, response.text
+    shared.wait_all_free(deadline_s=5)
+
+
+def test_abort_room_before_the_leg_arrives_fails_it_at_once(shared):
+    """/abort_room for a room a worker has not seen: the room is failed, so the decode leg
+    that comes later ends at once (its prefill peer answers that the room was aborted)."""
+    prefill, decode = shared.prefill[0], shared.decode[0]
+    body = _direct_body(_generate_body([5, 6, 7]), shared, room=9192)
+    room = {k: body[k] for k in ("bootstrap_room", "bootstrap_host", "bootstrap_port")}
+    assert prefill.post("/abort_room", room).json() == {"aborted": False}
+    started = time.monotonic()
+    response = decode.post("/generate", body)
+    assert response.status_code >= 400 and time.monotonic() - started < 5, response.text
+    shared.wait_all_free(deadline_s=5)
+
+
+def test_abort_room_is_refused_by_a_colocated_worker_and_checks_its_body(shared, server):
+    room = {"bootstrap_room": 1}
+    assert server.post("/abort_room", room).status_code == 400
+    assert shared.decode[0].post("/abort_room", {"bootstrap_room": -1}).status_code == 400
+
+
 def test_client_disconnect_mid_stream_frees_both_sides(shared):
     decode = shared.decode[0]
     body = _generate_body([21, 22, 23], max_new_tokens=1000, stream=True)

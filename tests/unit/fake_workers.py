@@ -29,12 +29,14 @@ class FakeWorkers:
     """One prefill (`http://prefill`) and one decode worker (`http://decode`) behind an httpx
     transport: /health answers 200; a POST runs the role's leg (an async function of the body).
     As with real workers, the default decode leg answers only once the prefill leg of its
-    room succeeded. Records the legs the router cancelled (gave up on)."""
+    room succeeded. Records the legs the router cancelled (gave up on), and the rooms it then
+    asked each worker to abort (`/abort_room`)."""
 
     def __init__(self, prefill: Leg | None = None, decode: Leg | None = None):
         self.legs = {"prefill": prefill or _answer, "decode": decode or self._after_prefill}
         self.prefilled: dict[int, asyncio.Event] = {}
         self.cancelled: list[str] = []
+        self.aborted_rooms: list[tuple[str, int]] = []
         self.posts: list[str] = []
         self.transport = httpx.MockTransport(self._handle)
 
@@ -48,6 +50,9 @@ class FakeWorkers:
         if request.method == "GET":
             return httpx.Response(200 if request.url.path == "/health" else 404)
         role, body = request.url.host, json.loads(request.content)
+        if request.url.path == "/abort_room":
+            self.aborted_rooms.append((role, body["bootstrap_room"]))
+            return httpx.Response(200, json={"aborted": True})
         self.posts.append(role)
         try:
             response = await self.legs[role](body)

@@ -190,12 +190,18 @@ def test_a_client_that_leaves_before_the_first_byte_cancels_both_legs(stream):
             gone.set()
             response = await asyncio.wait_for(handling, 10)
             await asyncio.sleep(0)  # NOTE: the cancelled prefill task ends on its next turn
+            async with asyncio.timeout(10):
+                while len(fakes.aborted_rooms) < 2:  # sent in the background
+                    await asyncio.sleep(0.01)
         in_flight = [w.in_flight for w in prefill.workers + decode.workers]
-        return response.status_code, fakes.cancelled, in_flight, metrics
+        return response.status_code, fakes, in_flight, metrics
 
-    status, cancelled, in_flight, metrics = asyncio.run(run())
+    status, fakes, in_flight, metrics = asyncio.run(run())
     assert status == 499
-    assert sorted(cancelled) == ["decode", "prefill"]
+    assert sorted(fakes.cancelled) == ["decode", "prefill"]
+    # NOTE: a leg cut before it went out never reaches its worker: each is told by room.
+    assert sorted(role for role, _ in fakes.aborted_rooms) == ["decode", "prefill"]
+    assert len({room for _, room in fakes.aborted_rooms}) == 1
     assert in_flight == [0, 0]
     assert metrics.registry.get_sample_value("pdserve_router:retries_total") == 0
 
