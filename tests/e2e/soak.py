@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pdserve.server.local_process import free_port
+from tests.e2e.pd_cluster import wait_until
 
 REQUEST_DEADLINE_S = 90.0
 RSS_GROWTH_BOUND_MB = 150.0
@@ -186,14 +187,6 @@ class Launched:
                 self.process.wait(timeout=10)
         self._reader.join(10)  # EOF once the launcher (the pipe's only writer) is gone
         self.process.stdout.close()
-
-
-def wait_until(predicate, what: str, deadline_s: float) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {deadline_s:.0f} s waiting for {what}")
-        time.sleep(0.2)
 
 
 def worker_state(url: str) -> dict:
@@ -385,8 +378,8 @@ def _wait_rejoined(launched: Launched, disruptions: list[Disruption], report) ->
 
     for d in disruptions:
         try:
-            wait_until(lambda d=d: d.healthy_at is not None, f"{d.url} to restart", 180)
-            wait_until(lambda d=d: in_rotation(d.url), f"{d.url} back in rotation", 30)
+            wait_until(lambda d=d: d.healthy_at is not None, f"{d.url} to restart", 180, poll_s=0.2)
+            wait_until(lambda d=d: in_rotation(d.url), f"{d.url} back in rotation", 30, poll_s=0.2)
         except AssertionError as e:
             report.problems.append(str(e))
 
@@ -445,7 +438,7 @@ def _check_end_state(urls, rss_warm, report: SoakReport) -> None:
         if name == "router":
             continue
         try:
-            wait_until(lambda url=url: idle(url), f"{name} to free every page", 60)
+            wait_until(lambda url=url: idle(url), f"{name} to free every page", 60, poll_s=0.2)
         except AssertionError as e:
             report.problems.append(f"{e}: {worker_state(url) if healthy(url) else 'down'}")
     for name, url in urls.items():
