@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import LegError, error_event, error_response
-from pdserve.router.log_limit import RateLimitedLog
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import Pair, choose_pair, with_bootstrap
 from pdserve.router.policies import make_policy
@@ -79,7 +79,7 @@ class Proxy:
         self.metrics = metrics
         self.prefill_policy = make_policy(config.prefill_policy)
         self.decode_policy = make_policy(config.decode_policy)
-        self.leg_warnings = RateLimitedLog(logger)
+        self.leg_warnings = RateLimitedLog(logger, per_second=0.1, burst=1)
         self._background: set[asyncio.Task] = set()  # room aborts under way
 
     async def handle(
@@ -148,7 +148,7 @@ class Proxy:
             except LegError as e:
                 self.metrics.leg_failures.labels(e.role, str(e.status)).inc()
                 request_id = headers.get("X-Request-Id")
-                self.leg_warnings.warning((e.role, e.status), "request %s: %s", request_id, e)
+                self.leg_warnings.warning("request %s: %s", request_id, e, key=(e.role, e.status))
                 if not e.retryable or attempt == self.config.max_retries:
                     return e.response(_reply(headers))
                 if time.monotonic() >= deadline:

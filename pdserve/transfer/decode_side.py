@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from pdserve.protocol.codec import ProtocolError, decode
+from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.protocol.transfer_messages import (
     AbortRoom,
     Heartbeat,
@@ -46,7 +47,6 @@ from pdserve.transfer.metadata import MetadataMismatch, MetadataRecord
 from pdserve.transfer.metadata_spec import MetadataSpec
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.peer_allow import zmq_endpoint
-from pdserve.transfer.rate_limited_log import RateLimitedLog
 from pdserve.transfer.receiver_room import ReceiverRoom
 from pdserve.transfer.room_state import Tombstones, TransferState
 

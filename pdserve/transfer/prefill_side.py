@@ -22,6 +22,7 @@ import torch
 import zmq
 
 from pdserve.protocol.codec import ProtocolError, decode, encode
+from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.protocol.transfer_messages import (
     AbortRoom,
     Heartbeat,
@@ -41,7 +42,6 @@ from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.metadata_spec import MetadataSpec
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.prefill_peers import PeerRegistry, _Peer
-from pdserve.transfer.rate_limited_log import RateLimitedLog
 from pdserve.transfer.room_state import RoomState, Tombstones, TransferState
 from pdserve.transfer.sender_room import SenderRoom
 from pdserve.transfer.wire_limits import max_decode_message_bytes

@@ -14,9 +14,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.router.app import build_router_app
 from pdserve.router.config import RouterConfig
-from pdserve.router.log_limit import RateLimitedLog
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.proxy import Proxy
 from pdserve.router.workers import Role, Worker, WorkerPool
@@ -293,17 +293,21 @@ def test_a_body_under_the_limit_still_goes_through_checks(small_body_router):
 
 
 def test_repeated_warnings_are_rate_limited_per_key(caplog):
-    log = RateLimitedLog(logging.getLogger("test.router"), interval_s=60)
+    now = [0.0]
+    log = RateLimitedLog(
+        logging.getLogger("test.router"), per_second=1 / 60, burst=1, clock=lambda: now[0]
+    )
+    decode, prefill = ("decode", 503), ("prefill", 502)
     with caplog.at_level(logging.WARNING, logger="test.router"):
-        assert log.warning(("decode", 503), "leg failed: %s", "a")
-        assert not log.warning(("decode", 503), "leg failed: %s", "b")
-        assert not log.warning(("decode", 503), "leg failed: %s", "c")
-        assert log.warning(("prefill", 502), "other key")
-        log.interval_s = 0
-        assert log.warning(("decode", 503), "leg failed: %s", "d")
+        assert log.warning("leg failed: %s", "a", key=decode)
+        assert not log.warning("leg failed: %s", "b", key=decode)
+        assert not log.warning("leg failed: %s", "c", key=decode)
+        assert log.warning("other key", key=prefill)
+        now[0] = 60.0
+        assert log.warning("leg failed: %s", "d", key=decode)
     messages = [r.getMessage() for r in caplog.records]
     assert messages == [
         "leg failed: a",
         "other key",
-        "leg failed: d (2 more like it since the last one, not logged)",
+        "leg failed: d (2 similar lines suppressed)",
     ]

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.peer_allow import (
     PeerAllowList,
@@ -24,7 +25,6 @@ from pdserve.transfer.peer_auth import (
     prefill_proof,
     proof_ok,
 )
-from pdserve.transfer.rate_limited_log import RateLimitedLog
 from pdserve.transfer.room_state import RoomState, TransferState
 
 
