@@ -346,6 +346,8 @@ class Engine:
 
     def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
         want_logprobs = request.sampling_params.logprobs is not None
+        want_top = bool(request.sampling_params.logprobs)
+        count = len(new_tokens)
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -360,7 +362,13 @@ class Engine:
             # NOTE: the request's own lists, not copies (a copy per step is O(n^2)); they keep
             # growing while the request runs.
             logprobs=request.logprobs if want_logprobs else None,
-            top_logprobs=request.top_logprobs if request.sampling_params.logprobs else None,
+            top_logprobs=request.top_logprobs if want_top else None,
+            new_logprobs=(
+                request.logprobs[len(request.logprobs) - count :] if want_logprobs else None
+            ),
+            new_top_logprobs=(
+                request.top_logprobs[len(request.top_logprobs) - count :] if want_top else None
+            ),
             spec_verify_ct=request.spec_verify_steps,
             spec_emitted_tokens=request.spec_emitted_tokens,
         )

@@ -25,8 +25,14 @@ class RequestOutput:
     # worker or transfer failed; 503, worth a retry elsewhere) or "internal" (an engine step
     # raised; 500, the engine carries on).
     error_kind: str | None = None
+    # Every output token's logprob and top-N so far (for offline use: `LLM.generate`).
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    # Those of `new_token_ids` only, taken when this output was made: the cumulative lists
+    # above keep growing while the request runs, so a slice of them taken later (after the
+    # next step) would name later tokens.
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[dict[int, float]] | None = None
     prompt: str | None = None
     # Speculative decoding: verify steps so far and the tokens they emitted.
     spec_verify_ct: int = 0

@@ -296,6 +296,8 @@ def _failed_output(output: RequestOutput, reason: str) -> RequestOutput:
         output,
         new_token_ids=[],
         new_text="",
+        new_logprobs=None if output.new_logprobs is None else [],
+        new_top_logprobs=None if output.new_top_logprobs is None else [],
         finished=True,
         finish_reason="abort",
         error=reason,
@@ -318,10 +320,9 @@ def _failed(msg: GenerateRequest, reason: str, kind: str = "invalid") -> TokenOu
 
 
 def _to_wire(output: RequestOutput) -> TokenOutput:
-    count = len(output.new_token_ids)
     top = None
-    if output.top_logprobs is not None:
-        top = [[[t, lp] for t, lp in entry.items()] for entry in output.top_logprobs[-count:]]
+    if output.new_top_logprobs is not None:
+        top = [[[t, lp] for t, lp in entry.items()] for entry in output.new_top_logprobs]
     return TokenOutput(
         request_id=output.request_id,
         new_token_ids=output.new_token_ids,
@@ -333,7 +334,7 @@ def _to_wire(output: RequestOutput) -> TokenOutput:
         stop_reason=output.stop_reason,
         error=output.error,
         error_kind=output.error_kind,
-        new_logprobs=output.logprobs[-count:] if output.logprobs is not None else None,
+        new_logprobs=output.new_logprobs,
         new_top_logprobs=top,
         spec_verify_ct=output.spec_verify_ct,
         spec_emitted_tokens=output.spec_emitted_tokens,

@@ -122,3 +122,34 @@ def test_prebuilt_request_that_ends_on_its_first_token_frees_its_pages(engines):
     output = engine_d.add_prebuilt("one", list(range(10, 18)), one, pages, 42)
     assert output.finished and output.finish_reason == "length"
     assert output.token_ids == [42] and engine_d.allocator.num_used == 0
+
+
+def test_first_token_output_keeps_its_own_logprobs_after_the_next_step(engines):
+    """The decode engine reports the handed-over first token and then runs a step before the
+    outputs go out (one loop turn): the first output must still carry the first token's
+    logprob and top logprobs, not the second token's (they were slices taken too late)."""
+    from pdserve.server.engine_process import _to_wire
+
+    engine_p, engine_d, _ = engines
+    (prompt,) = random_prompts((9,), 1000, seed=3)
+    params = dataclasses.replace(GREEDY, max_new_tokens=4, logprobs=2)
+    engine_p.add_request(
+        "lp", prompt, dataclasses.replace(params, max_new_tokens=1), hold_pages=True
+    )
+    (held,) = [o for o in engine_p.step() if o.request_id == "lp"]
+    pages_p = engine_p.held["lp"].pages
+    pages_d = engine_d.reserve_pages(len(prompt))
+    KVStager([engine_d.kv_pool]).scatter([pages_d], KVStager([engine_p.kv_pool]).gather([pages_p]))
+    engine_p.release_held("lp")
+    first_top = dict(held.top_logprobs[0])
+    first = engine_d.add_prebuilt(
+        "lp", prompt, params, pages_d, held.token_ids[0], held.logprobs[0], first_top
+    )
+    (second,) = engine_d.step()
+    wire_first, wire_second = _to_wire(first), _to_wire(second)
+    assert wire_first.new_logprobs == [held.logprobs[0]]
+    assert dict(map(tuple, wire_first.new_top_logprobs[0])) == first_top
+    # Greedy: the chosen token heads its own top list.
+    assert max(first_top, key=first_top.get) == held.token_ids[0]
+    assert wire_second.new_logprobs == [second.logprobs[1]] != wire_first.new_logprobs
+    run_to_end(engine_d)
