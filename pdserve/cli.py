@@ -415,6 +415,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         help="requests this router keeps in flight on one worker at most; when every worker "
         "of a role is at it, new requests get 429 (default 0: no bound)",
     )
+    parser.add_argument(
+        "--max-rooms-per-request",
+        type=int,
+        default=256,
+        help="a request with several prompts or n > 1 takes one prefill/decode room per "
+        "(prompt, choice); requests asking for more get 400 (default 256)",
+    )
     add_shutdown_timeout_arg(parser)
     parser.add_argument(
         "--health-check-timeout",
@@ -454,6 +461,7 @@ def router_config_from_args(args: argparse.Namespace):
         health_check_timeout_s=args.health_check_timeout,
         max_body_bytes=args.max_body_size,
         max_requests_per_worker=args.max_requests_per_worker,
+        max_rooms_per_request=args.max_rooms_per_request,
     )
 
 

@@ -31,6 +31,12 @@ class RateLimitedLog:
 
     def warning(self, message: str, *args, key: Hashable = None) -> bool:
         """Log unless `key` is over its rate; True when the line was written."""
+        return self.log(logging.WARNING, message, *args, key=key)
+
+    def info(self, message: str, *args, key: Hashable = None) -> bool:
+        return self.log(logging.INFO, message, *args, key=key)
+
+    def log(self, level: int, message: str, *args, key: Hashable = None) -> bool:
         now = self._clock()
         tokens, counted_at, held = self._buckets.get(key, (float(self.burst), now, 0))
         tokens = min(self.burst, tokens + (now - counted_at) * self.per_second)
@@ -40,5 +46,5 @@ class RateLimitedLog:
         self._buckets[key] = (tokens - 1, now, 0)
         if held:
             message += f" ({held} similar lines suppressed)"
-        self.logger.warning(message, *args)
+        self.logger.log(level, message, *args)
         return True

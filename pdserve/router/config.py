@@ -22,7 +22,9 @@ class RouterConfig:
     link down) fails after about this long (see `transport`).
     max_body_bytes: a request body over this is refused with 413 while it streams in.
     max_requests_per_worker: requests this router keeps in flight on one worker at most
-    (0: no bound); beyond it on every worker of a role, 429."""
+    (0: no bound); beyond it on every worker of a role, 429.
+    max_rooms_per_request: a request with several prompts or n > 1 takes a room per (prompt,
+    choice); more than this many is refused with 400."""
 
     prefill: tuple[tuple[str, int | None], ...] = ()
     decode: tuple[str, ...] = ()
@@ -40,6 +42,7 @@ class RouterConfig:
     max_retries: int = 1
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_requests_per_worker: int = 0
+    max_rooms_per_request: int = 256
 
     def __post_init__(self) -> None:
         if not self.prefill and not self.prefill_services:
@@ -68,6 +71,10 @@ class RouterConfig:
             raise ValueError("health_failure_threshold must be >= 1 and max_retries >= 0")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if self.max_rooms_per_request < 1:
+            raise ValueError(
+                f"max_rooms_per_request must be >= 1, got {self.max_rooms_per_request}"
+            )
         if self.max_requests_per_worker < 0:
             raise ValueError(
                 f"max_requests_per_worker must be >= 0 (0: no bound), got "

@@ -15,13 +15,16 @@ _TYPES = {
 }
 
 
-def error_body(status: int, message: str, code: str | None = None) -> dict:
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None):
     kind = _TYPES.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, code: str | None = None, headers=None):
-    return JSONResponse(error_body(status, message, code), status_code=status, headers=headers)
+def error_response(
+    status: int, message: str, code: str | None = None, headers=None, param: str | None = None
+):
+    body = error_body(status, message, code, param)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def error_event(status: int, message: str, code: str | None = None) -> bytes:

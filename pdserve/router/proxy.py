@@ -34,6 +34,15 @@ from fastapi.responses import Response, StreamingResponse
 from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import LegError, error_event, error_response
+from pdserve.router.fanout import (
+    DONE,
+    BadAnswer,
+    RoomFailed,
+    StreamMerge,
+    TooManyRooms,
+    merge_bodies,
+    split,
+)
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import Pair, choose_pair, with_bootstrap
 from pdserve.router.policies import make_policy
@@ -80,6 +89,7 @@ class Proxy:
         self.prefill_policy = make_policy(config.prefill_policy)
         self.decode_policy = make_policy(config.decode_policy)
         self.leg_warnings = RateLimitedLog(logger, per_second=0.1, burst=1)
+        self.client_errors = RateLimitedLog(logger, per_second=1.0, burst=5)
         self._background: set[asyncio.Task] = set()  # room aborts under way
 
     async def handle(
@@ -92,11 +102,17 @@ class Proxy:
         """client_left: returns when the client closes its connection."""
         started = time.monotonic()
         deadline = started + self.config.request_timeout_s
-        stream = bool(body.get("stream"))
-        attempt = asyncio.ensure_future(self._attempts(endpoint, body, headers, stream, deadline))
+        stream = body.get("stream") is True
+        try:
+            parts = split(endpoint, body, self.config.max_rooms_per_request)
+        except TooManyRooms as e:
+            response = error_response(400, str(e), "too_many_rooms", _reply(headers), e.param)
+            return self._done(endpoint, started, response)
+        bodies = [part.body for part in parts]
+        attempt = asyncio.ensure_future(self._open_all(endpoint, bodies, headers, stream, deadline))
         # NOTE: until the first byte, the client leaving is watched here (streaming or not):
-        # both legs are cancelled, which aborts them on the workers; once a stream has
-        # started, the streaming response notices.
+        # every room's legs are cancelled, which aborts them on the workers; once a stream
+        # has started, the streaming response notices.
         watcher = asyncio.ensure_future(client_left())
         try:
             await asyncio.wait({attempt, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -108,14 +124,26 @@ class Proxy:
                     await attempt
         if attempt.cancelled():
             return self._done(endpoint, started, Response(status_code=499))
-        result = attempt.result()
-        if isinstance(result, Response):
-            return self._done(endpoint, started, result)
+        rooms = attempt.result()
+        if isinstance(rooms, Response):
+            return self._done(endpoint, started, rooms)
         if stream:
-            relay = self._relay(endpoint, result, deadline, started)
+            if len(rooms) == 1:
+                relay = self._relay(endpoint, rooms[0], deadline, started)
+            else:
+                merge = StreamMerge(endpoint, parts)
+                relay = self._relay_merged(endpoint, rooms, merge, deadline, started)
             return StreamingResponse(relay, media_type="text/event-stream", headers=_reply(headers))
-        await self._close(result)
-        response = Response(result.head, media_type="application/json", headers=_reply(headers))
+        await self._close_all(rooms)
+        if len(rooms) == 1:
+            content = rooms[0].head
+        else:
+            try:
+                content = merge_bodies(endpoint, parts, [legs.head for legs in rooms])
+            except BadAnswer as e:
+                response = error_response(502, str(e), "worker_failed", _reply(headers))
+                return self._done(endpoint, started, response)
+        response = Response(content, media_type="application/json", headers=_reply(headers))
         return self._done(endpoint, started, response)
 
     def _done(self, endpoint: str, started: float, response: Response) -> Response:
@@ -124,6 +152,38 @@ class Proxy:
         return response
 
     # ---- attempts --------------------------------------------------------------------
+
+    async def _open_all(
+        self, endpoint, bodies, headers, stream, deadline
+    ) -> list[_Legs] | Response:
+        """Open every room of a request at once: all their legs, or the first room's error
+        that no retry fixed (every other room is then closed or cancelled, which aborts it on
+        its workers)."""
+        if len(bodies) == 1:
+            legs = await self._attempts(endpoint, bodies[0], headers, stream, deadline)
+            return legs if isinstance(legs, Response) else [legs]
+        rooms = [
+            asyncio.ensure_future(self._attempts(endpoint, body, headers, stream, deadline))
+            for body in bodies
+        ]
+        opened = False
+        try:
+            for next_room in asyncio.as_completed(rooms):
+                result = await next_room
+                if isinstance(result, Response):
+                    return result
+            opened = True
+            return [room.result() for room in rooms]
+        finally:
+            if not opened:
+                await asyncio.shield(self._discard(rooms))
+
+    async def _discard(self, rooms: list[asyncio.Future]) -> None:
+        """Cancel the rooms still opening and close the ones that opened."""
+        for room in rooms:
+            room.cancel()
+        results = await asyncio.gather(*rooms, return_exceptions=True)
+        await self._close_all([r for r in results if isinstance(r, _Legs)])
 
     async def _attempts(self, endpoint, body, headers, stream, deadline) -> _Legs | Response:
         """Open both legs on a pair; retry once on a new pair if that may help."""
@@ -146,9 +206,16 @@ class Proxy:
             try:
                 return await self._open(pair, endpoint, body, headers, stream, deadline)
             except LegError as e:
-                self.metrics.leg_failures.labels(e.role, str(e.status)).inc()
                 request_id = headers.get("X-Request-Id")
-                self.leg_warnings.warning("request %s: %s", request_id, e, key=(e.role, e.status))
+                if e.status < 500:
+                    # NOTE: the request's own answer (invalid, or a full worker's 429): no
+                    # worker failed; requests_total counts it by status.
+                    self.client_errors.info("request %s: %s", request_id, e, key=e.status)
+                else:
+                    self.metrics.leg_failures.labels(e.role, str(e.status)).inc()
+                    self.leg_warnings.warning(
+                        "request %s: %s", request_id, e, key=(e.role, e.status)
+                    )
                 if not e.retryable or attempt == self.config.max_retries:
                     return e.response(_reply(headers))
                 if time.monotonic() >= deadline:
@@ -305,6 +372,62 @@ class Proxy:
             # NOTE: shielded: a client that left cancels this generator, and the cleanup
             # (closing the decode leg aborts it on the worker) must still run to the end.
             await asyncio.shield(self._close(legs))
+
+    async def _relay_merged(
+        self, endpoint, rooms: list[_Legs], merge: StreamMerge, deadline, started
+    ) -> AsyncIterator[bytes]:
+        """The rooms' streams as one (`fanout.StreamMerge`); when one room fails, the stream
+        ends with its error and every other room is closed (aborted on its workers)."""
+        status = "200"
+        self.metrics.first_byte.labels(endpoint).observe(time.monotonic() - started)
+        # NOTE: bounded, so a slow client holds the rooms back instead of filling memory.
+        queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(rooms))
+
+        async def pump(index: int, legs: _Legs) -> None:
+            try:
+                await queue.put((index, legs.head))
+                async for chunk in legs.chunks:
+                    await queue.put((index, chunk))
+            except httpx.HTTPError as e:
+                await queue.put((index, e))
+
+        pumps = [asyncio.ensure_future(pump(i, legs)) for i, legs in enumerate(rooms)]
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                while not merge.done:
+                    index, item = await queue.get()
+                    if isinstance(item, httpx.HTTPError):
+                        status = "502"
+                        self._unreachable("decode", self.decode, rooms[index].pair.decode, item)
+                        reason = f"{type(item).__name__}: {item}".rstrip(": ")
+                        message = f"a decode worker failed mid-stream ({reason})"
+                        yield error_event(502, message, "worker_failed") + DONE
+                        return
+                    try:
+                        events = merge.feed(index, item)
+                    except RoomFailed as e:
+                        status = str(e.status)
+                        yield e.event + DONE
+                        return
+                    except BadAnswer as e:
+                        status = "502"
+                        yield error_event(502, str(e), "worker_failed") + DONE
+                        return
+                    if events:
+                        yield events
+            yield merge.end()
+        except TimeoutError:
+            status = "504"
+            yield error_event(504, "request timed out while streaming", "timeout") + DONE
+        finally:
+            for task in pumps:
+                task.cancel()
+            self.metrics.requests.labels(endpoint, status).inc()
+            self.metrics.latency.labels(endpoint).observe(time.monotonic() - started)
+            await asyncio.shield(self._close_all(rooms))
+
+    async def _close_all(self, rooms: list[_Legs]) -> None:
+        await asyncio.gather(*(self._close(legs) for legs in rooms))
 
     async def _close(self, legs: _Legs) -> None:
         self.decode.release(legs.pair.decode)

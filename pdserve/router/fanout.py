@@ -1,0 +1,213 @@
+"""A request with several prompts or choices (n > 1) across several rooms, and its answers
+merged back into one (docs/architecture.md §2). Torch-free.
+
+Disaggregated workers take one prompt and one choice per room, so the router splits: one body
+per (prompt, choice), in the order colocated `pdserve serve` numbers its choices (prompt by
+prompt, choice by choice: index = prompt * n + choice). Choice i of a seeded request gets seed
++ i (wrapped within int64), as colocated mode gives it, so the answers match.
+
+What the router cannot split it sends on as it is, for a worker to refuse with the reason:
+an `n` that is not an integer in [2, MAX_N], a prompt list of mixed or wrong types.
+
+Merging: one response with the first room's id, choices renumbered, usage summed (a prompt's
+tokens once, however many choices it has); /generate answers a list. Streams interleave the
+rooms' events as they come, each choice renumbered and all under one id; the usage chunk
+(with `stream_options.include_usage`) and `[DONE]` come once, at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_N = 128  # the workers' bound on n
+DONE = b"data: [DONE]\n\n"
+SSE_EVENT_END = b"\n\n"
+ERROR_STATUS = {"invalid_request_error": 400, "rate_limit_error": 429}  # by error type
+
+
+class TooManyRooms(ValueError):
+    """The request asks for more rooms (prompts x choices) than the router allows."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Part:
+    """One room's body, and whether it is its prompt's first choice (usage counts a prompt's
+    tokens once)."""
+
+    body: dict[str, Any]
+    first_of_prompt: bool
+
+
+def split(endpoint: str, body: dict[str, Any], limit: int) -> list[Part]:
+    """The rooms of a request, in choice order; one part (the body as it is) for a single
+    prompt with n = 1, or for a body the router cannot split."""
+    prompts = _prompts(endpoint, body)
+    n = body.get("n", 1)
+    choices = n if type(n) is int and 2 <= n <= MAX_N else 1
+    if prompts is None and choices == 1:
+        return [Part(body, True)]
+    if len(prompts or [None]) * choices > limit:
+        count = f"{len(prompts or [None])} prompts x {choices} choices"
+        raise TooManyRooms(
+            f"{count} is over this router's limit of {limit} per request (--max-rooms-per-request)",
+            param="n" if choices > 1 else _prompt_key(endpoint, body),
+        )
+    parts = []
+    for p, prompt in enumerate(prompts or [None]):
+        for choice in range(choices):
+            part = dict(body)
+            if prompt is not None:
+                key, value = prompt
+                part[key] = value
+                if endpoint == "/generate" and isinstance(body.get("rid"), str):
+                    part["rid"] = f"{body['rid']}-{p}"
+            if choices > 1:
+                part["n"] = 1
+                if type(body.get("seed")) is int and INT64_MIN <= body["seed"] <= INT64_MAX:
+                    part["seed"] = (body["seed"] + choice - INT64_MIN) % (1 << 64) + INT64_MIN
+            parts.append(Part(part, choice == 0))
+    return parts
+
+
+def _prompt_key(endpoint: str, body: dict) -> str:
+    if endpoint == "/generate":
+        return "text" if "text" in body else "input_ids"
+    return "prompt"
+
+
+def _prompts(endpoint: str, body: dict) -> list[tuple[str, Any]] | None:
+    """(field, value) per prompt of a prompt list; None for one prompt or a body whose
+    prompts are not a non-empty list of strings or of token-id lists."""
+    if endpoint == "/v1/completions":
+        prompt = body.get("prompt")
+        if _is_list_of(prompt, str) or _is_list_of(prompt, list):
+            return [("prompt", p) for p in prompt]
+    elif endpoint == "/generate":
+        if _is_list_of(body.get("text"), str) and body.get("input_ids") is None:
+            return [("text", t) for t in body["text"]]
+        if _is_list_of(body.get("input_ids"), list) and body.get("text") is None:
+            return [("input_ids", ids) for ids in body["input_ids"]]
+    return None
+
+
+def _is_list_of(value: Any, kind: type) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, kind) for v in value)
+
+
+# ---- answers -----------------------------------------------------------------------------
+
+
+class BadAnswer(ValueError):
+    """A worker's answer the router cannot merge (not the JSON an endpoint answers)."""
+
+
+def merge_bodies(endpoint: str, parts: list[Part], bodies: list[bytes]) -> bytes:
+    """The rooms' whole (non-streamed) answers as one."""
+    try:
+        answers = [json.loads(b) for b in bodies]
+        if endpoint == "/generate":
+            return json.dumps(answers).encode()
+        merged = dict(answers[0])
+        merged["choices"] = [
+            {**choice, "index": index}
+            for index, answer in enumerate(answers)
+            for choice in answer["choices"]
+        ]
+        if all("usage" in a for a in answers):
+            merged["usage"] = _usage(parts, [a["usage"] for a in answers])
+        return json.dumps(merged).encode()
+    except (ValueError, KeyError, TypeError) as e:
+        raise BadAnswer(f"a decode worker's answer could not be merged: {e}") from None
+
+
+def _usage(parts: list[Part], usages: list[dict]) -> dict:
+    prompt = sum(u["prompt_tokens"] for part, u in zip(parts, usages, strict=True)
+                 if part.first_of_prompt)  # fmt: skip
+    completion = sum(u["completion_tokens"] for u in usages)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+class RoomFailed(Exception):
+    """A room's stream ended in an error event: the merged stream ends with it."""
+
+    def __init__(self, error: dict):
+        super().__init__(str(error.get("message")))
+        self.event = _event({"error": error})
+        self.status = ERROR_STATUS.get(error.get("type"), 500)
+
+
+@dataclass
+class StreamMerge:
+    """Rewrites the rooms' SSE streams into one: `feed` each room's bytes as they come, send
+    what it returns; after every room's `[DONE]`, send `end()`."""
+
+    endpoint: str
+    parts: list[Part]
+    stream_id: str | None = None  # the merged stream's id: the first room's
+    _buffers: list[bytes] = field(default_factory=list)
+    _usages: list[dict | None] = field(default_factory=list)
+    _finished: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._buffers = [b""] * len(self.parts)
+        self._usages = [None] * len(self.parts)
+
+    @property
+    def done(self) -> bool:
+        return len(self._finished) == len(self.parts)
+
+    def feed(self, index: int, chunk: bytes) -> bytes:
+        """Room `index`'s next bytes; returns the complete events among them, rewritten.
+        Raises RoomFailed on an error event, BadAnswer on an event that is not JSON."""
+        buffer = self._buffers[index] + chunk
+        *events, self._buffers[index] = buffer.split(SSE_EVENT_END)
+        return b"".join(self._rewrite(index, event) for event in events if event.strip())
+
+    def end(self) -> bytes:
+        usage = b""
+        if all(u is not None for u in self._usages) and self.endpoint != "/generate":
+            total = _usage(self.parts, [u["usage"] for u in self._usages])
+            usage = _event({**self._usages[0], "id": self.stream_id, "usage": total})
+        return usage + DONE
+
+    def _rewrite(self, index: int, event: bytes) -> bytes:
+        data = event.strip()
+        if not data.startswith(b"data:"):
+            return b""  # NOTE: comments and other fields carry nothing a client needs
+        data = data[5:].strip()
+        if data == b"[DONE]":
+            self._finished.add(index)
+            return b""
+        try:
+            body = json.loads(data)
+        except ValueError:
+            raise BadAnswer(
+                f"a decode worker sent an event that is not JSON: {data[:80]!r}"
+            ) from None
+        if not isinstance(body, dict):
+            raise BadAnswer("a decode worker sent an event that is not a JSON object")
+        if isinstance(body.get("error"), dict):
+            raise RoomFailed(body["error"])
+        if self.endpoint == "/generate":
+            return _event({**body, "index": index})
+        if body.get("choices") == [] and "usage" in body:
+            self._usages[index] = body
+            return b""
+        self.stream_id = self.stream_id or body.get("id")
+        choices = [{**c, "index": index} for c in body.get("choices", [])]
+        return _event({**body, "id": self.stream_id, "choices": choices})
+
+
+def _event(body: dict) -> bytes:
+    return b"data: " + json.dumps(body).encode() + SSE_EVENT_END
