@@ -5,7 +5,10 @@ Order of operations (vLLM's): suppress stop tokens before `min_new_tokens`; pena
 style); greedy rows take the argmax; sampled rows divide by temperature, keep the top-k, the
 top-p nucleus and tokens with at least min_p times the top probability, then draw. A request
 with a seed draws from its own generator, so its tokens do not depend on what else is batched
-with it. Reported logprobs are those of the raw model distribution.
+with it; the generator is seeded afresh for each output position (`position_seed`), so the
+draws for a position depend only on the seed and the position, never on how many draws came
+before on this engine: a request handed from a prefill to a decode engine draws what it would
+have drawn in one. Reported logprobs are those of the raw model distribution.
 
 Whatever the settings, a row always yields a valid token id: `SamplingParams` bounds keep the
 arithmetic finite, and a row that still ends with no probability mass (every token banned or
@@ -21,6 +24,25 @@ import torch
 from pdserve.engine.request import Request
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
+_U64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed for output token `position` of a request seeded with `seed`:
+    splitmix64 of the two, so nearby seeds and positions give unrelated streams."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
+
+
+def generator_at(request: Request) -> torch.Generator | None:
+    """A seeded request's generator, set for the request's next output token (None when
+    the request has no seed)."""
+    if request.generator is not None:
+        seed = position_seed(request.sampling_params.seed, request.num_output_tokens)
+        request.generator.manual_seed(seed)
+    return request.generator
 
 
 @dataclass
@@ -94,7 +116,7 @@ class Sampler:
             drawn[unseeded] = torch.multinomial(probs[unseeded], 1)[:, 0]
         for i, request in enumerate(requests):
             if request.generator is not None:
-                drawn[i] = torch.multinomial(probs[i], 1, generator=request.generator)[0]
+                drawn[i] = torch.multinomial(probs[i], 1, generator=generator_at(request))[0]
         return drawn
 
 

@@ -19,7 +19,7 @@ from pdserve.engine.attention import AttentionContext
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampler import filtered_probs
+from pdserve.engine.sampler import filtered_probs, generator_at
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.speculative import registry
 from pdserve.speculative.algorithm import SpeculativeAlgorithm
@@ -231,9 +231,8 @@ class SpeculativeEngine(Engine):
         if params.greedy:
             path, bonus = accept_greedy(tree, logits.argmax(dim=-1).tolist())
         else:
-            path, bonus = accept_sampling(
-                tree, lambda r: filtered_probs(logits[r : r + 1], [params])[0], request.generator
-            )
+            probs = lambda r: filtered_probs(logits[r : r + 1], [params])[0]  # noqa: E731
+            path, bonus = accept_sampling(tree, probs, generator_at(request))
         return path, self._emitted(tree, path, bonus, raw, params)
 
     @staticmethod

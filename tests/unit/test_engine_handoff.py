@@ -31,9 +31,9 @@ def run_to_end(engine) -> dict:
     return outputs
 
 
-def prefill(engine, request_id, prompt):
+def prefill(engine, request_id, prompt, params=GREEDY):
     """Prefill only: one token, pages kept for the transfer."""
-    params = dataclasses.replace(GREEDY, max_new_tokens=1)
+    params = dataclasses.replace(params, max_new_tokens=1)
     engine.add_request(request_id, prompt, params, hold_pages=True)
     first = run_to_end(engine)[request_id]
     return first[0], engine.held[request_id].pages
@@ -49,17 +49,23 @@ def engines(tiny_model_dirs):
     )
 
 
-def test_handoff_by_gather_and_scatter_equals_colocated(engines):
+SEEDED = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_handoff_by_gather_and_scatter_equals_colocated(engines, params):
+    """Seeded: the decode engine's draws continue where the prefill engine's left off (the
+    first draw there is for the second output token), as in one colocated engine."""
     engine_p, engine_d, model = engines
     prompts = random_prompts((1, 5, 37), 1000, seed=8)
-    expected = [o.token_ids for o in LLM(model, device="cpu").generate(prompts, GREEDY)]
+    expected = [o.token_ids for o in LLM(model, device="cpu").generate(prompts, params)]
     for i, prompt in enumerate(prompts):
-        first, pages_p = prefill(engine_p, f"r{i}", prompt)
+        first, pages_p = prefill(engine_p, f"r{i}", prompt, params)
         pages_d = engine_d.reserve_pages(len(prompt))
         kv = KVStager([engine_p.kv_pool]).gather([pages_p])
         KVStager([engine_d.kv_pool]).scatter([pages_d], kv)
         assert engine_p.release_held(f"r{i}") == pages_p
-        output = engine_d.add_prebuilt(f"r{i}", prompt, GREEDY, pages_d, first)
+        output = engine_d.add_prebuilt(f"r{i}", prompt, params, pages_d, first)
         rest = run_to_end(engine_d)[f"r{i}"]
         assert [first, *rest] == expected[i] and output.new_token_ids == [first]
     assert engine_p.allocator.num_used == 0 and engine_d.allocator.num_used == 0

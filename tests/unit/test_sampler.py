@@ -78,16 +78,25 @@ def test_seeded_rows_reproduce_regardless_of_batch():
     params = SamplingParams(temperature=1.0, seed=1234)
     sampler = Sampler((EOS,))
 
-    def run(count):
-        reqs = requests_for(params, count)
+    def run(count, output=()):
+        reqs = requests_for(params, count, output=list(output))
+        drawn = []
         for r in reqs:
             r.generator = sampler.make_generator(1234, torch.device("cpu"))
-        return [sampler(fixed_logits(count), reqs).token_ids[0] for _ in range(20)]
+        for _ in range(20):
+            tokens = sampler(fixed_logits(count), reqs).token_ids
+            for request, token in zip(reqs, tokens, strict=True):
+                request.append_token(token)
+            drawn.append(tokens[0])
+        return drawn
 
     alone = run(1)
     assert alone == run(1)
     assert alone == run(7)
     assert len(set(alone)) > 1
+    # A draw depends on the seed and the output position only: a request that arrives with
+    # 5 tokens already drawn elsewhere (a handoff) continues the same sequence.
+    assert run(1, output=alone[:5])[:15] == alone[5:]
 
 
 def test_min_new_tokens_suppresses_eos_and_stop_ids():
