@@ -155,6 +155,53 @@ def test_decode_killed_mid_stream(fresh):
     cluster.wait_all_free()
 
 
+def test_a_fanout_room_whose_decode_worker_dies_ends_the_request_and_every_room(fresh):
+    """n=4 streamed over two decode workers (round robin: two rooms each); one decode worker
+    dies mid-stream: the merged stream ends with a clear error, and every other room ends
+    too (its pages freed on the prefill and the surviving decode worker)."""
+    cluster = fresh(num_decode=2)
+    victim, survivor = cluster.decode
+    body = {
+        "prompt": [11, 12, 13],
+        "n": 4,
+        "max_tokens": 1500,
+        "temperature": 0.8,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    lines: list[str] = []
+    started = time.monotonic()
+    url = cluster.router.url + "/v1/completions"
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                lines.append(line)
+            if len(lines) == 8:
+                assert cluster.state(survivor)["num_running"] == 2
+                _kill(victim)
+    assert time.monotonic() - started < DEADLINE_S
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    assert '"error"' in lines[-2] and "decode worker failed" in lines[-2]
+    cluster.wait_all_free()
+    assert cluster.state(survivor)["num_running"] == 0
+
+
+def test_a_fanout_client_that_leaves_mid_stream_ends_every_room(shared):
+    body = {"prompt": ["a b", "c d e"], "n": 2, "max_tokens": 1000, "ignore_eos": True}
+    with httpx.stream(
+        "POST", shared.router.url + "/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as response:
+        assert response.status_code == 200
+        received = 0
+        for line in response.iter_lines():
+            received += line.startswith("data:")
+            if received == 6:
+                assert shared.state(shared.decode[0])["num_running"] == 4
+                break  # leaving the block closes the connection mid-stream
+    shared.wait_all_free(deadline_s=10)
+
+
 def test_prefill_rejects_an_oversize_prompt(shared):
     started = time.monotonic()
     response = shared.router.post("/generate", _generate_body(TOO_LONG_FOR_PREFILL))
