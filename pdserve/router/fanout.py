@@ -29,11 +29,13 @@ ERROR_STATUS = {"invalid_request_error": 400, "rate_limit_error": 429}  # by err
 
 
 class TooManyRooms(ValueError):
-    """The request asks for more rooms (prompts x choices) than the router allows."""
+    """The request asks for more rooms (prompts x choices) than the router allows (400), or
+    its rooms' bodies would add up to more bytes than it allows (413)."""
 
-    def __init__(self, message: str, param: str):
+    def __init__(self, message: str, param: str | None, status: int = 400):
         super().__init__(message)
         self.param = param
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -45,56 +47,62 @@ class Part:
     first_of_prompt: bool
 
 
-def split(endpoint: str, body: dict[str, Any], limit: int) -> list[Part]:
+def split(endpoint: str, body: dict[str, Any], limit: int, max_bytes: int) -> list[Part]:
     """The rooms of a request, in choice order; one part (the body as it is) for a single
-    prompt with n = 1, or for a body the router cannot split."""
-    prompts = _prompts(endpoint, body)
+    prompt with n = 1, or for a body the router cannot split. Raises TooManyRooms past
+    `limit` rooms (before any room's body is built) or `max_bytes` of room bodies in all
+    (each room carries the body's other fields: 128 choices of a long prompt, or a prompt
+    list beside a large field, would multiply what the router sends)."""
+    key, prompts = _prompts(endpoint, body)
     n = body.get("n", 1)
     choices = n if type(n) is int and 2 <= n <= MAX_N else 1
-    if prompts is None and choices == 1:
+    if key is None and choices == 1:
         return [Part(body, True)]
-    if len(prompts or [None]) * choices > limit:
-        count = f"{len(prompts or [None])} prompts x {choices} choices"
+    if len(prompts) * choices > limit:
         raise TooManyRooms(
-            f"{count} is over this router's limit of {limit} per request (--max-rooms-per-request)",
-            param="n" if choices > 1 else _prompt_key(endpoint, body),
+            f"{len(prompts)} prompts x {choices} choices is over this router's limit of "
+            f"{limit} rooms per request (--max-rooms-per-request)",
+            param="n" if choices > 1 else key,
         )
-    parts = []
-    for p, prompt in enumerate(prompts or [None]):
+    parts, size = [], 0
+    for p, prompt in enumerate(prompts):
         for choice in range(choices):
             part = dict(body)
-            if prompt is not None:
-                key, value = prompt
-                part[key] = value
+            if key is not None:
+                part[key] = prompt
                 if endpoint == "/generate" and isinstance(body.get("rid"), str):
                     part["rid"] = f"{body['rid']}-{p}"
             if choices > 1:
                 part["n"] = 1
                 if type(body.get("seed")) is int and INT64_MIN <= body["seed"] <= INT64_MAX:
                     part["seed"] = (body["seed"] + choice - INT64_MIN) % (1 << 64) + INT64_MIN
+            if choice == 0:
+                # NOTE: a prompt's choices differ only in their seed: measured once.
+                size += len(json.dumps(part)) * choices
+                if size > max_bytes:
+                    raise TooManyRooms(
+                        f"its {len(prompts) * choices} rooms would carry over {max_bytes} "
+                        "bytes in all (twice the router's --max-body-size)",
+                        param=None,
+                        status=413,
+                    )
             parts.append(Part(part, choice == 0))
     return parts
 
 
-def _prompt_key(endpoint: str, body: dict) -> str:
-    if endpoint == "/generate":
-        return "text" if "text" in body else "input_ids"
-    return "prompt"
-
-
-def _prompts(endpoint: str, body: dict) -> list[tuple[str, Any]] | None:
-    """(field, value) per prompt of a prompt list; None for one prompt or a body whose
-    prompts are not a non-empty list of strings or of token-id lists."""
+def _prompts(endpoint: str, body: dict) -> tuple[str | None, list]:
+    """The field holding a prompt list and the list; (None, [one entry]) for one prompt or
+    a body whose prompts are not a non-empty list of strings or of token-id lists."""
     if endpoint == "/v1/completions":
         prompt = body.get("prompt")
         if _is_list_of(prompt, str) or _is_list_of(prompt, list):
-            return [("prompt", p) for p in prompt]
+            return "prompt", prompt
     elif endpoint == "/generate":
         if _is_list_of(body.get("text"), str) and body.get("input_ids") is None:
-            return [("text", t) for t in body["text"]]
+            return "text", body["text"]
         if _is_list_of(body.get("input_ids"), list) and body.get("text") is None:
-            return [("input_ids", ids) for ids in body["input_ids"]]
-    return None
+            return "input_ids", body["input_ids"]
+    return None, [None]
 
 
 def _is_list_of(value: Any, kind: type) -> bool:

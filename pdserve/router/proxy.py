@@ -104,9 +104,12 @@ class Proxy:
         deadline = started + self.config.request_timeout_s
         stream = body.get("stream") is True
         try:
-            parts = split(endpoint, body, self.config.max_rooms_per_request)
+            parts = split(
+                endpoint, body, self.config.max_rooms_per_request, 2 * self.config.max_body_bytes
+            )
         except TooManyRooms as e:
-            response = error_response(400, str(e), "too_many_rooms", _reply(headers), e.param)
+            code = "too_many_rooms" if e.status == 400 else "body_too_large"
+            response = error_response(e.status, str(e), code, _reply(headers), e.param)
             return self._done(endpoint, started, response)
         bodies = [part.body for part in parts]
         attempt = asyncio.ensure_future(self._open_all(endpoint, bodies, headers, stream, deadline))
@@ -226,8 +229,12 @@ class Proxy:
 
     async def _open(self, pair: Pair, endpoint, body, headers, stream, deadline) -> _Legs:
         leg_body = with_bootstrap(body, pair)
-        prefill_body = {**leg_body, "stream": False}
-        prefill_body.pop("stream_options", None)
+        prefill_body = dict(leg_body)
+        if stream:
+            # NOTE: only a valid `stream` is overridden: a wrong one (e.g. "true") must reach
+            # both workers, so that prefill refuses it too instead of starting the work.
+            prefill_body["stream"] = False
+            prefill_body.pop("stream_options", None)
         self.prefill.acquire(pair.prefill)
         self.decode.acquire(pair.decode)
         prefill = asyncio.create_task(

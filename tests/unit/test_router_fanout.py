@@ -23,7 +23,7 @@ from tests.unit.fake_workers import FakeWorkers, worker_error
 
 def test_rooms_come_prompt_by_prompt_then_choice_by_choice_with_colocated_seeds():
     body = {"prompt": ["a", "b"], "n": 3, "seed": INT64_MAX - 1, "max_tokens": 4}
-    parts = split("/v1/completions", body, limit=16)
+    parts = split("/v1/completions", body, limit=16, max_bytes=1 << 20)
     rooms = [(p.body["prompt"], p.body["seed"], p.body["n"]) for p in parts]
     # NOTE: seed + choice wraps within int64, as colocated `seeds_for` does.
     seeds = [INT64_MAX - 1, INT64_MAX, -(1 << 63)]
@@ -33,15 +33,15 @@ def test_rooms_come_prompt_by_prompt_then_choice_by_choice_with_colocated_seeds(
 
 
 def test_token_id_prompts_and_generate_batches_split_one_room_per_prompt():
-    parts = split("/v1/completions", {"prompt": [[1, 2], [3]]}, limit=16)
+    parts = split("/v1/completions", {"prompt": [[1, 2], [3]]}, limit=16, max_bytes=1 << 20)
     assert [p.body["prompt"] for p in parts] == [[1, 2], [3]]
     batch = {"input_ids": [[1], [2, 3]], "rid": "job", "sampling_params": {}}
-    parts = split("/generate", batch, limit=16)
+    parts = split("/generate", batch, limit=16, max_bytes=1 << 20)
     assert [(p.body["input_ids"], p.body["rid"]) for p in parts] == [
         ([1], "job-0"),
         ([2, 3], "job-1"),
     ]
-    parts = split("/generate", {"text": ["x", "y", "z"]}, limit=16)
+    parts = split("/generate", {"text": ["x", "y", "z"]}, limit=16, max_bytes=1 << 20)
     assert [p.body["text"] for p in parts] == ["x", "y", "z"]
 
 
@@ -62,21 +62,26 @@ def test_token_id_prompts_and_generate_batches_split_one_room_per_prompt():
     ],
 )
 def test_what_the_router_cannot_split_goes_on_as_it_is(endpoint, body):
-    (part,) = split(endpoint, body, limit=16)
+    (part,) = split(endpoint, body, limit=16, max_bytes=1 << 20)
     assert part.body is body
 
 
 def test_a_seed_out_of_range_is_not_wrapped_into_a_valid_one():
-    parts = split("/v1/chat/completions", {"messages": [], "n": 2, "seed": 1 << 64}, limit=4)
+    parts = split(
+        "/v1/chat/completions",
+        {"messages": [], "n": 2, "seed": 1 << 64},
+        limit=4,
+        max_bytes=1 << 20,
+    )
     assert [p.body["seed"] for p in parts] == [1 << 64, 1 << 64]  # the worker refuses it
 
 
 def test_more_rooms_than_the_limit_is_refused_naming_the_field():
     with pytest.raises(TooManyRooms, match="3 prompts x 2 choices") as e:
-        split("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2}, limit=5)
+        split("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2}, limit=5, max_bytes=1 << 20)
     assert e.value.param == "n"
     with pytest.raises(TooManyRooms) as e:
-        split("/generate", {"text": ["a", "b"]}, limit=1)
+        split("/generate", {"text": ["a", "b"]}, limit=1, max_bytes=1 << 20)
     assert e.value.param == "text"
 
 
@@ -224,6 +229,17 @@ def test_a_room_that_fails_mid_stream_ends_the_merged_stream_with_its_error():
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["error"]["message"] == "transfer failed"
+
+
+def test_rooms_that_would_multiply_a_large_body_are_refused_with_413():
+    body = {"prompt": "x" * 1000, "n": 100}
+    with pytest.raises(TooManyRooms, match="over 50000 bytes") as e:
+        split("/v1/completions", body, limit=256, max_bytes=50_000)
+    assert e.value.status == 413
+    junk = {"prompt": ["a", "b", "c"], "unused": "y" * 1000}
+    with pytest.raises(TooManyRooms):
+        split("/v1/completions", junk, limit=256, max_bytes=2500)
+    assert len(split("/v1/completions", junk, limit=256, max_bytes=4000)) == 3
 
 
 def test_too_many_rooms_is_a_400_before_any_worker_is_asked():
