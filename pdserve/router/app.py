@@ -20,11 +20,12 @@ import uuid
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Discovery
-from pdserve.router.errors import error_response
+from pdserve.router.errors import error_response, http_error_handler, internal_error_handler
 from pdserve.router.health import HealthChecker
 from pdserve.router.intake import ApiKeyMiddleware, BadBody, client_left, read_json_body
 from pdserve.router.metrics import RouterMetrics
@@ -90,6 +91,8 @@ def build_router_app(
                     await health_task
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.add_exception_handler(HTTPException, http_error_handler)
+    app.add_exception_handler(Exception, internal_error_handler)
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=OPEN_PATHS)
 
     @app.get("/health")

@@ -5,19 +5,17 @@ from __future__ import annotations
 import json
 
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-}
+from pdserve.protocol import api_errors
+from pdserve.protocol.api_errors import FRAMEWORK_CODES, framework_error_message
 
 
-def error_body(status: int, message: str, code: str | None = None, param: str | None = None):
-    kind = _TYPES.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+def error_body(
+    status: int, message: str, code: str | None = None, param: str | None = None
+) -> dict:
+    return api_errors.error_body(status, message, param=param, code=code)
 
 
 def error_response(
@@ -25,6 +23,22 @@ def error_response(
 ):
     body = error_body(status, message, code, param)
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def http_error_handler(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown path, wrong method) in OpenAI's shape, with their
+    headers (a 405's Allow)."""
+    headers = dict(exc.headers or {})
+    message = framework_error_message(
+        exc.status_code, str(exc.detail), request.method, request.url.path, headers.get("Allow")
+    )
+    return error_response(exc.status_code, message, FRAMEWORK_CODES.get(exc.status_code), headers)
+
+
+async def internal_error_handler(_request: Request, _exc: Exception) -> JSONResponse:
+    """A bug: 500 in OpenAI's shape (the traceback goes to the log, not to the client)."""
+    message = "internal error in the router; its log has the traceback"
+    return error_response(500, message, FRAMEWORK_CODES[500])
 
 
 def error_event(status: int, message: str, code: str | None = None) -> bytes:

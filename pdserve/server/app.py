@@ -25,6 +25,7 @@ from pdserve.server.errors import (
     APIError,
     api_error_handler,
     http_error_handler,
+    internal_error_handler,
     validation_error_handler,
 )
 from pdserve.server.generation import ServerState
@@ -85,6 +86,7 @@ def build_app(
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(Exception, internal_error_handler)
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):

@@ -9,22 +9,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "server_error",
-    500: "server_error",
-}
+from pdserve.protocol.api_errors import FRAMEWORK_CODES, error_body, framework_error_message
 
 
 class APIError(Exception):
     def __init__(
         self, status: int, message: str, *, param: str | None = None, code: str | None = None
     ):
-        # NOTE: a message may quote client input; keep it encodable whatever that held.
+        # NOTE: a message may quote client input and travel on (a room's failure reason):
+        # keep it encodable whatever that held.
         message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
@@ -33,17 +26,10 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": _TYPES.get(self.status, "server_error"),
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return error_body(self.status, self.message, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
     def sse(self) -> str:
         """The error as a Server-Sent Event, for failures after streaming started."""
@@ -58,9 +44,21 @@ async def api_error_handler(_request: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
-async def http_error_handler(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """Starlette's own errors (unknown path, wrong method, unreadable body) in OpenAI's shape."""
-    return APIError(exc.status_code, str(exc.detail)).response()
+async def http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown path, wrong method, a body too large) in OpenAI's
+    shape, with their headers (a 405's Allow)."""
+    headers = dict(exc.headers or {})
+    message = framework_error_message(
+        exc.status_code, str(exc.detail), request.method, request.url.path, headers.get("Allow")
+    )
+    code = FRAMEWORK_CODES.get(exc.status_code)
+    return APIError(exc.status_code, message, code=code).response(headers)
+
+
+async def internal_error_handler(_request: Request, _exc: Exception) -> JSONResponse:
+    """A bug: 500 in OpenAI's shape (the traceback goes to the log, not to the client)."""
+    message = "internal error in the worker; its log has the traceback"
+    return APIError(500, message, code=FRAMEWORK_CODES[500]).response()
 
 
 async def validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -89,5 +87,24 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error") or first.get("msg", "")
         return bad_request(f"invalid JSON body: {detail}").response()
-    message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "")
+    message = first.get("msg", "invalid value")
+    if first.get("type", "").endswith("_type") and "input" in first:
+        # NOTE: types are strict (no "4" or true for 4): say what came instead.
+        message += f", got {_json_kind(first['input'])}"
+    message = f"{param}: {message}" if param else message
     return bad_request(message or "invalid request", param=param).response()
+
+
+_JSON_KINDS = [
+    (bool, "a boolean"),
+    (int, "an integer"),
+    (float, "a float"),
+    (str, "a string"),
+    (list, "an array"),
+    (dict, "an object"),
+    (type(None), "null"),
+]
+
+
+def _json_kind(value) -> str:
+    return next((kind for python, kind in _JSON_KINDS if isinstance(value, python)), "a value")

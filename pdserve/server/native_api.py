@@ -58,7 +58,10 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
 class GenerateBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Types are strict (see openai_protocol); `sampling_params`' values are checked, as
+    strictly, by SamplingParams."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -74,6 +77,8 @@ class GenerateBody(BaseModel):
 
 
 class AbortRoomBody(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     bootstrap_room: int = Field(ge=0, le=MAX_ROOM)
     bootstrap_host: str | None = Field(default=None, max_length=255)
     bootstrap_port: int | None = Field(default=None, ge=1, le=65535)

@@ -33,7 +33,11 @@ from pdserve.server.generation import (
     seeds_for,
 )
 from pdserve.server.json_body import StrictJSONRoute
-from pdserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.server.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_supported,
+)
 from pdserve.server.streaming import WatchfulStreamingResponse
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -66,8 +70,7 @@ async def list_models(request: Request) -> dict:
 async def completions(body: CompletionRequest, request: Request):
     state = _state(request)
     check_model(state, body.model)
-    if body.echo:
-        raise bad_request("echo is not supported", param="echo")
+    check_supported(body)
     _check_completion_sizes(state, body.prompt, body.n)
     # NOTE: tokenization runs in a worker thread so a long prompt never stalls other streams.
     prompts = await asyncio.to_thread(_completion_prompts, state, body.prompt)
@@ -91,6 +94,7 @@ async def completions(body: CompletionRequest, request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = _state(request)
     check_model(state, body.model)
+    check_supported(body)
     if not body.messages:
         raise bad_request("messages must not be empty", param="messages")
     contents = _chat_contents(state, body)

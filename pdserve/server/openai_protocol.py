@@ -1,18 +1,50 @@
 """OpenAI request bodies as vLLM and SGLang accept them (plus their sampling extensions).
 
-Unknown fields are ignored; wrong types are rejected by pydantic and become 400 errors that
-name the field. Range checks live in `SamplingParams`, so every API shares one set of rules.
+Types are strict, as OpenAI's API is typed: `"4"`, `true` or `4.0` where an integer belongs,
+`"0.5"` or `true` where a number belongs and `"true"` or `1` where a boolean belongs are
+refused by pydantic's strict mode (an integer is a number: `temperature: 1` is fine), which
+becomes a 400 naming the field. OpenAI fields this server does not implement are refused
+(`UNSUPPORTED`) rather than silently ignored; other unknown fields are ignored, as vLLM and
+SGLang do. Range checks live in `SamplingParams`, so every API shares one set of rules.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.server.errors import bad_request
+
+# The value of `n`, where a field may equal it (best_of).
+N = object()
+# OpenAI fields this server does not implement, by endpoint, with the values that mean "not
+# used" (accepted; so are absent fields). Any other value is a 400 naming the field.
+UNSUPPORTED: dict[str, dict[str, tuple]] = {
+    "chat": {
+        "tools": (None, []),
+        "tool_choice": (None, "none"),
+        "functions": (None, []),
+        "function_call": (None, "none"),
+        "response_format": (None, {"type": "text"}),
+        "logit_bias": (None, {}),
+        "audio": (None,),
+        "modalities": (None, ["text"]),
+        "prediction": (None,),
+        "web_search_options": (None,),
+    },
+    "completions": {
+        "echo": (None, False),
+        "suffix": (None, ""),
+        "logit_bias": (None, {}),
+        "best_of": (None, 1, N),
+    },
+}
+
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -48,11 +80,20 @@ class SamplingFields(_Body):
     bootstrap_room: int | None = None
 
 
-class CompletionRequest(SamplingFields):
+class _Request(SamplingFields):
+    """A top-level body: keeps its unknown fields (`model_extra`) so that `check_supported`
+    can find the unsupported ones."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    endpoint: ClassVar[str]
+
+
+class CompletionRequest(_Request):
+    endpoint: ClassVar[str] = "completions"
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
 
 
 class ChatMessage(_Body):
@@ -61,10 +102,31 @@ class ChatMessage(_Body):
     name: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(_Request):
+    endpoint: ClassVar[str] = "chat"
+
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+
+
+def check_supported(body: _Request) -> None:
+    """Refuse (400 naming the field) the first field of UNSUPPORTED the body uses."""
+    extra = body.model_extra or {}
+    for field, unused in UNSUPPORTED[body.endpoint].items():
+        value = extra.get(field)
+        accepted = [body.n if u is N else u for u in unused]
+        if not any(_same(value, u) for u in accepted):
+            alternatives = " or ".join(
+                "the value of n" if u is N else json.dumps(u) for u in unused if u is not None
+            )
+            instead = f"omit it or send {alternatives}" if alternatives else "omit it"
+            raise bad_request(f"{field} is not supported by this server; {instead}", field)
+
+
+def _same(value: Any, unused: Any) -> bool:
+    """Equal and of the same JSON type (`true == 1` in Python)."""
+    return type(value) is type(unused) and value == unused

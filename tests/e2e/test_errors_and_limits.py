@@ -5,11 +5,18 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from pdserve.server.openai_protocol import UNSUPPORTED
 from tests.e2e.conftest import start_server, stop_server
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+GENERATE = "/generate"
 USER = [{"role": "user", "content": "hi"}]
+MINIMAL = {
+    COMPLETIONS: {"prompt": "hello", "max_tokens": 2},
+    CHAT: {"messages": USER, "max_tokens": 2},
+    GENERATE: {"text": "hello", "sampling_params": {"max_new_tokens": 2}},
+}
 
 
 def body_with(served_model, **fields):
@@ -118,3 +125,139 @@ def test_full_waiting_queue_answers_429(guarded):
     assert 429 in statuses and 200 in statuses, statuses
     assert set(statuses) <= {200, 429}
     assert guarded.get("/health").status_code == 200
+
+
+def assert_error(response, status: int, param: str | None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    return error
+
+
+# A string, a bool or a float where an integer belongs; a string or a bool where a number
+# belongs; a string or an integer where a boolean belongs. OpenAI's API is typed.
+TYPE_CONFUSIONS = [
+    (COMPLETIONS, {"max_tokens": "4"}, "max_tokens"),
+    (COMPLETIONS, {"max_tokens": True}, "max_tokens"),  # it used to be 1 token
+    (COMPLETIONS, {"max_tokens": 4.0}, "max_tokens"),
+    (CHAT, {"max_tokens": "4"}, "max_tokens"),
+    (CHAT, {"max_completion_tokens": True}, "max_completion_tokens"),
+    (COMPLETIONS, {"n": "2"}, "n"),
+    (CHAT, {"n": 2.0}, "n"),
+    (COMPLETIONS, {"temperature": "0.5"}, "temperature"),
+    (CHAT, {"temperature": True}, "temperature"),
+    (COMPLETIONS, {"top_k": "5"}, "top_k"),
+    (COMPLETIONS, {"stream": "true"}, "stream"),
+    (CHAT, {"stream": 1}, "stream"),
+    (CHAT, {"stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    (COMPLETIONS, {"seed": "1"}, "seed"),
+    (CHAT, {"seed": True}, "seed"),
+    (CHAT, {"logprobs": "yes"}, "logprobs"),
+    (CHAT, {"logprobs": True, "top_logprobs": "2"}, "top_logprobs"),
+    (COMPLETIONS, {"logprobs": True}, "logprobs"),
+    (COMPLETIONS, {"ignore_eos": 1}, "ignore_eos"),
+    (GENERATE, {"sampling_params": {"max_new_tokens": "4"}}, "max_new_tokens"),
+    (GENERATE, {"sampling_params": {"max_new_tokens": True}}, "max_new_tokens"),
+    (GENERATE, {"sampling_params": {"max_new_tokens": 4.0}}, "max_new_tokens"),
+    (GENERATE, {"sampling_params": {"max_new_tokens": 2, "temperature": True}}, "temperature"),
+    (GENERATE, {"sampling_params": {"max_new_tokens": 2, "ignore_eos": 1}}, "ignore_eos"),
+    (GENERATE, {"return_logprob": True, "top_logprobs_num": "2"}, "top_logprobs_num"),
+    (GENERATE, {"return_logprob": "yes"}, "return_logprob"),
+    (GENERATE, {"stream": 1}, "stream"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    TYPE_CONFUSIONS,
+    ids=[f"{path}-{fields}" for path, fields, _ in TYPE_CONFUSIONS],
+)
+def test_a_value_of_the_wrong_type_is_400_naming_the_field(server, path, fields, param):
+    error = assert_error(server.post(path, {**MINIMAL[path], **fields}), 400, param)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_an_integer_is_a_number(server):
+    for path, fields in [
+        (COMPLETIONS, {"temperature": 1, "top_p": 1, "presence_penalty": 0}),
+        (CHAT, {"temperature": 0, "repetition_penalty": 1}),
+        (GENERATE, {"sampling_params": {"max_new_tokens": 2, "temperature": 0, "top_p": 1}}),
+    ]:
+        response = server.post(path, {**MINIMAL[path], **fields})
+        assert response.status_code == 200, response.text
+
+
+UNSUPPORTED_FIELDS = [
+    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    (CHAT, "tool_choice", "auto"),
+    (CHAT, "functions", [{"name": "f", "parameters": {}}]),
+    (CHAT, "function_call", {"name": "f"}),
+    (CHAT, "response_format", {"type": "json_object"}),
+    (CHAT, "logit_bias", {"50": -100}),
+    (CHAT, "audio", {"voice": "alloy", "format": "wav"}),
+    (CHAT, "modalities", ["text", "audio"]),
+    (CHAT, "prediction", {"type": "content", "content": "hello"}),
+    (CHAT, "web_search_options", {}),
+    (COMPLETIONS, "echo", True),
+    (COMPLETIONS, "suffix", " the end"),
+    (COMPLETIONS, "logit_bias", {"50": 5}),
+    (COMPLETIONS, "best_of", 3),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    UNSUPPORTED_FIELDS,
+    ids=[f"{path}-{field}" for path, field, _ in UNSUPPORTED_FIELDS],
+)
+def test_an_unsupported_field_is_400_naming_it(server, path, field, value):
+    error = assert_error(server.post(path, {**MINIMAL[path], field: value}), 400, field)
+    assert f"{field} is not supported" in error["message"], error
+
+
+def test_every_unsupported_field_is_tested():
+    endpoints = {CHAT: "chat", COMPLETIONS: "completions"}
+    tested = {(endpoints[path], field) for path, field, _ in UNSUPPORTED_FIELDS}
+    assert tested == {(e, f) for e, fields in UNSUPPORTED.items() for f in fields}
+
+
+def test_unsupported_fields_that_ask_for_nothing_and_unknown_fields_are_accepted(server):
+    not_used = {
+        CHAT: {
+            "tools": [],
+            "tool_choice": "none",
+            "functions": None,
+            "response_format": {"type": "text"},
+            "logit_bias": {},
+            "modalities": ["text"],
+            "some_extension": {"x": 1},
+        },
+        COMPLETIONS: {
+            "echo": False,
+            "suffix": "",
+            "logit_bias": None,
+            "best_of": 2,
+            "n": 2,
+            "some_extension": 1,
+        },
+    }
+    for path, fields in not_used.items():
+        response = server.post(path, {**MINIMAL[path], **fields})
+        assert response.status_code == 200, response.text
+
+
+def test_unknown_paths_and_wrong_methods_have_openai_errors(server):
+    missing = server.get("/v1/nowhere")
+    error = assert_error(missing, 404, None)
+    assert error["code"] == "not_found" and "/v1/nowhere" in error["message"]
+    for response, allowed in [
+        (server.get(COMPLETIONS), "POST"),
+        (server.get(GENERATE), "POST"),
+        (server.post("/v1/models", {}), "GET"),
+    ]:
+        error = assert_error(response, 405, None)
+        assert error["code"] == "method_not_allowed"
+        assert error["type"] == "invalid_request_error"
+        assert response.headers["allow"] == allowed
+        assert allowed in error["message"]

@@ -172,7 +172,8 @@ def test_a_body_over_the_size_limit_is_413_before_it_is_read(server):
     before = _rss_kb(server.process.pid)
     body = b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
     response = post_raw(server, COMPLETIONS, body)
-    assert_openai_error(response, 413, None)
+    error = assert_openai_error(response, 413, None)
+    assert (error["type"], error["code"]) == ("invalid_request_error", "body_too_large")
     assert _rss_kb(server.process.pid) - before < 200_000
     assert_serving(server)
 

@@ -15,6 +15,7 @@ from pdserve.router.app import build_router_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import LegError
 from pdserve.router.proxy import _leg_error, _raise_if_error_event
+from tests.unit.fake_workers import FakeWorkers
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "pdserve"
 UNREACHABLE = "http://127.0.0.1:9"  # discard port: nothing listens
@@ -161,3 +162,49 @@ def test_router_checks_its_api_key_and_the_body(lonely_router):
         response = lonely_router.post("/generate", content=hostile, headers=auth)
         assert response.status_code == 400, response.text
         assert word in response.json()["error"]["message"]
+
+
+def _openai_error(response, status: int, code: str | None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code, error
+    return error
+
+
+def test_unknown_paths_and_wrong_methods_have_openai_errors(lonely_router):
+    auth = {"Authorization": "Bearer sesame"}
+    error = _openai_error(lonely_router.get("/v1/nowhere", headers=auth), 404, "not_found")
+    assert "/v1/nowhere" in error["message"] and error["type"] == "invalid_request_error"
+    for method, path, allowed in [
+        ("GET", "/v1/completions", "POST"),
+        ("PUT", "/generate", "POST"),
+        ("POST", "/health", "GET"),  # an open path: no key needed
+        ("POST", "/v1/models", "GET"),
+    ]:
+        response = lonely_router.request(method, path, headers=auth)
+        error = _openai_error(response, 405, "method_not_allowed")
+        assert response.headers["allow"] == allowed
+        assert f"{method} is not allowed on {path}; use {allowed}" == error["message"]
+    unauthorized = lonely_router.get("/v1/nowhere")  # the key is checked first
+    _openai_error(unauthorized, 401, "invalid_api_key")
+
+
+def test_a_body_over_the_limit_is_an_openai_413():
+    config = RouterConfig(prefill=((UNREACHABLE, 8998),), decode=(UNREACHABLE,), max_body_bytes=64)
+    with TestClient(build_router_app(config)) as client:
+        response = client.post("/v1/completions", json={"prompt": "x" * 100})
+        error = _openai_error(response, 413, "body_too_large")
+        assert error["type"] == "invalid_request_error"
+
+
+def test_a_bug_in_the_router_is_an_openai_500():
+    async def broken(body):
+        raise RuntimeError("a bug")
+
+    fakes = FakeWorkers(prefill=broken)
+    app = build_router_app(fakes.config(), fakes.transport)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        error = _openai_error(response, 500, "internal_error")
+        assert error["type"] == "server_error" and "a bug" not in error["message"]
