@@ -1,0 +1,302 @@
+"""Disaggregated serving through the router answers what colocated `pdserve serve` answers,
+field for field: token ids, text, every token's logprob and top logprobs, finish and stop
+reasons, usage, speculative counters. For /v1/completions, /v1/chat/completions and
+/generate, streamed and not; greedy and seeded sampling; one token (the prefill worker's
+alone) and several; a stop string; plain and with EAGLE-3 speculative decoding (which takes
+sampling and logprobs as plain decoding does). fp32 on CPU, tcp transfer.
+
+Answers are compared whole after `normalized` drops what differs between any two answers
+(ids, creation times, latencies), so that a field added later is compared too. A stream is
+compared per choice: its concatenated text, its list of logprob entries, its finish chunk, the
+other chunks' fields (without the text and logprobs they carried: chunking is not part of the
+answer) and the usage chunk. Floats agree to FLOAT_TOLERANCE: the prefill worker computes the
+first token in another process, with the same fp32 arithmetic.
+
+Cases are data (`CASES`) sent to shared servers: a new kind of request is a new row (n > 1 and
+prompt lists, once disaggregated workers take them, need only rows: choices are compared by
+index, a /generate list answer item by item).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from pdserve.server.local_process import LocalServer
+from pdserve.speculative.checkpoints import make_tiny_eagle_draft
+from tests.e2e.conftest import START_DEADLINE_S, Server
+from tests.e2e.pd_cluster import begin_cluster
+from tests.e2e.sse import stream_post
+
+ARGS = ("--dtype", "float32", "--max-model-len", "256", "--chunked-prefill-size", "16")
+FLOAT_TOLERANCE = 1e-5
+COMPLETIONS, CHAT, GENERATE = "/v1/completions", "/v1/chat/completions", "/generate"
+ENDPOINT_NAMES = {COMPLETIONS: "completions", CHAT: "chat", GENERATE: "generate"}
+# Over one chunked-prefill chunk (16 tokens) of the tiny tokenizer.
+PROMPT = (
+    "Prefill reads the whole prompt at once and decode writes one token at a time, so the "
+    "two run on separate workers."
+)
+TOP_LOGPROBS = 3
+SAMPLINGS = {
+    "greedy": {"temperature": 0},
+    "seeded": {"temperature": 0.8, "top_p": 0.9, "seed": 1234},
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    path: str
+    body: dict
+    deployment: str = "plain"  # or "speculative": both sides run EAGLE-3
+    # Add a stop string taken from the reference's own answer to this body.
+    stop_word: bool = False
+    label: str = ""  # what else sets this row apart, for its test id
+
+    @property
+    def sampling(self) -> dict:
+        return self.body.get("sampling_params", self.body)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.get("max_new_tokens", self.body.get("max_tokens"))
+
+    @property
+    def name(self) -> str:
+        b = self.body
+        kind = "seeded" if self.sampling.get("seed") is not None else "greedy"
+        parts = [self.deployment, ENDPOINT_NAMES[self.path], kind, f"max{self.max_tokens}"]
+        if b.get("stream"):
+            parts.append("stream")
+        if self.stop_word:
+            parts.append("stop")
+        return "-".join([*parts, self.label] if self.label else parts)
+
+
+def request_body(path: str, sampling: dict, max_tokens: int, stream: bool) -> dict:
+    """One prompt, one choice, logprobs with the top TOP_LOGPROBS, in each API's words."""
+    if path == GENERATE:
+        return {
+            "text": PROMPT,
+            "sampling_params": {**sampling, "max_new_tokens": max_tokens},
+            "return_logprob": True,
+            "top_logprobs_num": TOP_LOGPROBS,
+            "stream": stream,
+        }
+    body = {**sampling, "max_tokens": max_tokens, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if path == COMPLETIONS:
+        return {**body, "prompt": PROMPT, "logprobs": TOP_LOGPROBS}
+    messages = [{"role": "user", "content": PROMPT}]
+    return {**body, "messages": messages, "logprobs": True, "top_logprobs": TOP_LOGPROBS}
+
+
+CASES = [
+    Case(path, request_body(path, sampling, max_tokens, stream), deployment)
+    for deployment, path, stream, sampling, max_tokens in itertools.product(
+        ("plain", "speculative"),
+        (COMPLETIONS, CHAT, GENERATE),
+        (False, True),
+        SAMPLINGS.values(),
+        (6, 1),  # several tokens; the prefill worker's token alone
+    )
+] + [
+    Case(path, request_body(path, SAMPLINGS["greedy"], 8, stream), deployment, stop_word=True)
+    for deployment, path, stream in itertools.product(
+        ("plain", "speculative"), (COMPLETIONS, CHAT, GENERATE), (False, True)
+    )
+]
+
+
+@pytest.fixture(scope="module")
+def deployments(tiny_model_dirs, tmp_path_factory):
+    """name -> (colocated server, cluster of 1 prefill + 1 decode worker behind a router),
+    both with the same flags; all started at once."""
+    model = tiny_model_dirs("llama")
+    draft = make_tiny_eagle_draft(
+        tmp_path_factory.mktemp("fidelity-draft") / "eagle3", model, aux_layer_ids=[0, 1], seed=4
+    )
+    eagle3 = (
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft),
+        "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
+    )  # fmt: skip
+    flags = {"plain": ARGS, "speculative": (*ARGS, *eagle3)}
+    colocated = {
+        name: LocalServer(["serve", "--model-path", model, "--device", "cpu", *args])
+        for name, args in flags.items()
+    }
+    pending = {
+        name: begin_cluster(model, backend="tcp", worker_args=args) for name, args in flags.items()
+    }
+    clusters = {}
+    try:
+        references = {
+            name: Server(local.wait_healthy(START_DEADLINE_S), model)
+            for name, local in colocated.items()
+        }
+        for name, cluster in pending.items():
+            clusters[name] = cluster.ready()
+        yield {name: (references[name], clusters[name]) for name in flags}
+    finally:
+        for name, cluster in pending.items():
+            if name in clusters:
+                clusters[name].stop()
+            else:
+                for local in [*cluster.prefill, *cluster.decode]:
+                    local.stop()
+        for local in colocated.values():
+            local.stop()
+
+
+# ---- what is compared -------------------------------------------------------------------
+
+
+def normalized(body):
+    """A response body (or one streamed event) without what differs between any two answers:
+    ids, creation times, latencies."""
+    if isinstance(body, list):  # /generate with several prompts
+        return [normalized(item) for item in body]
+    body = {k: v for k, v in body.items() if k not in ("id", "created")}
+    if "meta_info" in body:
+        meta = body["meta_info"]
+        body["meta_info"] = {k: v for k, v in meta.items() if k not in ("id", "e2e_latency")}
+    return body
+
+
+def openai_stream(events: list[dict]) -> dict:
+    """An OpenAI stream per choice index: the text and logprob entries its chunks carried,
+    its finish chunk, its other chunks' fields (each distinct one once); and the usage chunk."""
+    choices: dict[int, dict] = {}
+    usage = None
+    for event in map(normalized, events):
+        if not event["choices"]:
+            assert usage is None, "two usage chunks"
+            usage = event
+            continue
+        for choice in event["choices"]:
+            summary = choices.setdefault(
+                choice["index"], {"text": "", "logprobs": [], "finish": None, "chunks": []}
+            )
+            rest = dict(choice)
+            summary["text"] += _pop_text(rest)
+            summary["logprobs"] += _entries(rest.pop("logprobs"))
+            chunk = {**event, "choices": [rest]}
+            if rest["finish_reason"] is not None:
+                assert summary["finish"] is None, f"choice {choice['index']} finished twice"
+                summary["finish"] = chunk
+            elif chunk not in summary["chunks"]:
+                summary["chunks"].append(chunk)
+    return {"choices": choices, "usage": usage}
+
+
+def _pop_text(choice: dict) -> str:
+    if "text" in choice:
+        return choice.pop("text")
+    delta = dict(choice["delta"])
+    text = delta.pop("content", "")
+    choice["delta"] = delta
+    return text
+
+
+def _entries(logprobs: dict | None) -> list[dict]:
+    """A chunk's logprobs as one entry per token: chat's `content` list, or completions'
+    parallel lists (tokens, token_logprobs, top_logprobs, text_offset) zipped."""
+    if logprobs is None:
+        return []
+    return [dict(zip(logprobs, row, strict=True)) for row in zip(*logprobs.values(), strict=True)]
+
+
+def generate_stream(events: list[dict]) -> dict:
+    """A /generate stream per index: its last event (each one carries everything so far)."""
+    return {event["index"]: normalized(event) for event in events}
+
+
+def answer(base_url: str, case: Case, body: dict):
+    """The normalized answer to `body` (a stream summarized as above)."""
+    if not body.get("stream"):
+        response = httpx.post(base_url + case.path, json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return normalized(response.json())
+    status, events = stream_post(base_url + case.path, body, timeout=120)
+    assert status == 200, events
+    assert events and not any("error" in e for e in events), events[-1:]
+    return generate_stream(events) if case.path == GENERATE else openai_stream(events)
+
+
+def assert_same(got, want, where: str = "answer") -> None:
+    """Equal JSON, floats to FLOAT_TOLERANCE; says where the first difference is."""
+    if isinstance(want, float) or isinstance(got, float):
+        assert isinstance(got, int | float) and isinstance(want, int | float), (where, got, want)
+        assert abs(got - want) <= FLOAT_TOLERANCE, f"{where}: {got!r} != {want!r}"
+    elif isinstance(want, dict):
+        assert isinstance(got, dict), f"{where}: {got!r} is not an object"
+        assert got.keys() == want.keys(), f"{where}: keys {sorted(got)} != {sorted(want)}"
+        for key in want:
+            assert_same(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list), f"{where}: {got!r} is not a list"
+        assert len(got) == len(want), f"{where}: {len(got)} items != {len(want)}: {got} {want}"
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same(g, w, f"{where}[{i}]")
+    else:
+        assert type(got) is type(want) and got == want, f"{where}: {got!r} != {want!r}"
+
+
+def values_of(data, key: str) -> list:
+    """Every value of `key` anywhere in a JSON structure."""
+    if isinstance(data, dict):
+        found = [data[key]] if key in data else []
+        return found + [v for value in data.values() for v in values_of(value, key)]
+    if isinstance(data, list):
+        return [v for item in data for v in values_of(item, key)]
+    return []
+
+
+# ---- the cases ----------------------------------------------------------------------------
+
+
+def with_stop_word(reference: Server, case: Case) -> tuple[dict, str]:
+    """The case's body with a stop string: the last word of 3+ letters in the reference's
+    answer without one (so that the stop is met after some tokens, on both sides)."""
+    probe = {k: v for k, v in case.body.items() if k not in ("stream", "stream_options")}
+    response = reference.post(case.path, probe)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    if case.path == GENERATE:
+        text = data["text"]
+    else:
+        choice = data["choices"][0]
+        text = choice["text"] if case.path == COMPLETIONS else choice["message"]["content"]
+    words = re.findall(r"[A-Za-z]{3,}", text)
+    assert words, f"no word in {text!r} to stop at: change the prompt"
+    if case.path == GENERATE:
+        sampling = {**case.body["sampling_params"], "stop": [words[-1]]}
+        return {**case.body, "sampling_params": sampling}, words[-1]
+    return {**case.body, "stop": [words[-1]]}, words[-1]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_disaggregated_answer_equals_colocated(deployments, case):
+    reference, cluster = deployments[case.deployment]
+    body, stop = case.body, None
+    if case.stop_word:
+        body, stop = with_stop_word(reference, case)
+    want = answer(reference.url, case, body)
+    got = answer(cluster.router.url, case, body)
+    assert_same(got, want)
+    # What the comparison covers is there: top logprobs, the stop met, speculation.
+    assert any(values_of(want, "top_logprobs") + values_of(want, "output_top_logprobs")), want
+    if stop is not None:
+        assert stop in values_of(want, "stop_reason") + values_of(want, "matched"), want
+    if case.deployment == "speculative" and case.path == GENERATE and case.max_tokens > 1:
+        assert values_of(want, "spec_verify_ct"), want
+
+
+def test_every_page_is_free_afterwards(deployments):
+    for _, cluster in deployments.values():
+        cluster.wait_all_free()
