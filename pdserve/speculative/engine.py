@@ -103,7 +103,12 @@ class SpeculativeEngine(Engine):
             return []
         drafting, extending = ScheduledBatch(), ScheduledBatch()
         for request, count in zip(batch.requests, batch.num_new_tokens, strict=True):
+            # NOTE: a prompt whose last chunk is one token has a draft state already; its
+            # first token still comes from the sampler, as every other first token does
+            # (verifying a tree draws differently): a seeded request's tokens must not
+            # depend on where the chunks of a batch happened to end.
             ready = request.draft_state is not None and count == 1
+            ready = ready and request.num_output_tokens > 0
             (drafting if ready else extending).add(request, count)
         outputs = self._extend(extending) if extending else []
         if drafting:

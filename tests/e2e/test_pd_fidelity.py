@@ -12,9 +12,9 @@ other chunks' fields (without the text and logprobs they carried: chunking is no
 answer) and the usage chunk. Floats agree to FLOAT_TOLERANCE: the prefill worker computes the
 first token in another process, with the same fp32 arithmetic.
 
-Cases are data (`CASES`) sent to shared servers: a new kind of request is a new row (n > 1 and
-prompt lists, once disaggregated workers take them, need only rows: choices are compared by
-index, a /generate list answer item by item).
+Cases are data (`CASES`) sent to shared servers: a new kind of request is a new row. Rows with
+n > 1 and prompt lists go through the router's fan-out (a room per prompt and choice, merged
+back): choices are compared by index, a /generate list answer item by item.
 """
 
 from __future__ import annotations
@@ -109,6 +109,26 @@ CASES = [
     Case(path, request_body(path, SAMPLINGS["greedy"], 8, stream), deployment, stop_word=True)
     for deployment, path, stream in itertools.product(
         ("plain", "speculative"), (COMPLETIONS, CHAT, GENERATE), (False, True)
+    )
+]
+
+# Several choices and several prompts: one room each through the router, merged back.
+PROMPTS = [PROMPT, "A second prompt, shorter.", "And a third"]
+FANOUTS = [
+    (COMPLETIONS, {"n": 3}, "n3"),
+    (CHAT, {"n": 3}, "n3"),
+    (COMPLETIONS, {"prompt": PROMPTS}, "list3"),
+    (COMPLETIONS, {"prompt": PROMPTS[:2], "n": 2}, "list2xn2"),
+    (GENERATE, {"text": PROMPTS}, "list3"),
+]
+CASES += [
+    Case(path, {**request_body(path, sampling, 5, stream), **extra}, deployment, label=label)
+    for path, extra, label in FANOUTS
+    for stream in (False, True)
+    for sampling, deployment in (
+        (SAMPLINGS["greedy"], "plain"),
+        (SAMPLINGS["seeded"], "plain"),
+        (SAMPLINGS["seeded"], "speculative"),
     )
 ]
 

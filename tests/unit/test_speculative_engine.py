@@ -150,6 +150,20 @@ def test_seeded_sampling_runs_and_reproduces(tiny_model_dirs, drafts):
     assert llm.engine.allocator.num_used == 0
 
 
+def test_seeded_tokens_do_not_depend_on_where_a_batchs_chunks_end(tiny_model_dirs, drafts):
+    """With 8-token chunks, the second prompt (7 tokens) is prefilled 7 - 1 tokens beside
+    the first one's tail and then has one prompt token left, with a draft state already: its
+    first token must still be drawn as when it runs alone (by the sampler at position 0,
+    not by a tree verification), so that seeded output is the same in any batch."""
+    llm = spec_llm(tiny_model_dirs("llama"), "EAGLE3", drafts["EAGLE3"], TREE,
+                   chunked_prefill_size=8)  # fmt: skip
+    params = SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    prompts = random_prompts((10, 7), 1000, seed=2)
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    assert together == alone
+
+
 def test_standalone_draft_of_another_width_including_empty_batches(tiny_model_dirs, tmp_path):
     """Target hidden size 64, draft 32: no hidden state crosses, nothing is sized from the
     target; empty batches pass through every hook."""
