@@ -317,6 +317,32 @@ def test_disaggregated_answer_equals_colocated(deployments, case):
         assert values_of(want, "spec_verify_ct"), want
 
 
+# ---- what a disaggregated cluster refuses, it refuses as colocated does ---------------------
+
+TYPE_CONFUSION = [
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": "4"}, "max_tokens"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    (COMPLETIONS, {"prompt": "hi", "n": "2"}, "n"),
+    (COMPLETIONS, {"prompt": ["hi", 3]}, "prompt"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "stream": "true"}, "stream"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "tools": [{"x": 1}]}, "tools"),
+    (GENERATE, {"text": "hi", "sampling_params": {"max_new_tokens": 4.0}}, "max_new_tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), TYPE_CONFUSION)
+def test_a_wrong_type_is_the_same_400_through_the_router(deployments, path, body, param):
+    """The router passes what it cannot split to the workers, which refuse it as a
+    colocated worker does; a client's 400 is not a worker failure in the router's metrics."""
+    reference, cluster = deployments["plain"]
+    want = reference.post(path, body)
+    got = cluster.router.post(path, body)
+    assert want.status_code == got.status_code == 400, (want.text, got.text)
+    assert param in (got.json()["error"]["param"] or got.json()["error"]["message"])
+    assert got.json()["error"]["param"] == want.json()["error"]["param"]
+    assert "leg_failures_total{" not in cluster.router.get("/metrics").text
+
+
 def test_every_page_is_free_afterwards(deployments):
     for _, cluster in deployments.values():
         cluster.wait_all_free()
