@@ -9,8 +9,8 @@ Answers are compared whole after `normalized` drops what differs between any two
 (ids, creation times, latencies), so that a field added later is compared too. A stream is
 compared per choice: its concatenated text, its list of logprob entries, its finish chunk, the
 other chunks' fields (without the text and logprobs they carried: chunking is not part of the
-answer) and the usage chunk. Floats agree to FLOAT_TOLERANCE: the prefill worker computes the
-first token in another process, with the same fp32 arithmetic.
+answer) and the usage chunk (tests/e2e/answers.py). Floats agree to 1e-5: the prefill worker
+computes the first token in another process, and batches of other shapes round differently.
 
 Cases are data (`CASES`) sent to shared servers: a new kind of request is a new row. Rows with
 n > 1 and prompt lists go through the router's fan-out (a room per prompt and choice, merged
@@ -28,12 +28,12 @@ import pytest
 
 from pdserve.server.local_process import LocalServer
 from pdserve.speculative.checkpoints import make_tiny_eagle_draft
+from tests.e2e.answers import assert_same, generate_stream, normalized, openai_stream, values_of
 from tests.e2e.conftest import START_DEADLINE_S, Server
 from tests.e2e.pd_cluster import begin_cluster
 from tests.e2e.sse import stream_post
 
 ARGS = ("--dtype", "float32", "--max-model-len", "256", "--chunked-prefill-size", "16")
-FLOAT_TOLERANCE = 1e-5
 COMPLETIONS, CHAT, GENERATE = "/v1/completions", "/v1/chat/completions", "/generate"
 ENDPOINT_NAMES = {COMPLETIONS: "completions", CHAT: "chat", GENERATE: "generate"}
 # Over one chunked-prefill chunk (16 tokens) of the tiny tokenizer.
@@ -176,66 +176,6 @@ def deployments(tiny_model_dirs, tmp_path_factory):
 # ---- what is compared -------------------------------------------------------------------
 
 
-def normalized(body):
-    """A response body (or one streamed event) without what differs between any two answers:
-    ids, creation times, latencies."""
-    if isinstance(body, list):  # /generate with several prompts
-        return [normalized(item) for item in body]
-    body = {k: v for k, v in body.items() if k not in ("id", "created")}
-    if "meta_info" in body:
-        meta = body["meta_info"]
-        body["meta_info"] = {k: v for k, v in meta.items() if k not in ("id", "e2e_latency")}
-    return body
-
-
-def openai_stream(events: list[dict]) -> dict:
-    """An OpenAI stream per choice index: the text and logprob entries its chunks carried,
-    its finish chunk, its other chunks' fields (each distinct one once); and the usage chunk."""
-    choices: dict[int, dict] = {}
-    usage = None
-    for event in map(normalized, events):
-        if not event["choices"]:
-            assert usage is None, "two usage chunks"
-            usage = event
-            continue
-        for choice in event["choices"]:
-            summary = choices.setdefault(
-                choice["index"], {"text": "", "logprobs": [], "finish": None, "chunks": []}
-            )
-            rest = dict(choice)
-            summary["text"] += _pop_text(rest)
-            summary["logprobs"] += _entries(rest.pop("logprobs"))
-            chunk = {**event, "choices": [rest]}
-            if rest["finish_reason"] is not None:
-                assert summary["finish"] is None, f"choice {choice['index']} finished twice"
-                summary["finish"] = chunk
-            elif chunk not in summary["chunks"]:
-                summary["chunks"].append(chunk)
-    return {"choices": choices, "usage": usage}
-
-
-def _pop_text(choice: dict) -> str:
-    if "text" in choice:
-        return choice.pop("text")
-    delta = dict(choice["delta"])
-    text = delta.pop("content", "")
-    choice["delta"] = delta
-    return text
-
-
-def _entries(logprobs: dict | None) -> list[dict]:
-    """A chunk's logprobs as one entry per token: chat's `content` list, or completions'
-    parallel lists (tokens, token_logprobs, top_logprobs, text_offset) zipped."""
-    if logprobs is None:
-        return []
-    return [dict(zip(logprobs, row, strict=True)) for row in zip(*logprobs.values(), strict=True)]
-
-
-def generate_stream(events: list[dict]) -> dict:
-    """A /generate stream per index: its last event (each one carries everything so far)."""
-    return {event["index"]: normalized(event) for event in events}
-
-
 def answer(base_url: str, case: Case, body: dict):
     """The normalized answer to `body` (a stream summarized as above)."""
     if not body.get("stream"):
@@ -246,35 +186,6 @@ def answer(base_url: str, case: Case, body: dict):
     assert status == 200, events
     assert events and not any("error" in e for e in events), events[-1:]
     return generate_stream(events) if case.path == GENERATE else openai_stream(events)
-
-
-def assert_same(got, want, where: str = "answer") -> None:
-    """Equal JSON, floats to FLOAT_TOLERANCE; says where the first difference is."""
-    if isinstance(want, float) or isinstance(got, float):
-        assert isinstance(got, int | float) and isinstance(want, int | float), (where, got, want)
-        assert abs(got - want) <= FLOAT_TOLERANCE, f"{where}: {got!r} != {want!r}"
-    elif isinstance(want, dict):
-        assert isinstance(got, dict), f"{where}: {got!r} is not an object"
-        assert got.keys() == want.keys(), f"{where}: keys {sorted(got)} != {sorted(want)}"
-        for key in want:
-            assert_same(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, list):
-        assert isinstance(got, list), f"{where}: {got!r} is not a list"
-        assert len(got) == len(want), f"{where}: {len(got)} items != {len(want)}: {got} {want}"
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_same(g, w, f"{where}[{i}]")
-    else:
-        assert type(got) is type(want) and got == want, f"{where}: {got!r} != {want!r}"
-
-
-def values_of(data, key: str) -> list:
-    """Every value of `key` anywhere in a JSON structure."""
-    if isinstance(data, dict):
-        found = [data[key]] if key in data else []
-        return found + [v for value in data.values() for v in values_of(value, key)]
-    if isinstance(data, list):
-        return [v for item in data for v in values_of(item, key)]
-    return []
 
 
 # ---- the cases ----------------------------------------------------------------------------
