@@ -82,17 +82,43 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
 def _validation_response(exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {}
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error") or first.get("msg", "")
         return bad_request(f"invalid JSON body: {detail}").response()
-    message = first.get("msg", "invalid value")
-    if first.get("type", "").endswith("_type") and "input" in first:
-        # NOTE: types are strict (no "4" or true for 4): say what came instead.
-        message += f", got {_json_kind(first['input'])}"
+    location, tag = _field_location(first.get("loc", ()))
+    param = ".".join(location) or None
+    if tag is not None:
+        # NOTE: a field of several types (a union): pydantic reports one error per type it
+        # tried, under the type's name; say which types the field takes instead.
+        tags = []
+        for error in errors:
+            where, other = _field_location(error.get("loc", ()))
+            if where == location and other is not None and other not in tags:
+                tags.append(other)
+        message = f"expected one of: {', '.join(tags)}"
+        if "input" in first and len(first.get("loc", ())) == len(location) + 2:
+            message += f"; got {_json_kind(first['input'])}"
+    else:
+        message = first.get("msg", "invalid value")
+        if first.get("type", "").endswith("_type") and "input" in first:
+            # NOTE: types are strict (no "4" or true for 4): say what came instead.
+            message += f", got {_json_kind(first['input'])}"
     message = f"{param}: {message}" if param else message
     return bad_request(message or "invalid request", param=param).response()
+
+
+def _field_location(loc) -> tuple[list[str], str | None]:
+    """The field path of an error location (without "body"), cut at the first union member's
+    type name (e.g. `prompt`, `list[int]` for loc body.prompt.list[int].0), and that name."""
+    location = []
+    for part in loc:
+        if part == "body":
+            continue
+        part = str(part)
+        if "[" in part or part in ("str", "int", "float", "bool") or part[:1].isupper():
+            return location, part
+        location.append(part)
+    return location, None
 
 
 _JSON_KINDS = [

@@ -29,3 +29,25 @@ def test_a_bug_in_a_handler_is_an_openai_500():
         "param": None,
         "code": "internal_error",
     }
+
+
+def test_a_field_of_several_types_is_named_with_the_types_it_takes():
+    """`prompt` is a string, a list of strings, token ids or token-id lists: an error names
+    the field (not pydantic's `prompt.str`) and the types it takes."""
+    app = build_app(EngineConfig(model_path="unused"))
+    app.state.pdserve = SimpleNamespace(api_key=None)
+    client = TestClient(app, raise_server_exceptions=False)
+    cases = [
+        ({"prompt": ["hi", 3]}, "prompt", "an array"),
+        ({"prompt": 7}, "prompt", "an integer"),
+        ({"prompt": "x", "stop": [1]}, "stop", "an array"),
+    ]
+    for body, param, kind in cases:
+        error = client.post("/v1/completions", json=body).json()["error"]
+        assert error["param"] == param, error
+        assert error["message"].startswith(f"{param}: expected one of: "), error
+        assert "str" in error["message"] and kind in error["message"], error
+    nested = client.post(
+        "/v1/completions", json={"prompt": "x", "stream_options": {"include_usage": 1}}
+    )
+    assert nested.json()["error"]["param"] == "stream_options.include_usage"
