@@ -153,7 +153,7 @@ class Engine:
             max_total_tokens=min(len(token_ids) + params.max_new_tokens, self.max_model_len),
         )
         if params.seed is not None:
-            request.generator = self.sampler.make_generator(params.seed, self.device)
+            request.generator = self.sampler.make_generator(self.device)
         request.detokenizer = IncrementalDetokenizer(
             self.tokenizer,
             token_ids,

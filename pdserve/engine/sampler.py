@@ -56,10 +56,9 @@ class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...]):
         self.eos_token_ids = tuple(eos_token_ids)
 
-    def make_generator(self, seed: int, device: torch.device) -> torch.Generator:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed)
-        return generator
+    def make_generator(self, device: torch.device) -> torch.Generator:
+        """A seeded request's generator; `generator_at` seeds it before every draw."""
+        return torch.Generator(device=device)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:

@@ -35,7 +35,21 @@ def error_body(
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
-def framework_error_message(
+def framework_error_body(
+    status: int, detail: str, method: str, path: str, allowed: str | None
+) -> dict:
+    """The body of an error the framework answered by itself (`allowed`: a 405's Allow)."""
+    message = _framework_message(status, detail, method, path, allowed)
+    return error_body(status, message, code=FRAMEWORK_CODES.get(status))
+
+
+def internal_error_body(who: str) -> dict:
+    """A bug in `who` (the worker, the router): the traceback goes to its log only."""
+    message = f"internal error in the {who}; its log has the traceback"
+    return error_body(500, message, code=FRAMEWORK_CODES[500])
+
+
+def _framework_message(
     status: int, detail: str, method: str, path: str, allowed: str | None
 ) -> str:
     """The framework's own words ("Not Found", "Method Not Allowed") say neither which path

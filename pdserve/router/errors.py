@@ -9,7 +9,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from pdserve.protocol import api_errors
-from pdserve.protocol.api_errors import FRAMEWORK_CODES, framework_error_message
+from pdserve.protocol.api_errors import framework_error_body, internal_error_body
 
 
 def error_body(
@@ -29,16 +29,24 @@ async def http_error_handler(request: Request, exc: HTTPException) -> JSONRespon
     """Starlette's own errors (unknown path, wrong method) in OpenAI's shape, with their
     headers (a 405's Allow)."""
     headers = dict(exc.headers or {})
-    message = framework_error_message(
+    body = framework_error_body(
         exc.status_code, str(exc.detail), request.method, request.url.path, headers.get("Allow")
     )
-    return error_response(exc.status_code, message, FRAMEWORK_CODES.get(exc.status_code), headers)
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
 async def internal_error_handler(_request: Request, _exc: Exception) -> JSONResponse:
     """A bug: 500 in OpenAI's shape (the traceback goes to the log, not to the client)."""
-    message = "internal error in the router; its log has the traceback"
-    return error_response(500, message, FRAMEWORK_CODES[500])
+    return JSONResponse(internal_error_body("router"), status_code=500)
+
+
+# The status a worker's error event stands for, by its type (streams carry no status).
+_EVENT_STATUS = {"invalid_request_error": 400, "rate_limit_error": 429}
+
+
+def event_status(error: dict) -> int:
+    """A worker's SSE error event's status: 400 or 429 for the request's errors, else 503."""
+    return _EVENT_STATUS.get(error.get("type"), 503)
 
 
 def error_event(status: int, message: str, code: str | None = None) -> bytes:

@@ -21,11 +21,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.router.errors import event_status
+
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_N = 128  # the workers' bound on n
 DONE = b"data: [DONE]\n\n"
 SSE_EVENT_END = b"\n\n"
-ERROR_STATUS = {"invalid_request_error": 400, "rate_limit_error": 429}  # by error type
 
 
 class TooManyRooms(ValueError):
@@ -152,7 +153,7 @@ class RoomFailed(Exception):
     def __init__(self, error: dict):
         super().__init__(str(error.get("message")))
         self.event = _event({"error": error})
-        self.status = ERROR_STATUS.get(error.get("type"), 500)
+        self.status = event_status(error)
 
 
 @dataclass
@@ -174,6 +175,10 @@ class StreamMerge:
     @property
     def done(self) -> bool:
         return len(self._finished) == len(self.parts)
+
+    def finished(self, index: int) -> bool:
+        """Whether room `index` sent its `[DONE]`."""
+        return index in self._finished
 
     def feed(self, index: int, chunk: bytes) -> bytes:
         """Room `index`'s next bytes; returns the complete events among them, rewritten.

@@ -33,9 +33,10 @@ from fastapi.responses import Response, StreamingResponse
 
 from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import LegError, error_event, error_response
+from pdserve.router.errors import LegError, error_event, error_response, event_status
 from pdserve.router.fanout import (
     DONE,
+    SSE_EVENT_END,
     BadAnswer,
     RoomFailed,
     StreamMerge,
@@ -50,7 +51,6 @@ from pdserve.router.workers import NoHealthyWorker, Worker, WorkerPool, WorkersB
 
 logger = logging.getLogger(__name__)
 
-SSE_EVENT_END = b"\n\n"
 MAX_FIRST_EVENT_BYTES = 1 << 20
 # NOTE: what a pooled connection the worker had closed fails with (EOF or reset before any
 # response byte, or a broken pipe while sending); not ConnectError: nothing listens there.
@@ -162,9 +162,6 @@ class Proxy:
         """Open every room of a request at once: all their legs, or the first room's error
         that no retry fixed (every other room is then closed or cancelled, which aborts it on
         its workers)."""
-        if len(bodies) == 1:
-            legs = await self._attempts(endpoint, bodies[0], headers, stream, deadline)
-            return legs if isinstance(legs, Response) else [legs]
         rooms = [
             asyncio.ensure_future(self._attempts(endpoint, body, headers, stream, deadline))
             for body in bodies
@@ -391,10 +388,12 @@ class Proxy:
         queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(rooms))
 
         async def pump(index: int, legs: _Legs) -> None:
+            """The room's bytes, then None when its stream ends (or the error it ended with)."""
             try:
                 await queue.put((index, legs.head))
                 async for chunk in legs.chunks:
                     await queue.put((index, chunk))
+                await queue.put((index, None))
             except httpx.HTTPError as e:
                 await queue.put((index, e))
 
@@ -408,6 +407,13 @@ class Proxy:
                         self._unreachable("decode", self.decode, rooms[index].pair.decode, item)
                         reason = f"{type(item).__name__}: {item}".rstrip(": ")
                         message = f"a decode worker failed mid-stream ({reason})"
+                        yield error_event(502, message, "worker_failed") + DONE
+                        return
+                    if item is None:
+                        if merge.finished(index):
+                            continue
+                        status = "502"
+                        message = "a decode worker ended its stream without [DONE]"
                         yield error_event(502, message, "worker_failed") + DONE
                         return
                     try:
@@ -473,6 +479,5 @@ def _raise_if_error_event(role: str, head: bytes) -> None:
         return
     if isinstance(event, dict) and isinstance(event.get("error"), dict):
         error = event["error"]
-        retryable = error.get("type") == "server_error"
-        status = 503 if retryable else 429 if error.get("type") == "rate_limit_error" else 400
-        raise LegError(role, status, event, str(error.get("message")), retryable)
+        status = event_status(error)
+        raise LegError(role, status, event, str(error.get("message")), retryable=status >= 500)

@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.protocol.api_errors import FRAMEWORK_CODES, error_body, framework_error_message
+from pdserve.protocol.api_errors import error_body, framework_error_body, internal_error_body
 
 
 class APIError(Exception):
@@ -28,8 +28,8 @@ class APIError(Exception):
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
 
     def sse(self) -> str:
         """The error as a Server-Sent Event, for failures after streaming started."""
@@ -48,17 +48,15 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> J
     """Starlette's own errors (unknown path, wrong method, a body too large) in OpenAI's
     shape, with their headers (a 405's Allow)."""
     headers = dict(exc.headers or {})
-    message = framework_error_message(
+    body = framework_error_body(
         exc.status_code, str(exc.detail), request.method, request.url.path, headers.get("Allow")
     )
-    code = FRAMEWORK_CODES.get(exc.status_code)
-    return APIError(exc.status_code, message, code=code).response(headers)
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
 async def internal_error_handler(_request: Request, _exc: Exception) -> JSONResponse:
     """A bug: 500 in OpenAI's shape (the traceback goes to the log, not to the client)."""
-    message = "internal error in the worker; its log has the traceback"
-    return APIError(500, message, code=FRAMEWORK_CODES[500]).response()
+    return JSONResponse(internal_error_body("worker"), status_code=500)
 
 
 async def validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:

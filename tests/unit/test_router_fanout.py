@@ -242,6 +242,23 @@ def test_rooms_that_would_multiply_a_large_body_are_refused_with_413():
     assert len(split("/v1/completions", junk, limit=256, max_bytes=4000)) == 3
 
 
+def test_a_room_whose_stream_ends_without_done_fails_the_merged_stream_at_once():
+    async def decode(body):
+        events = _sse(_completion(body))
+        if body["prompt"] == "cut":
+            events = events.removesuffix(b"data: [DONE]\n\n")
+        return httpx.Response(200, content=events)
+
+    fakes = FakeWorkers(decode=decode)
+    body = {"prompt": ["cut", "whole"], "stream": True}
+    # NOTE: the request deadline is far away: only noticing the end of the stream ends it.
+    router = _router(fakes, request_timeout_s=600)
+    with router as client, client.stream("POST", "/v1/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert "without [DONE]" in json.loads(lines[-2][6:])["error"]["message"]
+
+
 def test_too_many_rooms_is_a_400_before_any_worker_is_asked():
     fakes = FakeWorkers(decode=_decode)
     with _router(fakes, max_rooms_per_request=4) as client:

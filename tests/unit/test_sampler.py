@@ -82,7 +82,7 @@ def test_seeded_rows_reproduce_regardless_of_batch():
         reqs = requests_for(params, count, output=list(output))
         drawn = []
         for r in reqs:
-            r.generator = sampler.make_generator(1234, torch.device("cpu"))
+            r.generator = sampler.make_generator(torch.device("cpu"))
         for _ in range(20):
             tokens = sampler(fixed_logits(count), reqs).token_ids
             for request, token in zip(reqs, tokens, strict=True):

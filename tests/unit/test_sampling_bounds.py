@@ -126,7 +126,7 @@ def test_extreme_valid_settings_give_valid_tokens(params, scale):
     requests = _requests(params, 8, output=[9, 9, 10])
     for request in requests:
         if params.seed is not None:
-            request.generator = sampler.make_generator(params.seed, logits.device)
+            request.generator = sampler.make_generator(logits.device)
     if not params.greedy:
         processed = logits.clone()
         sampler.process_logits(processed, requests)
