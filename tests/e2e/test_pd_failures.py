@@ -175,10 +175,17 @@ def test_a_fanout_room_whose_decode_worker_dies_ends_the_request_and_every_room(
     with httpx.stream("POST", url, json=body, timeout=60) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
-            if line.startswith("data:"):
-                lines.append(line)
+            if not line.startswith("data:"):
+                continue
+            lines.append(line)
             if len(lines) == 8:
-                assert cluster.state(survivor)["num_running"] == 2
+                # NOTE: the stats /server_info reports may trail the engine by a step; a room
+                # retried on a new pair may change the round robin's 2 + 2.
+                def rooms():
+                    return [cluster.state(w)["num_running"] for w in (victim, survivor)]
+
+                wait_until(lambda: sum(rooms()) == 4, "every room to run")
+                assert min(rooms()) >= 1, rooms()
                 _kill(victim)
     assert time.monotonic() - started < DEADLINE_S
     assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
@@ -197,7 +204,8 @@ def test_a_fanout_client_that_leaves_mid_stream_ends_every_room(shared):
         for line in response.iter_lines():
             received += line.startswith("data:")
             if received == 6:
-                assert shared.state(shared.decode[0])["num_running"] == 4
+                running = lambda: shared.state(shared.decode[0])["num_running"] == 4  # noqa: E731
+                wait_until(running, "every room to run")
                 break  # leaving the block closes the connection mid-stream
     shared.wait_all_free(deadline_s=10)
 
