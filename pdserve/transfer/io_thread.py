@@ -44,16 +44,23 @@ class IOThread:
         self._thread.start()
 
     def call(self, command: Callable[[], None]) -> None:
-        """Run `command` on the IO thread soon (from any thread)."""
+        """Run `command` on the IO thread soon (from any thread; after `stop`, never)."""
         self.commands.put(command)
         with self._wake_lock:
-            self._wake_tx.send(b"", zmq.NOBLOCK)
+            if not self._wake_tx.closed:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self.call(lambda: None)
         if self._thread is not None:
             self._thread.join(timeout_s)
+        # NOTE: the waking socket belongs to the callers' side: closed here, under its lock,
+        # never by the IO thread (which may exit on its own tick while a caller sends).
+        with self._wake_lock:
+            self._wake_tx.close(0)
+        if self._thread is None:
+            self._wake_rx.close(0)  # NOTE: else the thread closes it as it ends
 
     def _run(self, on_socket, on_tick, tick_s: float) -> None:
         timeout_ms = max(1, int(tick_s * 1000))
@@ -71,5 +78,4 @@ class IOThread:
                 on_tick()
             except Exception:
                 logger.exception("%s: error in the transfer IO loop", self.name)
-        for socket in (self._wake_rx, self._wake_tx):
-            socket.close(0)
+        self._wake_rx.close(0)
