@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+# NOTE: without a GPU, Triton kernels are tested under Triton's interpreter; it must be on
+# before any kernel module is imported (triton.jit reads it when a kernel is defined).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
