@@ -9,6 +9,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from pdserve.engine.config import ATTENTION_BACKENDS
 from pdserve.engine.spec_config import SpeculativeConfigError
 
 POLICY_CHOICES = ("round_robin", "random", "least_load")
@@ -22,6 +23,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="attention kernels: auto is Triton on CUDA and the torch reference on CPU",
+    )
     g.add_argument(
         "--kv-cache-memory",
         type=int,
@@ -132,6 +139,7 @@ def engine_config_from_args(args: argparse.Namespace):
         dtype=args.dtype,
         device=args.device,
         page_size=args.page_size,
+        attention_backend=args.attention_backend,
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_running_requests=args.max_running_requests,

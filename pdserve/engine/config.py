@@ -12,6 +12,7 @@ from pdserve.engine.spec_config import SpecSettings
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,8 @@ class EngineConfig:
     full-length sequences capped at `cpu_kv_cache_cap` bytes.
     chunked_prefill_size: prefill tokens per step; a longer prompt is split into chunks.
     0 or negative disables splitting (prompts then go whole, `max_prefill_tokens` per step).
+    attention_backend: "auto" (Triton on CUDA, the torch reference on CPU), "triton" or
+    "torch"; chosen once at start-up for the target and any draft model.
     """
 
     model_path: str
@@ -36,6 +39,7 @@ class EngineConfig:
     max_prefill_tokens: int = 16384
     max_model_len: int | None = None
     seed: int = 0
+    attention_backend: str = "auto"
     cpu_kv_cache_cap: int = 1 << 30
     speculative: SpecSettings | None = None
 
@@ -44,6 +48,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

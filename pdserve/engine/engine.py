@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoTokenizer
 
+from pdserve.engine.attention import make_attention_backend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
@@ -55,6 +56,7 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
+        self.attention_backend = make_attention_backend(config.attention_backend, self.device)
         self.model = self._load_models()
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids)
@@ -78,10 +80,11 @@ class Engine:
         # The batch the latest step scheduled (None while scheduling): what `fail_step` ends.
         self.current_batch: ScheduledBatch | None = None
         logger.info(
-            "engine ready: %s on %s (%s), %d KV pages of %d tokens, max_model_len %d",
+            "engine ready: %s on %s (%s, %s attention), %d KV pages of %d tokens, max_model_len %d",
             self.model_config.architecture,
             self.device,
             self.dtype,
+            type(self.attention_backend).__name__,
             self.kv_pool.num_pages,
             config.page_size,
             self.max_model_len,
@@ -91,7 +94,12 @@ class Engine:
 
     def _load_models(self):
         return load_model(
-            self.config.model_path, self.model_config, self.device, self.dtype, self.max_model_len
+            self.config.model_path,
+            self.model_config,
+            self.device,
+            self.dtype,
+            self.max_model_len,
+            self.attention_backend,
         )
 
     def _build_kv_pools(self, extra_page_bytes: int = 0) -> KVPool:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from pdserve.engine.attention import AttentionContext, TorchReferenceBackend
+from pdserve.engine.attention import AttentionBackend, AttentionContext
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.dtypes import parse_dtype
 from pdserve.engine.kv_pool import KVPool
@@ -61,10 +61,11 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     max_positions: int,
+    backend: AttentionBackend,
 ) -> CausalLM:
     cls = model_class(model_config.architecture)
     with torch.device(device), default_dtype(dtype):
-        model = cls(model_config, TorchReferenceBackend(), max_positions)
+        model = cls(model_config, backend, max_positions)
     model.load_weights(iterate_weights(model_path, device))
     return model.eval()
 

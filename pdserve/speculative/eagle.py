@@ -11,7 +11,6 @@ from typing import ClassVar
 
 import torch
 
-from pdserve.engine.attention import TorchReferenceBackend
 from pdserve.engine.loader import default_dtype
 from pdserve.engine.models.eagle import EagleConfig, EagleDraftModel
 from pdserve.engine.weights import iterate_weights
@@ -50,7 +49,7 @@ class Eagle(DraftModelAlgorithm):
             )
         positions = engine.max_model_len + self.lookahead_slots()
         with torch.device(engine.device), default_dtype(engine.dtype):
-            model = EagleDraftModel(self.config, TorchReferenceBackend(), positions)
+            model = EagleDraftModel(self.config, engine.attention_backend, positions)
         model.load_weights(
             iterate_weights(self.settings.draft_model_path, engine.device), engine.model
         )

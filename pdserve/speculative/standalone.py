@@ -42,7 +42,12 @@ class Standalone(DraftModelAlgorithm):
             raise ValueError("a STANDALONE draft with sliding-window attention is not supported")
         positions = engine.max_model_len + self.lookahead_slots()
         model = load_model(
-            self.settings.draft_model_path, self.config, engine.device, engine.dtype, positions
+            self.settings.draft_model_path,
+            self.config,
+            engine.device,
+            engine.dtype,
+            positions,
+            engine.attention_backend,
         )
         return _LanguageModelNet(model)
 

@@ -2,6 +2,12 @@
 
 from pdserve.engine.attention.backend import AttentionBackend
 from pdserve.engine.attention.context import AttentionContext
+from pdserve.engine.attention.select import make_attention_backend
 from pdserve.engine.attention.torch_ref import TorchReferenceBackend
 
-__all__ = ["AttentionBackend", "AttentionContext", "TorchReferenceBackend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionContext",
+    "TorchReferenceBackend",
+    "make_attention_backend",
+]

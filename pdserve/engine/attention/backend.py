@@ -1,8 +1,9 @@
-"""The interface every attention backend implements (torch reference now, Triton later)."""
+"""The interface every attention backend implements: the torch reference and Triton."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 import torch
 
@@ -10,9 +11,22 @@ from pdserve.engine.attention.context import AttentionContext
 from pdserve.engine.kv_pool import KVPool
 
 
+class RotaryTables(Protocol):
+    """What a backend reads of the rotary embedding: `[max_positions, head_dim]` float32
+    tables (each row [cos, cos] / [sin, sin] over the two halves), and the torch rotation."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __call__(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class AttentionBackend(ABC):
-    """Stores a layer's new K/V in the paged cache and attends each query over its sequence's
-    cached keys (causal, optional sliding window)."""
+    """Applies the rotary embedding to a layer's new q/k, stores the new K/V in the paged
+    cache and attends each query over its sequence's cached keys (causal, optional sliding
+    window, or the context's explicit masks)."""
 
     @abstractmethod
     def forward(
@@ -21,9 +35,11 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [T, heads, head_dim]
         k: torch.Tensor,  # [T, kv_heads, head_dim]
         v: torch.Tensor,  # [T, kv_heads, head_dim]
+        positions: torch.Tensor,  # [T]
         kv_pool: KVPool,
         ctx: AttentionContext,
         *,
+        rotary: RotaryTables,
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:  # [T, heads, head_dim]

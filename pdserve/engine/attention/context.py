@@ -2,14 +2,20 @@
 
 Tokens of all sequences are flattened into one `[T]` batch (prefill chunks and single decode
 tokens mixed). Sequence i owns rows `query_starts[i] : query_starts[i] + query_lens[i]`; after
-this step it has `kv_lens[i]` tokens of KV, the last `query_lens[i]` of them new. Decode-shaped
-sequences (one new token) are also described by dense tensors, so a backend can run them as one
-batched call and a CUDA graph can later capture that path with static shapes.
+this step it has `kv_lens[i]` tokens of KV, the last `query_lens[i]` of them new.
+
+Sequences split into two groups, each run by one batched call of a backend:
+- decode: exactly one new token and no explicit mask; described by dense `[D]` tensors so a
+  CUDA graph can later capture that path with static shapes;
+- extend: several new tokens (prefill chunks, speculative verification), or an explicit mask.
 
 Speculative decoding adds two things: explicit positions (a tree node's position is its depth,
 while its KV goes to the next free slot) and per-sequence masks (a tree node sees the cached
 prefix, its ancestors and itself). New tokens always occupy consecutive slots after the
 `num_computed` cached ones.
+
+Every integer tensor travels to the device in one copy (`_pack`): a step's metadata is a few
+kilobytes, and each separate copy costs host time that a decode step cannot spare.
 """
 
 from __future__ import annotations
@@ -28,16 +34,26 @@ class AttentionContext:
     query_lens: list[int]
     kv_lens: list[int]
     page_table: torch.Tensor  # [B, max_pages] page ids (padding rows/cols are 0)
-    # Sequences with more than one new token, run one by one by the reference backend.
+    # The same per-sequence numbers on the device, for kernels.
+    seq_query_starts: torch.Tensor  # [B]
+    seq_query_lens: torch.Tensor  # [B]
+    seq_kv_lens: torch.Tensor  # [B]
+    # Extend sequences: their indices (host and device) and the longest new-token run.
     prefill_seqs: list[int]
-    # Sequences with exactly one new token: their token rows, page-table rows and KV lengths.
+    prefill_index: torch.Tensor  # [P]
+    max_prefill_query_len: int
+    # Decode sequences: their token rows, page-table rows and KV lengths.
     decode_token_rows: torch.Tensor  # [D]
     decode_page_table: torch.Tensor  # [D, max_pages]
     decode_kv_lens: torch.Tensor  # [D]
     max_decode_kv_len: int
     # Sequence index -> [query_len, kv_len] bool: which cached slots each new token may see
-    # (replaces the causal mask). Such sequences run on the multi-token path.
+    # (replaces the causal mask). Such sequences run on the extend path.
     masks: dict[int, torch.Tensor] | None = None
+    # The same masks flattened row-major into one tensor; `mask_offsets[i]` is where sequence
+    # i's mask starts in it, -1 for a causal sequence. None when no sequence has a mask.
+    mask_data: torch.Tensor | None = None
+    mask_offsets: torch.Tensor | None = None  # [B]
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +75,7 @@ class AttentionContext:
         `num_computed` cached ones, at slots num_computed.. and (unless `positions` says
         otherwise) the same positions."""
         num_seqs = len(query_lens)
+        masks = masks or {}
         kv_lens = [c + q for c, q in zip(num_computed, query_lens, strict=True)]
         max_pages = max((len(p) for p in pages), default=1) or 1
         table = torch.tensor([p + [0] * (max_pages - len(p)) for p in pages], dtype=torch.int64)
@@ -77,27 +94,66 @@ class AttentionContext:
         slots = table[seq_of_token, storage // page_size] * page_size + storage % page_size
         if positions is not None:
             storage = torch.tensor([p for seq in positions for p in seq], dtype=torch.int64)
-        masks = masks or {}
         decode = [i for i, q in enumerate(query_lens) if q == 1 and i not in masks]
-        decode_index = torch.tensor(decode, dtype=torch.int64)
-        decode_rows = torch.tensor([query_starts[i] for i in decode], dtype=torch.int64)
-        decode_kv = torch.tensor([kv_lens[i] for i in decode], dtype=torch.int64)
-
-        def to_device(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
-
+        prefill = [i for i, q in enumerate(query_lens) if q > 1 or i in masks]
+        mask_offsets, offset = [-1] * num_seqs, 0
+        for i in sorted(masks):
+            mask_offsets[i], offset = offset, offset + masks[i].numel()
+        on_device = _pack(
+            {
+                "positions": storage,
+                "slots": slots,
+                "table": table,
+                "decode_table": table[torch.tensor(decode, dtype=torch.int64)],
+                "query_starts": query_starts,
+                "query_lens": query_lens,
+                "kv_lens": kv_lens,
+                "prefill": prefill,
+                "decode_rows": [query_starts[i] for i in decode],
+                "decode_kv": [kv_lens[i] for i in decode],
+                "mask_offsets": mask_offsets,
+            },
+            device,
+        )
+        mask_data = None
+        if masks:
+            flat = torch.cat([masks[i].reshape(-1) for i in sorted(masks)])
+            mask_data = flat.to(device, non_blocking=True)
         return cls(
             page_size=page_size,
-            positions=to_device(storage),
-            slot_mapping=to_device(slots),
+            positions=on_device["positions"],
+            slot_mapping=on_device["slots"],
             query_starts=query_starts,
             query_lens=list(query_lens),
             kv_lens=kv_lens,
-            page_table=to_device(table),
-            prefill_seqs=[i for i, q in enumerate(query_lens) if q > 1 or i in masks],
-            decode_token_rows=to_device(decode_rows),
-            decode_page_table=to_device(table[decode_index]),
-            decode_kv_lens=to_device(decode_kv),
+            page_table=on_device["table"],
+            seq_query_starts=on_device["query_starts"],
+            seq_query_lens=on_device["query_lens"],
+            seq_kv_lens=on_device["kv_lens"],
+            prefill_seqs=prefill,
+            prefill_index=on_device["prefill"],
+            max_prefill_query_len=max((query_lens[i] for i in prefill), default=0),
+            decode_token_rows=on_device["decode_rows"],
+            decode_page_table=on_device["decode_table"],
+            decode_kv_lens=on_device["decode_kv"],
             max_decode_kv_len=max((kv_lens[i] for i in decode), default=0),
-            masks={i: to_device(m) for i, m in masks.items()} or None,
+            masks={i: m.to(device, non_blocking=True) for i, m in masks.items()} or None,
+            mask_data=mask_data,
+            mask_offsets=on_device["mask_offsets"] if masks else None,
         )
+
+
+def _pack(
+    parts: dict[str, torch.Tensor | list[int]], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Copy int64 tensors and lists to `device` in one transfer; views keep their shapes."""
+    tensors = {
+        name: (part if isinstance(part, torch.Tensor) else torch.tensor(part, dtype=torch.int64))
+        for name, part in parts.items()
+    }
+    flat = torch.cat([t.reshape(-1) for t in tensors.values()]).to(device, non_blocking=True)
+    out, start = {}, 0
+    for name, t in tensors.items():
+        out[name] = flat[start : start + t.numel()].view(t.shape)
+        start += t.numel()
+    return out

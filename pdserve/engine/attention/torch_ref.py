@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pdserve.engine.attention.backend import AttentionBackend
+from pdserve.engine.attention.backend import AttentionBackend, RotaryTables
 from pdserve.engine.attention.context import AttentionContext
 from pdserve.engine.kv_pool import KVPool
 
@@ -41,12 +41,15 @@ class TorchReferenceBackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        positions: torch.Tensor,
         kv_pool: KVPool,
         ctx: AttentionContext,
         *,
+        rotary: RotaryTables,
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
+        q, k = rotary(positions, q, k)
         kv_pool.store(layer, ctx.slot_mapping, k, v)
         out = torch.empty_like(q)
         k_cache, v_cache = kv_pool.k[layer], kv_pool.v[layer]

@@ -123,9 +123,17 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
         out = self.backend.forward(
-            self.layer, q, k, v, kv_pool, ctx, scale=self.scale, sliding_window=self.sliding_window
+            self.layer,
+            q,
+            k,
+            v,
+            positions,
+            kv_pool,
+            ctx,
+            rotary=self.rotary,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
         )
         return self.o_proj(out.reshape(-1, self.q_size))
 

@@ -1,0 +1,232 @@
+"""Paged extend attention: every multi-token sequence of a step in one launch (ragged).
+
+A sequence with `q` new tokens and `kv` tokens of KV after this step (the new ones already
+written to the cache) attends its new tokens over the cached prefix and, causally, over
+each other: new token r sits at cache index `kv - q + r` and sees keys at indices up to its
+own. A sliding window also hides keys at or before `index - window`. A sequence with an
+explicit mask (speculative tree verification) sees exactly the keys its `[q, kv]` mask allows.
+
+One program per (sequence, query head, block of new tokens); K/V blocks are read through the
+page table (flash attention with an online softmax, float32 accumulation). Programs past a
+sequence's last new token do nothing; the grid's third size is the longest run of new
+tokens in the step, which is host data: prefill steps are not captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.engine.kernels.common import dot_settings
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    page_table_ptr,
+    seq_index_ptr,
+    query_starts_ptr,
+    query_lens_ptr,
+    kv_lens_ptr,
+    mask_ptr,
+    mask_offsets_ptr,
+    stride_q_token,
+    stride_q_head,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_slot,
+    stride_v_head,
+    stride_table,
+    stride_out_token,
+    stride_out_head,
+    scale,
+    window,
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+    HAS_MASKS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.load(seq_index_ptr + tl.program_id(0))
+    head = tl.program_id(1)
+    first_row = tl.program_id(2) * BLOCK_M
+    query_len = tl.load(query_lens_ptr + seq)
+    query_start = tl.load(query_starts_ptr + seq)
+    kv_len = tl.load(kv_lens_ptr + seq)
+    prefix = kv_len - query_len
+    kv_head = head // GROUP
+
+    rows = first_row + tl.arange(0, BLOCK_M)
+    row_ok = rows < query_len
+    dims = tl.arange(0, DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    tokens_of_rows = (query_start + rows).to(tl.int64)
+    q = tl.load(
+        q_ptr + tokens_of_rows[:, None] * stride_q_token + head * stride_q_head + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    query_index = prefix + rows  # each new token's own cache index
+
+    # Keys this block of rows may see: causal up to the last row's index, and for a sliding
+    # window from the first row's window start; a masked sequence may see any key.
+    # A program past the sequence's last new token has no rows and runs no block.
+    lo = 0
+    hi = tl.minimum(kv_len, prefix + first_row + BLOCK_M)
+    mask_offset = -1
+    if HAS_MASKS:
+        mask_offset = tl.load(mask_offsets_ptr + seq)
+        hi = tl.where(mask_offset >= 0, kv_len, hi)
+    if SLIDING:
+        lo = tl.maximum(prefix + first_row - window + 1, 0) // BLOCK_N * BLOCK_N
+    hi = tl.where(first_row < query_len, hi, lo)
+
+    best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    offsets = tl.arange(0, BLOCK_N)
+    for block in range(lo, hi, BLOCK_N):
+        keys = block + offsets
+        key_ok = keys < hi
+        pages = tl.load(page_table_ptr + seq * stride_table + keys // PAGE_SIZE, mask=key_ok)
+        slots = pages.to(tl.int64) * PAGE_SIZE + keys % PAGE_SIZE
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(
+            k_cache_ptr + slots[:, None] * stride_k_slot + kv_head * stride_k_head + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + slots[:, None] * stride_v_slot + kv_head * stride_v_head + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        allowed = key_ok[None, :] & (keys[None, :] <= query_index[:, None])
+        if SLIDING:
+            allowed &= keys[None, :] > query_index[:, None] - window
+        if HAS_MASKS:
+            # NOTE: a causal sequence's mask rows count as none (a scalar condition in a load
+            # mask is refused by the interpreter).
+            mask_rows = tl.where(mask_offset >= 0, query_len, 0)
+            explicit = tl.load(
+                mask_ptr + mask_offset + rows[:, None] * kv_len + keys[None, :],
+                mask=(rows[:, None] < mask_rows) & key_ok[None, :],
+                other=0,
+            )
+            allowed = tl.where(mask_offset >= 0, (explicit != 0) & key_ok[None, :], allowed)
+        scores = tl.where(allowed, scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, 1))
+        # NOTE: a row that has seen no key yet (all -inf so far) keeps a finite reference so
+        # that exp() gives 0 rather than NaN.
+        reference = tl.where(new_best == float("-inf"), 0.0, new_best)
+        probs = tl.exp(scores - reference[:, None])
+        rescale = tl.exp(best - reference)
+        total = total * rescale + tl.sum(probs, 1)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+        best = new_best
+
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    out_rows = out_ptr + tokens_of_rows[:, None] * stride_out_token + head * stride_out_head
+    tl.store(
+        out_rows + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
+
+
+def _block_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), measured on an H100 (benchmarks/attention.py)."""
+    if dtype == torch.float32:
+        return 32, 32, 4, 2
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    return 128, 64, 8, 3
+
+
+def paged_extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_index: torch.Tensor,
+    query_starts: torch.Tensor,
+    query_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    max_query_len: int,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    mask_data: torch.Tensor | None = None,
+    mask_offsets: torch.Tensor | None = None,
+) -> None:
+    """Attend the new tokens of sequences `seq_index` (`[P]` indices into the per-sequence
+    tensors `page_table [B, max_pages]`, `query_starts`, `query_lens`, `kv_lens [B]`) and
+    write the results into their rows of `out`.
+
+    q, out: [T, heads, head_dim]; k_cache, v_cache: [num_pages, page_size, kv_heads,
+    head_dim]. mask_data: flat bool masks, sequence i's `[query_len, kv_len]` mask starting at
+    `mask_offsets[i]` (-1: causal).
+    """
+    num_seqs = seq_index.shape[0]
+    if num_seqs == 0:
+        return
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    k_slots = k_cache.view(-1, kv_heads, head_dim)
+    v_slots = v_cache.view(-1, kv_heads, head_dim)
+    upcast, precision = dot_settings(q.dtype)
+    block_m, block_n, warps, stages = _block_sizes(head_dim, q.dtype)
+    has_masks = mask_data is not None
+    grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
+    _extend_kernel[grid](
+        q,
+        k_slots,
+        v_slots,
+        out,
+        page_table,
+        seq_index,
+        query_starts,
+        query_lens,
+        kv_lens,
+        mask_data if has_masks else q,
+        mask_offsets if has_masks else seq_index,
+        q.stride(0),
+        q.stride(1),
+        k_slots.stride(0),
+        k_slots.stride(1),
+        v_slots.stride(0),
+        v_slots.stride(1),
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale,
+        sliding_window or 0,
+        PAGE_SIZE=page_size,
+        GROUP=num_heads // kv_heads,
+        HEAD_DIM=head_dim,
+        DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        SLIDING=sliding_window is not None,
+        HAS_MASKS=has_masks,
+        UPCAST=upcast,
+        PRECISION=precision,
+        num_warps=warps,
+        num_stages=stages,
+    )
