@@ -1,0 +1,322 @@
+"""Triton attention kernels against a float64 reference, on small random cases.
+
+Without a GPU these run under Triton's interpreter (tests/conftest.py turns it on); the
+same cases at full size run on the GPU in tests/gpu/test_attention_kernels_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.kernel_cases import paged_case, reference_attention, relative_error, tolerance
+
+pytest.importorskip("triton")
+
+from pdserve.engine.kernels.decode_attention import (
+    MAX_SPLITS,
+    num_splits_for,
+    paged_decode_attention,
+)
+from pdserve.engine.kernels.extend_attention import paged_extend_attention
+from pdserve.engine.kernels.rope_store import rope_and_store
+from pdserve.engine.models.layers import RotaryEmbedding
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_decode(kv_lens, *, page_size, kv_heads, group, head_dim, dtype, window, splits, seed):
+    generator = torch.Generator().manual_seed(seed)
+    case = paged_case(
+        kv_lens,
+        page_size=page_size,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        device=DEVICE,
+        generator=generator,
+    )
+    num_heads = kv_heads * group
+    # Decode rows sit among other rows of the flattened batch, in a shuffled order.
+    num_rows = len(kv_lens) + 2
+    q = torch.randn(num_rows, num_heads, head_dim, generator=generator).to(dtype).to(DEVICE)
+    rows = torch.randperm(num_rows, generator=generator)[: len(kv_lens)].to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+    paged_decode_attention(
+        q,
+        case.k_cache,
+        case.v_cache,
+        case.page_table,
+        torch.tensor(kv_lens, device=DEVICE),
+        rows,
+        out,
+        scale=scale,
+        sliding_window=window,
+        num_splits=splits,
+    )
+    want = torch.cat(
+        [
+            reference_attention(q[row : row + 1], case, i, scale=scale, sliding_window=window)
+            for i, row in enumerate(rows.tolist())
+        ]
+    )
+    got = out[rows]
+    assert not got.isnan().any(), "an output element was never written"
+    others = torch.ones(num_rows, dtype=torch.bool, device=DEVICE)
+    others[rows] = False
+    assert out[others].isnan().all(), "the kernel wrote rows that are not decode rows"
+    return relative_error(got, want)
+
+
+@pytest.mark.parametrize(
+    "page_size, kv_lens",
+    [
+        (1, [1, 2, 7]),
+        (16, [1, 16, 17, 32, 45]),  # 16 and 32 end exactly on a page boundary
+        (64, [64, 1, 130]),
+    ],
+)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_matches_reference(page_size, kv_lens, group):
+    error = run_decode(
+        kv_lens,
+        page_size=page_size,
+        kv_heads=2,
+        group=group,
+        head_dim=32,
+        dtype=torch.float32,
+        window=None,
+        splits=1,
+        seed=page_size * 10 + group,
+    )
+    assert error < tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_decode_split_kv_merges_chunks(splits):
+    # 150 tokens span several 64-token blocks; 7 splits leave some chunks empty for the
+    # shorter sequences (the merge must give those no weight).
+    error = run_decode(
+        [150, 5, 64],
+        page_size=16,
+        kv_heads=2,
+        group=4,
+        head_dim=64,
+        dtype=torch.float32,
+        window=None,
+        splits=splits,
+        seed=splits,
+    )
+    assert error < tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_sliding_window(splits):
+    error = run_decode(
+        [100, 9, 40],
+        page_size=16,
+        kv_heads=2,
+        group=2,
+        head_dim=32,
+        dtype=torch.float32,
+        window=17,
+        splits=splits,
+        seed=splits + 100,
+    )
+    assert error < tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("head_dim", [48, 128])
+def test_decode_head_dims_and_bf16(head_dim):
+    error = run_decode(
+        [33, 80],
+        page_size=16,
+        kv_heads=1,
+        group=4,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        window=None,
+        splits=2,
+        seed=head_dim,
+    )
+    assert error < tolerance(torch.bfloat16)
+
+
+def test_split_count_fills_the_gpu_and_is_bounded():
+    assert num_splits_for(1, 8, 132) == MAX_SPLITS
+    assert num_splits_for(16, 8, 132) == 3
+    assert num_splits_for(256, 8, 132) == 1
+    assert num_splits_for(0, 8, 132) == MAX_SPLITS
+
+
+def run_extend(
+    query_lens, kv_lens, *, page_size, kv_heads, group, head_dim, dtype, window, masked, seed
+):
+    """Every sequence in one launch, with a shuffled subset of sequences as the extend ones."""
+    generator = torch.Generator().manual_seed(seed)
+    case = paged_case(
+        kv_lens,
+        page_size=page_size,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        device=DEVICE,
+        generator=generator,
+    )
+    num_heads = kv_heads * group
+    starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).to(dtype)
+    q = q.to(DEVICE)
+    masks = {}
+    for i in masked:
+        # A tree-like mask: the cached prefix, itself, and a random subset of the new tokens.
+        query_len, kv_len = query_lens[i], kv_lens[i]
+        mask = torch.rand(query_len, kv_len, generator=generator) < 0.5
+        mask[:, : kv_len - query_len] = True
+        mask[torch.arange(query_len), kv_len - query_len + torch.arange(query_len)] = True
+        masks[i] = mask
+    offsets, flat, start = [-1] * len(query_lens), [], 0
+    for i in sorted(masks):
+        offsets[i], start = start, start + masks[i].numel()
+        flat.append(masks[i].reshape(-1))
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+    paged_extend_attention(
+        q,
+        case.k_cache,
+        case.v_cache,
+        out,
+        case.page_table,
+        torch.arange(len(query_lens)).flip(0).to(DEVICE),
+        torch.tensor(starts, device=DEVICE),
+        torch.tensor(query_lens, device=DEVICE),
+        torch.tensor(kv_lens, device=DEVICE),
+        max(query_lens),
+        scale=scale,
+        sliding_window=window,
+        mask_data=torch.cat(flat).to(DEVICE) if flat else None,
+        mask_offsets=torch.tensor(offsets, device=DEVICE) if flat else None,
+    )
+    assert not out.isnan().any(), "an output element was never written"
+    want = torch.cat(
+        [
+            reference_attention(
+                q[start : start + n],
+                case,
+                i,
+                scale=scale,
+                sliding_window=window,
+                mask=masks.get(i),
+            )
+            for i, (start, n) in enumerate(zip(starts, query_lens, strict=True))
+        ]
+    )
+    return relative_error(out, want)
+
+
+@pytest.mark.parametrize(
+    "page_size, query_lens, kv_lens",
+    [
+        (1, [3, 2, 7], [10, 2, 7]),
+        (16, [16, 5, 40], [16, 37, 100]),  # 16: a whole page, no prefix
+        (64, [70, 2], [200, 65]),  # 70 new tokens: more than one block of queries
+    ],
+)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_extend_matches_reference(page_size, query_lens, kv_lens, group):
+    error = run_extend(
+        query_lens,
+        kv_lens,
+        page_size=page_size,
+        kv_heads=2,
+        group=group,
+        head_dim=32,
+        dtype=torch.float32,
+        window=None,
+        masked=[],
+        seed=page_size + group,
+    )
+    assert error < tolerance(torch.float32)
+
+
+def test_extend_sliding_window():
+    error = run_extend(
+        [50, 9, 3],
+        [80, 9, 60],
+        page_size=16,
+        kv_heads=2,
+        group=2,
+        head_dim=32,
+        dtype=torch.float32,
+        window=13,
+        masked=[],
+        seed=7,
+    )
+    assert error < tolerance(torch.float32)
+
+
+def test_extend_tree_masks_beside_causal_sequences():
+    error = run_extend(
+        [5, 40, 7],
+        [21, 40, 30],
+        page_size=16,
+        kv_heads=2,
+        group=4,
+        head_dim=32,
+        dtype=torch.float32,
+        window=None,
+        masked=[0, 2],
+        seed=11,
+    )
+    assert error < tolerance(torch.float32)
+
+
+def test_extend_bf16_head_dim_64():
+    error = run_extend(
+        [150, 33],
+        [200, 33],
+        page_size=16,
+        kv_heads=2,
+        group=4,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        window=None,
+        masked=[],
+        seed=3,
+    )
+    assert error < tolerance(torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads, kv_heads, head_dim", [(4, 2, 16), (6, 3, 48)])
+def test_rope_store_matches_torch_rotary_and_store(dtype, num_heads, kv_heads, head_dim):
+    generator = torch.Generator().manual_seed(head_dim)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    with torch.device(DEVICE):
+        rotary = RotaryEmbedding(inv_freq, 1.0, 256)
+    tokens, page_size, num_pages = 7, 4, 6
+    # q, k, v are views of one fused projection, as in the model.
+    qkv = torch.randn(tokens, (num_heads + 2 * kv_heads) * head_dim, generator=generator)
+    qkv = qkv.to(dtype).to(DEVICE)
+    q, k, v = qkv.split([num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q = q.view(tokens, num_heads, head_dim)
+    k = k.view(tokens, kv_heads, head_dim)
+    v = v.view(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 256, (tokens,), generator=generator).to(DEVICE)
+    slots = torch.randperm(num_pages * page_size, generator=generator)[:tokens].to(DEVICE)
+    cache_shape = (num_pages, page_size, kv_heads, head_dim)
+    k_cache = torch.full(cache_shape, float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    want_q, want_k = rotary(positions, q.clone(), k.clone())
+    rope_and_store(q, k, v, positions, slots, rotary.cos, rotary.sin, k_cache, v_cache)
+    got_k = k_cache.view(-1, kv_heads, head_dim)[slots]
+    got_v = v_cache.view(-1, kv_heads, head_dim)[slots]
+    # Exact in float32; in bf16 the kernel rounds once where torch rounds three times.
+    ulp = 0.0 if dtype == torch.float32 else 2.0**-6
+    for got, want in ((q, want_q), (got_k, want_k)):
+        assert torch.allclose(got.double(), want.double(), rtol=ulp, atol=ulp)
+    assert torch.equal(got_v, v)
+    untouched = torch.ones(num_pages * page_size, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert k_cache.view(-1, kv_heads, head_dim)[untouched].isnan().all()
