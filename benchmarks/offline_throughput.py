@@ -8,6 +8,10 @@ generates past a request's own length are work it cannot avoid, not counted as o
 
     python benchmarks/offline_throughput.py --preset llama-3.2-1b            # both engines
     python benchmarks/offline_throughput.py --model-path DIR --backends pdserve
+    python benchmarks/offline_throughput.py --preset llama-3.2-1b \
+        --backends pdserve,pdserve:torch,transformers    # also pdserve on torch attention
+
+`pdserve:NAME` runs pdserve with `--attention-backend NAME` (plain `pdserve`: auto).
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ def make_workload(num_prompts: int, min_len: int, max_len: int, vocab: int, seed
     return workload
 
 
-def run_pdserve(model_path: str, workload, args) -> dict:
+def run_pdserve(model_path: str, workload, args, attention_backend: str = "auto") -> dict:
     from pdserve import LLM, SamplingParams
 
     llm = LLM(
         model_path,
+        attention_backend=attention_backend,
         dtype=args.dtype,
         max_model_len=2 * args.max_len + 1,
         max_running_requests=args.max_running_requests,
@@ -50,7 +55,14 @@ def run_pdserve(model_path: str, workload, args) -> dict:
     elapsed = time.perf_counter() - start
     produced = sum(len(o.token_ids) for o in outputs)
     assert produced == sum(n for _, n in workload), "pdserve produced the wrong token count"
-    return _result("pdserve", workload, elapsed, kv_pages=llm.engine.kv_pool.num_pages)
+    name = "pdserve" if attention_backend == "auto" else f"pdserve:{attention_backend}"
+    return _result(
+        name,
+        workload,
+        elapsed,
+        kv_pages=llm.engine.kv_pool.num_pages,
+        attention=type(llm.engine.attention_backend).__name__,
+    )
 
 
 def run_transformers(model_path: str, workload, args) -> dict:
@@ -145,18 +157,25 @@ def main() -> None:
             "lengths": [args.min_len, args.max_len],
             "results": [],
         }
-        runners = {"pdserve": run_pdserve, "transformers": run_transformers}
         for name in args.backends.split(","):
-            report["results"].append(runners[name](model_path, workload, args))
+            if name == "transformers":
+                result = run_transformers(model_path, workload, args)
+            elif name.split(":")[0] == "pdserve":
+                backend = name.split(":")[1] if ":" in name else "auto"
+                result = run_pdserve(model_path, workload, args, backend)
+            else:
+                parser.error(f"unknown backend {name!r}: pdserve, pdserve:NAME or transformers")
+            report["results"].append(result)
             print(json.dumps(report["results"][-1]), flush=True)
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
     results = {r["engine"]: r for r in report["results"]}
-    if len(results) == 2:
-        report["pdserve_over_transformers"] = round(
-            results["pdserve"]["output_tokens_per_s"]
-            / results["transformers"]["output_tokens_per_s"],
-            2,
-        )
+    if "transformers" in results:
+        baseline = results["transformers"]["output_tokens_per_s"]
+        for name, result in results.items():
+            if name != "transformers":
+                report[f"{name}_over_transformers"] = round(
+                    result["output_tokens_per_s"] / baseline, 2
+                )
     print(json.dumps(report, indent=2))
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=2) + "\n")

@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--attention-backend", default="auto")
     args = parser.parse_args()
 
     from pdserve import LLM, SamplingParams
@@ -39,7 +40,11 @@ def main() -> None:
             from pdserve.engine.random_model import make_random_model
 
             model_path = str(make_random_model(Path(scratch) / args.preset, args.preset))
-        llm = LLM(model_path, max_model_len=args.context + 4 * args.steps + 64)
+        llm = LLM(
+            model_path,
+            max_model_len=args.context + 4 * args.steps + 64,
+            attention_backend=args.attention_backend,
+        )
     engine = llm.engine
     vocab = engine.model_config.vocab_size
     generator = torch.Generator().manual_seed(0)
@@ -80,6 +85,15 @@ def main() -> None:
                 engine.step()
             sync()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top))
+        kernels_us = sum(
+            event.self_device_time_total
+            for event in prof.key_averages()
+            if event.device_type == torch.autograd.DeviceType.CUDA
+        )
+        print(
+            f"GPU time per decode step ({type(engine.attention_backend).__name__}): "
+            f"{kernels_us / args.steps / 1e3:.2f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The engine on CUDA: float32 exactness against transformers, bfloat16 agreement, memory
-sizing from the GPU's free memory. Skipped without a GPU; run on the device machine."""
+"""The engine on CUDA (Triton attention unless a test names the torch reference): float32
+exactness against transformers, bfloat16 agreement, memory sizing from the GPU's free
+memory. Skipped without a GPU; run on the device machine."""
 
 from __future__ import annotations
 
@@ -19,10 +20,17 @@ def greedy(n):
     return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_float32_greedy_equals_transformers(arch, tiny_model_dirs, hf_greedy):
+def test_float32_greedy_equals_transformers(arch, backend, tiny_model_dirs, hf_greedy):
     model_dir = tiny_model_dirs(arch)
-    llm = LLM(model_dir, device="cuda", dtype="float32", kv_cache_memory=KV_BYTES)
+    llm = LLM(
+        model_dir,
+        device="cuda",
+        dtype="float32",
+        kv_cache_memory=KV_BYTES,
+        attention_backend=backend,
+    )
     prompts = random_prompts(LENGTHS, 1000, seed=1)
     outputs = llm.generate(prompts, greedy(32))
     for prompt, output in zip(prompts, outputs, strict=True):

@@ -25,6 +25,8 @@ pytest.importorskip("triton")
 from pdserve.engine.attention.triton_backend import TritonBackend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# float32 on either device: greedy paths of two bf16 implementations may part at near-ties.
+ENGINE = {"device": DEVICE.type, "dtype": "float32"}
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
 
 
@@ -116,7 +118,7 @@ def prompts():
 def test_greedy_output_equals_the_torch_backend(arch, tiny_model_dirs, prompts):
     outputs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(tiny_model_dirs(arch), device="cpu", page_size=4, attention_backend=backend)
+        llm = LLM(tiny_model_dirs(arch), page_size=4, attention_backend=backend, **ENGINE)
         outputs[backend] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         assert llm.engine.allocator.num_used == 0
     assert outputs["triton"] == outputs["torch"]
@@ -134,7 +136,7 @@ def test_tree_verification_on_triton_stays_lossless(tiny_model_dirs, spec_drafts
         eagle_topk=3,
         num_draft_tokens=8,
     )
-    llm = LLM(target, device="cpu", page_size=4, speculative=settings, attention_backend="triton")
+    llm = LLM(target, page_size=4, speculative=settings, attention_backend="triton", **ENGINE)
     assert isinstance(llm.engine.attention_backend, TritonBackend)
     outputs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == expected
