@@ -1,10 +1,15 @@
-"""Where a decode step's time goes: host (Python) vs device kernels, at a fixed batch shape.
+"""Where an engine step's time goes: host (Python) vs device kernels, at a fixed shape.
 
-Starts `--batch` requests with `--context` prompt tokens each, runs until all are decoding,
-then times `--steps` engine steps and prints the mean step time, the top host functions
-(cProfile) and the top CUDA kernels (torch.profiler).
+Decode (default): starts `--batch` requests with `--context` prompt tokens each, runs until
+all are decoding, then times `--steps` engine steps and prints the mean step time, the top
+host functions (cProfile), the top CUDA kernels (torch.profiler) and the GPU time per step.
+
+Prefill (`--mode prefill`): times `--steps` steps that each prefill one fresh prompt of
+`--context` tokens (and sample its first token); prints the median step time and the GPU
+time per step.
 
     python benchmarks/profile_step.py --preset llama-3.2-1b --batch 256 --context 1024
+    python benchmarks/profile_step.py --preset llama-3.1-8b --mode prefill --context 4096
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +31,7 @@ def main() -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model-path")
     source.add_argument("--preset")
+    parser.add_argument("--mode", choices=["decode", "prefill"], default="decode")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
@@ -32,7 +39,7 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     args = parser.parse_args()
 
-    from pdserve import LLM, SamplingParams
+    from pdserve import LLM
 
     with tempfile.TemporaryDirectory() as scratch:
         model_path = args.model_path
@@ -43,36 +50,16 @@ def main() -> None:
         llm = LLM(
             model_path,
             max_model_len=args.context + 4 * args.steps + 64,
+            chunked_prefill_size=max(8192, args.context),
             attention_backend=args.attention_backend,
         )
     engine = llm.engine
-    vocab = engine.model_config.vocab_size
-    generator = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_new_tokens=4 * args.steps + 32, temperature=0, ignore_eos=True)
-    for i in range(args.batch):
-        prompt = torch.randint(0, vocab, (args.context,), generator=generator).tolist()
-        engine.add_request(f"p{i}", prompt, params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
-    for _ in range(3):
-        engine.step()  # warm-up at the decode shape
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    sync()
-    step_ms = (time.perf_counter() - start) / args.steps * 1e3
-    print(
-        f"decode step, batch {args.batch}, context ~{args.context}: {step_ms:.2f} ms "
-        f"({args.batch / step_ms * 1e3:.0f} tokens/s)"
-    )
+    backend = type(engine.attention_backend).__name__
+    run = (prefill_steps if args.mode == "prefill" else decode_steps)(engine, args)
 
     host = cProfile.Profile()
     host.enable()
-    for _ in range(args.steps):
-        engine.step()
-    sync()
+    run()
     host.disable()
     text = io.StringIO()
     pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(args.top)
@@ -81,19 +68,89 @@ def main() -> None:
     if torch.cuda.is_available():
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(args.steps):
-                engine.step()
-            sync()
+            run()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top))
         kernels_us = sum(
             event.self_device_time_total
             for event in prof.key_averages()
             if event.device_type == torch.autograd.DeviceType.CUDA
         )
-        print(
-            f"GPU time per decode step ({type(engine.attention_backend).__name__}): "
-            f"{kernels_us / args.steps / 1e3:.2f} ms"
+        print(f"GPU time per {args.mode} step ({backend}): {kernels_us / args.steps / 1e3:.2f} ms")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def random_prompt(engine, length: int, generator: torch.Generator) -> list[int]:
+    return torch.randint(0, engine.model_config.vocab_size, (length,), generator=generator).tolist()
+
+
+def decode_steps(engine, args):
+    """Fill the batch, time `steps` decode steps; return a function that runs `steps` more."""
+    from pdserve import SamplingParams
+
+    generator = torch.Generator().manual_seed(0)
+    # Enough tokens for the timed steps and the two profiled runs.
+    params = SamplingParams(max_new_tokens=4 * args.steps + 32, temperature=0, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(f"p{i}", random_prompt(engine, args.context, generator), params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+
+    def run() -> None:
+        for _ in range(args.steps):
+            engine.step()
+        sync()
+
+    for _ in range(3):
+        engine.step()  # warm-up at the decode shape
+    sync()
+    start = time.perf_counter()
+    run()
+    step_ms = (time.perf_counter() - start) / args.steps * 1e3
+    print(
+        f"decode step, batch {args.batch}, context ~{args.context}: {step_ms:.2f} ms "
+        f"({args.batch / step_ms * 1e3:.0f} tokens/s)"
+    )
+    return run
+
+
+def prefill_steps(engine, args):
+    """Time `steps` one-prompt prefill steps (median); return a function that runs more."""
+    from pdserve import SamplingParams
+
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+    counter = iter(range(1 << 30))
+
+    def one() -> float:
+        engine.add_request(
+            f"p{next(counter)}", random_prompt(engine, args.context, generator), params
         )
+        sync()
+        start = time.perf_counter()
+        engine.step()
+        sync()
+        elapsed = time.perf_counter() - start
+        if engine.requests:
+            raise RuntimeError("the prompt did not finish in one step; raise the prefill budget")
+        return elapsed
+
+    def run() -> None:
+        for _ in range(args.steps):
+            one()
+
+    for _ in range(2):
+        one()  # warm-up: kernel compilation at this shape
+    times = [one() for _ in range(args.steps)]
+    median_ms = statistics.median(times) * 1e3
+    print(
+        f"prefill step, one prompt of {args.context} tokens: {median_ms:.2f} ms median "
+        f"({args.context / median_ms * 1e3:.0f} tokens/s)"
+    )
+    return run
 
 
 if __name__ == "__main__":
