@@ -20,6 +20,92 @@ import triton.language as tl
 
 from pdserve.engine.kernels.common import dot_settings
 
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_keys(
+    acc,
+    best,
+    total,
+    q,
+    start,
+    end,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_row_ptr,
+    stride_k_slot,
+    stride_v_slot,
+    kv_head_k,
+    kv_head_v,
+    dims,
+    dim_ok,
+    rows,
+    query_index,
+    query_len,
+    kv_len,
+    scale_log2,
+    window,
+    mask_ptr,
+    mask_offset,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    SLIDING: tl.constexpr,
+    HAS_MASKS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Online softmax of the rows over keys [start, end), one BLOCK_N block at a time.
+    Unless MASKED, every key in the range is visible to every row (no causal, window or
+    explicit mask is computed). Scores are kept in base 2: exp2 is the native instruction."""
+    offsets = tl.arange(0, BLOCK_N)
+    for block in range(start, end, BLOCK_N):
+        keys = block + offsets
+        key_ok = keys < end
+        pages = tl.load(table_row_ptr + keys // PAGE_SIZE, mask=key_ok)
+        slots = pages.to(tl.int64) * PAGE_SIZE + keys % PAGE_SIZE
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(
+            k_cache_ptr + slots[:, None] * stride_k_slot + kv_head_k + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + slots[:, None] * stride_v_slot + kv_head_v + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if MASKED:
+            allowed = key_ok[None, :] & (keys[None, :] <= query_index[:, None])
+            if SLIDING:
+                allowed &= keys[None, :] > query_index[:, None] - window
+            if HAS_MASKS:
+                # NOTE: a causal sequence's mask rows count as none (a scalar condition in a
+                # load mask is refused by the interpreter).
+                mask_rows = tl.where(mask_offset >= 0, query_len, 0)
+                explicit = tl.load(
+                    mask_ptr + mask_offset + rows[:, None] * kv_len + keys[None, :],
+                    mask=(rows[:, None] < mask_rows) & key_ok[None, :],
+                    other=0,
+                )
+                allowed = tl.where(mask_offset >= 0, (explicit != 0) & key_ok[None, :], allowed)
+            scores = tl.where(allowed, scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, 1))
+        # NOTE: a row that has seen no key yet (all -inf so far) keeps a finite reference so
+        # that exp2() gives 0 rather than NaN.
+        reference = tl.where(new_best == float("-inf"), 0.0, new_best)
+        probs = tl.exp2(scores - reference[:, None])
+        rescale = tl.exp2(best - reference)
+        total = total * rescale + tl.sum(probs, 1)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+        best = new_best
+    return acc, best, total
+
 
 @triton.jit
 def _extend_kernel(
@@ -43,7 +129,7 @@ def _extend_kernel(
     stride_table,
     stride_out_token,
     stride_out_head,
-    scale,
+    scale_log2,
     window,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
@@ -58,7 +144,9 @@ def _extend_kernel(
 ):
     seq = tl.load(seq_index_ptr + tl.program_id(0))
     head = tl.program_id(1)
-    first_row = tl.program_id(2) * BLOCK_M
+    # NOTE: the last blocks of rows see the most keys: they are launched first, so that the
+    # short ones fill the tail.
+    first_row = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
     query_len = tl.load(query_lens_ptr + seq)
     query_start = tl.load(query_starts_ptr + seq)
     kv_len = tl.load(kv_lens_ptr + seq)
@@ -91,54 +179,49 @@ def _extend_kernel(
     if SLIDING:
         lo = tl.maximum(prefix + first_row - window + 1, 0) // BLOCK_N * BLOCK_N
     hi = tl.where(first_row < query_len, hi, lo)
+    # Without windows or explicit masks, whole blocks of keys at or before the first row's
+    # index are visible to every row: they skip the mask.
+    unmasked_end = lo
+    if not SLIDING and not HAS_MASKS:
+        unmasked_end = tl.minimum((prefix + first_row + 1) // BLOCK_N * BLOCK_N, hi)
 
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     best = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-    offsets = tl.arange(0, BLOCK_N)
-    for block in range(lo, hi, BLOCK_N):
-        keys = block + offsets
-        key_ok = keys < hi
-        pages = tl.load(page_table_ptr + seq * stride_table + keys // PAGE_SIZE, mask=key_ok)
-        slots = pages.to(tl.int64) * PAGE_SIZE + keys % PAGE_SIZE
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(
-            k_cache_ptr + slots[:, None] * stride_k_slot + kv_head * stride_k_head + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
+    table_row_ptr = page_table_ptr + seq * stride_table
+    for masked in tl.static_range(2):
+        acc, best, total = _attend_keys(
+            acc,
+            best,
+            total,
+            q,
+            unmasked_end if masked else lo,
+            hi if masked else unmasked_end,
+            k_cache_ptr,
+            v_cache_ptr,
+            table_row_ptr,
+            stride_k_slot,
+            stride_v_slot,
+            kv_head * stride_k_head,
+            kv_head * stride_v_head,
+            dims,
+            dim_ok,
+            rows,
+            query_index,
+            query_len,
+            kv_len,
+            scale_log2,
+            window,
+            mask_ptr,
+            mask_offset,
+            PAGE_SIZE=PAGE_SIZE,
+            BLOCK_N=BLOCK_N,
+            MASKED=masked == 1,
+            SLIDING=SLIDING,
+            HAS_MASKS=HAS_MASKS,
+            UPCAST=UPCAST,
+            PRECISION=PRECISION,
         )
-        v = tl.load(
-            v_cache_ptr + slots[:, None] * stride_v_slot + kv_head * stride_v_head + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        allowed = key_ok[None, :] & (keys[None, :] <= query_index[:, None])
-        if SLIDING:
-            allowed &= keys[None, :] > query_index[:, None] - window
-        if HAS_MASKS:
-            # NOTE: a causal sequence's mask rows count as none (a scalar condition in a load
-            # mask is refused by the interpreter).
-            mask_rows = tl.where(mask_offset >= 0, query_len, 0)
-            explicit = tl.load(
-                mask_ptr + mask_offset + rows[:, None] * kv_len + keys[None, :],
-                mask=(rows[:, None] < mask_rows) & key_ok[None, :],
-                other=0,
-            )
-            allowed = tl.where(mask_offset >= 0, (explicit != 0) & key_ok[None, :], allowed)
-        scores = tl.where(allowed, scores, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, 1))
-        # NOTE: a row that has seen no key yet (all -inf so far) keeps a finite reference so
-        # that exp() gives 0 rather than NaN.
-        reference = tl.where(new_best == float("-inf"), 0.0, new_best)
-        probs = tl.exp(scores - reference[:, None])
-        rescale = tl.exp(best - reference)
-        total = total * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
-        best = new_best
 
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     out_rows = out_ptr + tokens_of_rows[:, None] * stride_out_token + head * stride_out_head
@@ -154,7 +237,7 @@ def _block_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]
     if dtype == torch.float32:
         return 32, 32, 4, 2
     if head_dim <= 64:
-        return 128, 64, 4, 3
+        return 64, 64, 4, 3
     return 128, 64, 8, 3
 
 
@@ -215,7 +298,7 @@ def paged_extend_attention(
         page_table.stride(0),
         out.stride(0),
         out.stride(1),
-        scale,
+        scale * LOG2_E,
         sliding_window or 0,
         PAGE_SIZE=page_size,
         GROUP=num_heads // kv_heads,
