@@ -14,6 +14,9 @@ class AttentionBackend(ABC):
     """Stores a layer's new K/V in the paged cache and attends each query over its sequence's
     cached keys (causal, optional sliding window)."""
 
+    # Whether layers built with this backend use the fused Triton norm and activation kernels.
+    fused_elementwise: bool = False
+
     @abstractmethod
     def forward(
         self,
