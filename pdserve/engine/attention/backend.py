@@ -28,6 +28,9 @@ class AttentionBackend(ABC):
     cache and attends each query over its sequence's cached keys (causal, optional sliding
     window, or the context's explicit masks)."""
 
+    # Whether layers built with this backend use the fused Triton norm and activation kernels.
+    fused_elementwise: bool = False
+
     @abstractmethod
     def forward(
         self,

@@ -39,9 +39,14 @@ class MissingWeightsError(ValueError):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, layer: int, config: ModelConfig, rotary, backend):
+    """Pre-norm attention and MLP blocks over a residual stream carried beside the hidden
+    state, so that each residual add fuses into the norm after it: a layer takes and returns
+    `(h, residual)`, the stream's value being `h + residual`."""
+
+    def __init__(self, layer: int, config: ModelConfig, rotary, backend: AttentionBackend):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        fused = backend.fused_elementwise
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.self_attn = Attention(
             layer=layer,
             hidden_size=config.hidden_size,
@@ -54,12 +59,29 @@ class DecoderLayer(nn.Module):
             rotary=rotary,
             backend=backend,
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, fused)
 
-    def forward(self, h, positions, kv_pool, ctx):
-        h = h + self.self_attn(self.input_layernorm(h), positions, kv_pool, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_pool: KVPool,
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`residual` None for the first layer (the stream is `h`).
+
+        NOTE: fused norms update the residual in place: the tensor passed as `residual`, or
+        as `h` with residual None, is overwritten.
+        """
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, positions, kv_pool, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -73,18 +95,19 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(i, config, self.rotary, backend) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.fused_elementwise)
 
     def forward(self, input_ids, positions, kv_pool, ctx, capture: tuple[int, ...] = ()):
         """Normed final hidden states, and the outputs of the `capture` layers (in the order
         given; what EAGLE-3 drafts read)."""
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.layers):
-            h = layer(h, positions, kv_pool, ctx)
+            h, residual = layer(h, residual, positions, kv_pool, ctx)
             if index in capture:
-                captured[index] = h
-        return self.norm(h), [captured[i] for i in capture]
+                captured[index] = h + residual
+        h, _ = self.norm(h, residual)
+        return h, [captured[i] for i in capture]
 
 
 class CausalLM(nn.Module):

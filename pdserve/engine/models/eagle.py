@@ -149,11 +149,11 @@ class Eagle3FirstLayer(nn.Module):
     """Attends over [input_layernorm(embedding), hidden_norm(feature)]; the residual stream
     is the feature."""
 
-    def __init__(self, config: ModelConfig, rotary, backend):
+    def __init__(self, config: ModelConfig, rotary, backend: AttentionBackend):
         super().__init__()
-        hidden = config.hidden_size
-        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
-        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+        hidden, fused = config.hidden_size, backend.fused_elementwise
+        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps, fused)
+        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps, fused)
         self.self_attn = Attention(
             layer=0,
             hidden_size=hidden,
@@ -167,28 +167,32 @@ class Eagle3FirstLayer(nn.Module):
             rotary=rotary,
             backend=backend,
         )
-        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
-        self.mlp = GatedMLP(hidden, config.intermediate_size)
+        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, fused)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, fused)
 
     def forward(self, embeds, hidden, positions, kv_pool, ctx):
+        """`(h, residual)` like `DecoderLayer`."""
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(x, positions, kv_pool, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # NOTE: the residual add is not fused here: a fused norm would overwrite `hidden`,
+        # which the caller keeps (tree drafting reads one parent's hidden state several times).
+        residual = hidden + self.self_attn(x, positions, kv_pool, ctx)
+        return self.mlp(self.post_attention_layernorm(residual)), residual
 
 
 class EagleFirstLayer(DecoderLayer):
     """EAGLE's first layer: fc(embedding, feature) feeds a decoder layer without an input
     norm."""
 
-    def __init__(self, config: ModelConfig, rotary, backend, fc_bias: bool):
+    def __init__(self, config: ModelConfig, rotary, backend: AttentionBackend, fc_bias: bool):
         super().__init__(0, config, rotary, backend)
         del self.input_layernorm
         self.input_layernorm = nn.Identity()
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
 
     def forward(self, embeds, hidden, positions, kv_pool, ctx):
+        """`(h, residual)` like `DecoderLayer`."""
         h = self.fc(torch.cat([embeds, hidden], dim=-1))
-        return super().forward(h, positions, kv_pool, ctx)
+        return super().forward(h, None, positions, kv_pool, ctx)
 
 
 class EagleDraftModel(nn.Module):
@@ -201,18 +205,19 @@ class EagleDraftModel(nn.Module):
         )
         self.rotary = RotaryEmbedding(inv_freq, scaling, max_positions)
         self.embed_tokens = nn.Embedding(layers.vocab_size, layers.hidden_size)
+        fused = backend.fused_elementwise
         if config.eagle3:
             first = Eagle3FirstLayer(layers, self.rotary, backend)
             self.fc = nn.Linear(config.capture_width, layers.hidden_size, bias=config.fc_bias)
             self.fc_norm = (
                 nn.ModuleList(
-                    RMSNorm(config.target_hidden_size, layers.rms_norm_eps)
+                    RMSNorm(config.target_hidden_size, layers.rms_norm_eps, fused)
                     for _ in config.aux_layer_ids
                 )
                 if config.fc_norm
                 else None
             )
-            self.norm = RMSNorm(layers.hidden_size, layers.rms_norm_eps)
+            self.norm = RMSNorm(layers.hidden_size, layers.rms_norm_eps, fused)
         else:
             first = EagleFirstLayer(layers, self.rotary, backend, config.fc_bias)
             self.norm = None
@@ -233,10 +238,12 @@ class EagleDraftModel(nn.Module):
         are target features (`from_target`) or this model's previous outputs."""
         if from_target and self.config.eagle3:
             features = self._fuse_aux(features)
-        h = self.layers[0](self.embed_tokens(input_ids), features, positions, kv_pool, ctx)
+        h, residual = self.layers[0](
+            self.embed_tokens(input_ids), features, positions, kv_pool, ctx
+        )
         for layer in self.layers[1:]:
-            h = layer(h, positions, kv_pool, ctx)
-        return h
+            h, residual = layer(h, residual, positions, kv_pool, ctx)
+        return h + residual
 
     def _fuse_aux(self, features: torch.Tensor) -> torch.Tensor:
         if self.fc_norm is not None:

@@ -19,16 +19,45 @@ from pdserve.engine.kv_pool import KVPool
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """transformers' RMSNorm; given a residual, adds it first and returns the sum as well
+    (the new residual stream). `fused`: one Triton kernel instead of torch ops (same
+    numerics; the sum is then written into `residual` in place)."""
+
+    def __init__(self, dim: int, eps: float, fused: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = fused
+        if fused:
+            # NOTE: Triton is optional (a GPU or the interpreter); only fused layers need it.
+            from pdserve.engine.kernels.norm import rms_norm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self._rms_norm = rms_norm
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            return self._fused(x, residual)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def _fused(self, x, residual):
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        if residual is None:
+            return self._rms_norm(rows, self.weight, self.eps).view(shape)
+        # NOTE: a view, so that the in-place update reaches the caller's residual.
+        out, _ = self._rms_norm(rows, self.weight, self.eps, residual.view(-1, shape[-1]))
+        return out.view(shape), residual
 
 
 def rope_inverse_frequencies(
@@ -139,12 +168,23 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    """SwiGLU MLP; `fused`: silu(gate) * up in one Triton kernel (same numerics)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, fused: bool = False):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.fused = fused
+        if fused:
+            from pdserve.engine.kernels.activation import silu_and_mul
+
+            self._silu_and_mul = silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            rows = self._silu_and_mul(gate_up.reshape(-1, gate_up.shape[-1]))
+            return self.down_proj(rows.view(*gate_up.shape[:-1], self.intermediate_size))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
