@@ -321,3 +321,42 @@ def test_rope_store_matches_torch_rotary_and_store(dtype, num_heads, kv_heads, h
     untouched = torch.ones(num_pages * page_size, dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     assert k_cache.view(-1, kv_heads, head_dim)[untouched].isnan().all()
+
+
+def test_extend_falls_back_to_small_blocks_where_shared_memory_is_short(monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    from pdserve.engine.kernels import extend_attention
+
+    real, tried = extend_attention._extend_kernel, []
+
+    class SmallGpu:
+        """The real kernel, except that blocks past 32 rows do not fit."""
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                tried.append(kwargs["BLOCK_M"])
+                if kwargs["BLOCK_M"] > 32:
+                    raise OutOfResources(300_000, 232_448, "shared memory")
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(extend_attention, "_extend_kernel", SmallGpu())
+    monkeypatch.setattr(extend_attention, "_too_large", set())
+    for _ in range(2):
+        error = run_extend(
+            [40, 3],
+            [40, 20],
+            page_size=16,
+            kv_heads=2,
+            group=2,
+            head_dim=128,
+            dtype=torch.bfloat16,
+            window=None,
+            masked=[],
+            seed=5,
+        )
+        assert error < tolerance(torch.bfloat16)
+    # The measured choice is tried once; later launches go straight to the small blocks.
+    assert tried == [128, 32, 32]

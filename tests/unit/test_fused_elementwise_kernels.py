@@ -18,7 +18,8 @@ from pdserve.engine.models.eagle import EagleConfig, EagleDraftModel
 from pdserve.engine.weights import iterate_weights
 from pdserve.speculative.checkpoints import eagle_draft_config
 
-CPU = torch.device("cpu")
+# The interpreter on CPU (tests/conftest.py), the compiled kernels on a GPU.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS = 1e-6
 
 
@@ -40,7 +41,7 @@ def nan_outputs(monkeypatch):
 
 def _random(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    return (scale * torch.randn(*shape, generator=generator)).to(dtype)
+    return (scale * torch.randn(*shape, generator=generator)).to(dtype).to(DEVICE)
 
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -125,13 +126,13 @@ def _prefill_then_decode(model, num_layers: int, kv_heads: int, head_dim: int, r
     each; the outputs of both steps."""
     pool = KVPool(
         num_layers=num_layers, num_pages=8, page_size=4, num_kv_heads=kv_heads,
-        head_dim=head_dim, dtype=torch.float32, device=CPU,
+        head_dim=head_dim, dtype=torch.float32, device=DEVICE,
     )  # fmt: skip
     outputs = []
     for computed, lens in (([0, 0], [5, 7]), ([5, 7], [1, 1])):
         ctx = AttentionContext.build(
             page_size=4, pages=[[0, 1], [2, 3]], num_computed=computed, query_lens=lens,
-            device=CPU,
+            device=DEVICE,
         )  # fmt: skip
         ids = _random(sum(lens), dtype=torch.float32, seed=sum(computed)).abs() * 97
         outputs.append(run(model, ids.long() + 3, pool, ctx))
@@ -145,8 +146,9 @@ def test_model_built_with_fused_kernels_equals_torch_model(tiny_model_dirs, arch
     config = ModelConfig.from_pretrained(path)
 
     def build(backend):
-        model = model_class(config.architecture)(config, backend, 64)
-        model.load_weights(iterate_weights(path, CPU))
+        with torch.device(DEVICE):
+            model = model_class(config.architecture)(config, backend, 64)
+        model.load_weights(iterate_weights(path, DEVICE))
         return model.eval()
 
     def run(model, ids, pool, ctx):
@@ -174,11 +176,13 @@ def test_eagle_draft_built_with_fused_kernels_equals_torch_draft(tiny_model_dirs
     )
     config = EagleConfig.from_dict(hf, target)
     torch.manual_seed(0)
-    reference = EagleDraftModel(config, TorchReferenceBackend(), 64).eval()
+    with torch.device(DEVICE):
+        reference = EagleDraftModel(config, TorchReferenceBackend(), 64).eval()
     for name, param in reference.named_parameters():
         if "norm" in name:
             param.copy_(1 + 0.5 * torch.randn_like(param))
-    fused = EagleDraftModel(config, FusedTorchBackend(), 64).eval()
+    with torch.device(DEVICE):
+        fused = EagleDraftModel(config, FusedTorchBackend(), 64).eval()
     fused.load_state_dict(reference.state_dict())
     layers = config.layers
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from pdserve.engine.kernels.common import dot_settings
 
@@ -233,12 +234,19 @@ def _extend_kernel(
 
 
 def _block_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), measured on an H100 (benchmarks/attention.py)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), the fastest measured on an H100
+    (benchmarks/attention.py, RESULTS.md)."""
     if dtype == torch.float32:
         return 32, 32, 4, 2
     if head_dim <= 64:
         return 64, 64, 4, 3
-    return 128, 64, 8, 3
+    return 128, 128, 8, 3
+
+
+# Blocks that fit any GPU Triton supports, for one whose shared memory is too small for the
+# measured choice (it then raises OutOfResources once, at the first launch of a shape).
+_SMALL_BLOCKS = (32, 32, 4, 2)
+_too_large: set[tuple[int, int, int, int]] = set()
 
 
 def paged_extend_attention(
@@ -274,42 +282,55 @@ def paged_extend_attention(
     k_slots = k_cache.view(-1, kv_heads, head_dim)
     v_slots = v_cache.view(-1, kv_heads, head_dim)
     upcast, precision = dot_settings(q.dtype)
-    block_m, block_n, warps, stages = _block_sizes(head_dim, q.dtype)
     has_masks = mask_data is not None
-    grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
-    _extend_kernel[grid](
-        q,
-        k_slots,
-        v_slots,
-        out,
-        page_table,
-        seq_index,
-        query_starts,
-        query_lens,
-        kv_lens,
-        mask_data if has_masks else q,
-        mask_offsets if has_masks else seq_index,
-        q.stride(0),
-        q.stride(1),
-        k_slots.stride(0),
-        k_slots.stride(1),
-        v_slots.stride(0),
-        v_slots.stride(1),
-        page_table.stride(0),
-        out.stride(0),
-        out.stride(1),
-        scale * LOG2_E,
-        sliding_window or 0,
-        PAGE_SIZE=page_size,
-        GROUP=num_heads // kv_heads,
-        HEAD_DIM=head_dim,
-        DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        SLIDING=sliding_window is not None,
-        HAS_MASKS=has_masks,
-        UPCAST=upcast,
-        PRECISION=precision,
-        num_warps=warps,
-        num_stages=stages,
-    )
+
+    def launch(blocks: tuple[int, int, int, int]) -> None:
+        block_m, block_n, warps, stages = blocks
+        grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
+        _extend_kernel[grid](
+            q,
+            k_slots,
+            v_slots,
+            out,
+            page_table,
+            seq_index,
+            query_starts,
+            query_lens,
+            kv_lens,
+            mask_data if has_masks else q,
+            mask_offsets if has_masks else seq_index,
+            q.stride(0),
+            q.stride(1),
+            k_slots.stride(0),
+            k_slots.stride(1),
+            v_slots.stride(0),
+            v_slots.stride(1),
+            page_table.stride(0),
+            out.stride(0),
+            out.stride(1),
+            scale * LOG2_E,
+            sliding_window or 0,
+            PAGE_SIZE=page_size,
+            GROUP=num_heads // kv_heads,
+            HEAD_DIM=head_dim,
+            DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            SLIDING=sliding_window is not None,
+            HAS_MASKS=has_masks,
+            UPCAST=upcast,
+            PRECISION=precision,
+            num_warps=warps,
+            num_stages=stages,
+        )
+
+    blocks = _block_sizes(head_dim, q.dtype)
+    if blocks in _too_large:
+        blocks = _SMALL_BLOCKS
+    try:
+        launch(blocks)
+    except OutOfResources:
+        if blocks == _SMALL_BLOCKS:
+            raise
+        _too_large.add(blocks)
+        launch(_SMALL_BLOCKS)
