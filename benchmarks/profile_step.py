@@ -37,7 +37,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument(
+        "--unfused-elementwise",
+        action="store_true",
+        help="Triton attention with torch norm/activation (what the fused kernels save)",
+    )
     args = parser.parse_args()
+    if args.unfused_elementwise:
+        from pdserve.engine.attention.triton_backend import TritonBackend
+
+        TritonBackend.fused_elementwise = False
 
     from pdserve import LLM
 
@@ -55,6 +64,8 @@ def main() -> None:
         )
     engine = llm.engine
     backend = type(engine.attention_backend).__name__
+    if args.unfused_elementwise:
+        backend += ", torch norm/activation"
     run = (prefill_steps if args.mode == "prefill" else decode_steps)(engine, args)
 
     host = cProfile.Profile()
