@@ -22,12 +22,10 @@ def test_decode_long_contexts(dtype, kv_heads, group, head_dim, splits):
     kv_lens = [1, 16, 4096, 4097, 777, 12000]
     error = run_decode(
         kv_lens,
-        page_size=16,
         kv_heads=kv_heads,
         group=group,
         head_dim=head_dim,
         dtype=dtype,
-        window=None,
         splits=splits,
         seed=splits + head_dim,
     )
@@ -40,7 +38,6 @@ def test_decode_sliding_window_and_page_sizes(page_size):
         [3000, 70, 4096],
         page_size=page_size,
         kv_heads=8,
-        group=4,
         head_dim=128,
         dtype=torch.bfloat16,
         window=1024,
@@ -56,13 +53,9 @@ def test_extend_long_prompts_with_prefixes(dtype, head_dim):
     error = run_extend(
         [2048, 300, 1, 513],
         [2048, 4000, 900, 513],
-        page_size=16,
         kv_heads=8,
-        group=4,
         head_dim=head_dim,
         dtype=dtype,
-        window=None,
-        masked=[],
         seed=head_dim,
     )
     assert error < tolerance(dtype)
@@ -72,25 +65,19 @@ def test_extend_window_and_tree_masks():
     error = run_extend(
         [1500, 9],
         [3000, 2000],
-        page_size=16,
         kv_heads=8,
-        group=4,
         head_dim=128,
         dtype=torch.bfloat16,
         window=512,
-        masked=[],
         seed=1,
     )
     assert error < tolerance(torch.bfloat16)
     error = run_extend(
         [9, 700, 17],
         [2000, 1000, 3017],
-        page_size=16,
         kv_heads=8,
-        group=4,
         head_dim=128,
         dtype=torch.bfloat16,
-        window=None,
         masked=[0, 2],
         seed=2,
     )

@@ -25,7 +25,18 @@ from pdserve.engine.models.layers import RotaryEmbedding
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run_decode(kv_lens, *, page_size, kv_heads, group, head_dim, dtype, window, splits, seed):
+def run_decode(
+    kv_lens,
+    *,
+    seed,
+    page_size=16,
+    kv_heads=2,
+    group=4,
+    head_dim=32,
+    dtype=torch.float32,
+    window=None,
+    splits=1,
+):
     generator = torch.Generator().manual_seed(seed)
     case = paged_case(
         kv_lens,
@@ -82,12 +93,7 @@ def test_decode_matches_reference(page_size, kv_lens, group):
     error = run_decode(
         kv_lens,
         page_size=page_size,
-        kv_heads=2,
         group=group,
-        head_dim=32,
-        dtype=torch.float32,
-        window=None,
-        splits=1,
         seed=page_size * 10 + group,
     )
     assert error < tolerance(torch.float32)
@@ -99,12 +105,7 @@ def test_decode_split_kv_merges_chunks(splits):
     # shorter sequences (the merge must give those no weight).
     error = run_decode(
         [150, 5, 64],
-        page_size=16,
-        kv_heads=2,
-        group=4,
         head_dim=64,
-        dtype=torch.float32,
-        window=None,
         splits=splits,
         seed=splits,
     )
@@ -115,11 +116,7 @@ def test_decode_split_kv_merges_chunks(splits):
 def test_decode_sliding_window(splits):
     error = run_decode(
         [100, 9, 40],
-        page_size=16,
-        kv_heads=2,
         group=2,
-        head_dim=32,
-        dtype=torch.float32,
         window=17,
         splits=splits,
         seed=splits + 100,
@@ -131,12 +128,9 @@ def test_decode_sliding_window(splits):
 def test_decode_head_dims_and_bf16(head_dim):
     error = run_decode(
         [33, 80],
-        page_size=16,
         kv_heads=1,
-        group=4,
         head_dim=head_dim,
         dtype=torch.bfloat16,
-        window=None,
         splits=2,
         seed=head_dim,
     )
@@ -151,7 +145,17 @@ def test_split_count_fills_the_gpu_and_is_bounded():
 
 
 def run_extend(
-    query_lens, kv_lens, *, page_size, kv_heads, group, head_dim, dtype, window, masked, seed
+    query_lens,
+    kv_lens,
+    *,
+    seed,
+    page_size=16,
+    kv_heads=2,
+    group=4,
+    head_dim=32,
+    dtype=torch.float32,
+    window=None,
+    masked=(),
 ):
     """Every sequence in one launch, with a shuffled subset of sequences as the extend ones."""
     generator = torch.Generator().manual_seed(seed)
@@ -229,12 +233,7 @@ def test_extend_matches_reference(page_size, query_lens, kv_lens, group):
         query_lens,
         kv_lens,
         page_size=page_size,
-        kv_heads=2,
         group=group,
-        head_dim=32,
-        dtype=torch.float32,
-        window=None,
-        masked=[],
         seed=page_size + group,
     )
     assert error < tolerance(torch.float32)
@@ -244,13 +243,8 @@ def test_extend_sliding_window():
     error = run_extend(
         [50, 9, 3],
         [80, 9, 60],
-        page_size=16,
-        kv_heads=2,
         group=2,
-        head_dim=32,
-        dtype=torch.float32,
         window=13,
-        masked=[],
         seed=7,
     )
     assert error < tolerance(torch.float32)
@@ -260,12 +254,6 @@ def test_extend_tree_masks_beside_causal_sequences():
     error = run_extend(
         [5, 40, 7],
         [21, 40, 30],
-        page_size=16,
-        kv_heads=2,
-        group=4,
-        head_dim=32,
-        dtype=torch.float32,
-        window=None,
         masked=[0, 2],
         seed=11,
     )
@@ -276,13 +264,8 @@ def test_extend_bf16_head_dim_64():
     error = run_extend(
         [150, 33],
         [200, 33],
-        page_size=16,
-        kv_heads=2,
-        group=4,
         head_dim=64,
         dtype=torch.bfloat16,
-        window=None,
-        masked=[],
         seed=3,
     )
     assert error < tolerance(torch.bfloat16)
@@ -348,13 +331,9 @@ def test_extend_falls_back_to_small_blocks_where_shared_memory_is_short(monkeypa
         error = run_extend(
             [40, 3],
             [40, 20],
-            page_size=16,
-            kv_heads=2,
             group=2,
             head_dim=128,
             dtype=torch.bfloat16,
-            window=None,
-            masked=[],
             seed=5,
         )
         assert error < tolerance(torch.bfloat16)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.engine.kernels.common import dot_settings
+from pdserve.engine.kernels.common import dot_settings, load_kv_block
 
 MAX_SPLITS = 32
 
@@ -99,22 +99,21 @@ def _decode_chunk_kernel(
     for block in range(lo, hi, BLOCK_N):
         tokens = block + offsets
         valid = tokens < hi
-        pages = tl.load(page_table_ptr + seq * stride_table + tokens // PAGE_SIZE, mask=valid)
-        slots = pages.to(tl.int64) * PAGE_SIZE + tokens % PAGE_SIZE
-        kv_mask = valid[:, None] & dim_ok[None, :]
-        k = tl.load(
-            k_cache_ptr + slots[:, None] * stride_k_slot + kv_head * stride_k_head + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
+        k, v = load_kv_block(
+            k_cache_ptr,
+            v_cache_ptr,
+            page_table_ptr + seq * stride_table,
+            tokens,
+            valid,
+            stride_k_slot,
+            stride_v_slot,
+            kv_head * stride_k_head,
+            kv_head * stride_v_head,
+            dims,
+            dim_ok,
+            PAGE_SIZE,
+            UPCAST,
         )
-        v = tl.load(
-            v_cache_ptr + slots[:, None] * stride_v_slot + kv_head * stride_v_head + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, 1))

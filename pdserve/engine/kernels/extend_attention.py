@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from pdserve.engine.kernels.common import dot_settings
+from pdserve.engine.kernels.common import dot_settings, load_kv_block
 
 LOG2_E = 1.4426950408889634
 
@@ -64,22 +64,21 @@ def _attend_keys(
     for block in range(start, end, BLOCK_N):
         keys = block + offsets
         key_ok = keys < end
-        pages = tl.load(table_row_ptr + keys // PAGE_SIZE, mask=key_ok)
-        slots = pages.to(tl.int64) * PAGE_SIZE + keys % PAGE_SIZE
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(
-            k_cache_ptr + slots[:, None] * stride_k_slot + kv_head_k + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
+        k, v = load_kv_block(
+            k_cache_ptr,
+            v_cache_ptr,
+            table_row_ptr,
+            keys,
+            key_ok,
+            stride_k_slot,
+            stride_v_slot,
+            kv_head_k,
+            kv_head_v,
+            dims,
+            dim_ok,
+            PAGE_SIZE,
+            UPCAST,
         )
-        v = tl.load(
-            v_cache_ptr + slots[:, None] * stride_v_slot + kv_head_v + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         if MASKED:
             allowed = key_ok[None, :] & (keys[None, :] <= query_index[:, None])
