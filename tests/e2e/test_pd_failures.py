@@ -18,7 +18,10 @@ import pytest
 from tests.e2e.pd_cluster import FAST_FAILURE, start_cluster, wait_until
 from tests.e2e.sse import stream_post
 
-SLOW_PREFILL = ("--chunked-prefill-size", "8")  # a long prompt takes many steps to prefill
+# A long prompt takes one step per token to prefill: a window of hundreds of steps in which a
+# test sees the prefill running and kills it (with 8 tokens a step, a busy CI machine's polls
+# once missed the whole prefill).
+SLOW_PREFILL = ("--chunked-prefill-size", "1")
 LONG_PROMPT = [7] * 600
 PREFILL_MAX_LEN = 700  # the shared cluster's prefill worker: shorter than decode's
 TOO_LONG_FOR_PREFILL = [9] * (PREFILL_MAX_LEN + 100)
