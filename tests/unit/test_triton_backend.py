@@ -26,7 +26,9 @@ from pdserve.engine.attention.triton_backend import TritonBackend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # float32 on either device: greedy paths of two bf16 implementations may part at near-ties.
-ENGINE = {"device": DEVICE.type, "dtype": "float32"}
+# A small KV pool: on a GPU the default takes 85% of its memory, which an engine not yet
+# collected would hold against the next test that sizes its pool from free memory.
+ENGINE = {"device": DEVICE.type, "dtype": "float32", "kv_cache_memory": 256 << 20}
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
 
 
