@@ -115,10 +115,15 @@ class AttentionContext:
             },
             device,
         )
-        mask_data = None
+        mask_data, device_masks = None, {}
         if masks:
             flat = torch.cat([masks[i].reshape(-1) for i in sorted(masks)])
             mask_data = flat.to(device, non_blocking=True)
+            # The per-sequence masks are views of the one copy.
+            device_masks = {
+                i: mask_data[mask_offsets[i] : mask_offsets[i] + m.numel()].view(m.shape)
+                for i, m in masks.items()
+            }
         return cls(
             page_size=page_size,
             positions=on_device["positions"],
@@ -137,7 +142,7 @@ class AttentionContext:
             decode_page_table=on_device["decode_table"],
             decode_kv_lens=on_device["decode_kv"],
             max_decode_kv_len=max((kv_lens[i] for i in decode), default=0),
-            masks={i: m.to(device, non_blocking=True) for i, m in masks.items()} or None,
+            masks=device_masks or None,
             mask_data=mask_data,
             mask_offsets=on_device["mask_offsets"] if masks else None,
         )
