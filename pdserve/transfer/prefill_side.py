@@ -223,10 +223,15 @@ class PrefillTransferServer(PeerRegistry):
             if reason is not None:
                 self._reply(identity, AbortRoom(msg.room, reason))
             return
-        # NOTE: checked before any room exists for it.
+        # NOTE: checked before any room exists for it. Only a prompt longer than this worker's
+        # max_model_len needs more pages: the request is at fault ("rejected", a 400), as when
+        # the prefill leg's rejection reaches the room first.
         longest = max(len(msg.page_ids), len(msg.draft_page_ids))
         if longest > self.max_room_pages:
-            reason = f"transfer request for {longest} pages exceeds {self.max_room_pages}"
+            reason = (
+                f"rejected: transfer request for {longest} pages exceeds {self.max_room_pages}, "
+                "what a prompt within the prefill worker's max_model_len needs"
+            )
             self._refuse_room(identity, msg.room, reason)
             return
         room = self._room(msg.room)

@@ -20,6 +20,7 @@ from pdserve.protocol.transfer_messages import (
     RegisterAck,
     TransferRequest,
 )
+from pdserve.transfer.handoff_common import failure_kind
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.peer_allow import PeerNotAllowed
 from pdserve.transfer.peer_auth import decode_proof, new_nonce
@@ -213,6 +214,7 @@ def test_a_transfer_request_for_too_many_pages_is_refused_before_any_room(zmq_co
         raw.send(encode(TransferRequest(12, too_many, [])))
         reply = decode(receive(raw)[0])
         assert "exceeds" in reply.reason and pair.server.sender(12).poll() is TransferState.FAILED
+        assert failure_kind(reply.reason) == "rejected"  # decode answers 400, not 503
         raw.close(0)
     finally:
         pair.client.stop()
