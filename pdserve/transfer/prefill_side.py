@@ -229,8 +229,8 @@ class PrefillTransferServer(PeerRegistry):
         longest = max(len(msg.page_ids), len(msg.draft_page_ids))
         if longest > self.max_room_pages:
             reason = (
-                f"rejected: transfer request for {longest} pages exceeds {self.max_room_pages}, "
-                "what a prompt within the prefill worker's max_model_len needs"
+                f"prefill rejected the request: transfer request for {longest} pages exceeds "
+                f"{self.max_room_pages}, what a prompt within its max_model_len needs"
             )
             self._refuse_room(identity, msg.room, reason)
             return
