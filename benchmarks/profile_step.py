@@ -42,6 +42,7 @@ def main() -> None:
         action="store_true",
         help="Triton attention with torch norm/activation (what the fused kernels save)",
     )
+    parser.add_argument("--disable-cuda-graph", action="store_true")
     args = parser.parse_args()
     if args.unfused_elementwise:
         from pdserve.engine.attention.triton_backend import TritonBackend
@@ -61,11 +62,13 @@ def main() -> None:
             max_model_len=args.context + 4 * args.steps + 64,
             chunked_prefill_size=max(8192, args.context),
             attention_backend=args.attention_backend,
+            disable_cuda_graph=args.disable_cuda_graph,
         )
     engine = llm.engine
     backend = type(engine.attention_backend).__name__
     if args.unfused_elementwise:
         backend += ", torch norm/activation"
+    backend += ", eager" if engine.runner.decode_graphs is None else ", CUDA graphs"
     run = (prefill_steps if args.mode == "prefill" else decode_steps)(engine, args)
 
     host = cProfile.Profile()

@@ -30,6 +30,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="attention kernels: auto is Triton on CUDA and the torch reference on CPU",
     )
     g.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=256,
+        help="largest decode batch replayed from a captured CUDA graph (Triton attention)",
+    )
+    g.add_argument(
+        "--disable-cuda-graph", action="store_true", help="run every decode step eagerly"
+    )
+    g.add_argument(
         "--kv-cache-memory",
         type=int,
         default=None,
@@ -140,6 +149,8 @@ def engine_config_from_args(args: argparse.Namespace):
         device=args.device,
         page_size=args.page_size,
         attention_backend=args.attention_backend,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        disable_cuda_graph=args.disable_cuda_graph,
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_running_requests=args.max_running_requests,

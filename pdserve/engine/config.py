@@ -26,6 +26,8 @@ class EngineConfig:
     0 or negative disables splitting (prompts then go whole, `max_prefill_tokens` per step).
     attention_backend: "auto" (Triton on CUDA, the torch reference on CPU), "triton" or
     "torch"; chosen once at start-up for the target and any draft model.
+    cuda_graph_max_bs: the largest decode batch replayed from a captured CUDA graph (larger
+    batches run eagerly); disable_cuda_graph: run every step eagerly.
     """
 
     model_path: str
@@ -40,6 +42,8 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     attention_backend: str = "auto"
+    cuda_graph_max_bs: int = 256
+    disable_cuda_graph: bool = False
     cpu_kv_cache_cap: int = 1 << 30
     speculative: SpecSettings | None = None
 
@@ -65,6 +69,8 @@ class EngineConfig:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from pdserve.engine.attention import make_attention_backend
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.decode_graphs import DecodeGraphRunner
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.kv_pool import KVPool
@@ -24,6 +25,7 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.page_allocator import PageAllocator, pages_needed
+from pdserve.engine.page_table import DevicePageTable
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
@@ -72,7 +74,14 @@ class Engine:
             ),
             self.allocator,
         )
-        self.runner = ModelRunner(self.model, self.kv_pool, self.sampler, self.device)
+        self.page_table = DevicePageTable(
+            num_rows=config.max_running_requests,
+            max_pages=self._max_pages_per_request(),
+            device=self.device,
+        )
+        self.runner = ModelRunner(
+            self.model, self.kv_pool, self.sampler, self.device, self._decode_graphs()
+        )
         self.requests: dict[str, Request] = {}
         # Finished requests whose pages are kept for a KV transfer (see `hold_pages`).
         self.held: dict[str, Request] = {}
@@ -105,6 +114,7 @@ class Engine:
     def _build_kv_pools(self, extra_page_bytes: int = 0) -> KVPool:
         """The target's pool; `extra_page_bytes` is what other pools sharing its page ids
         (a draft model's) take per page."""
+        table_bytes = self.config.max_running_requests * self._max_pages_per_request() * 8
         return build_kv_pool(
             self.config,
             self.model_config,
@@ -113,7 +123,34 @@ class Engine:
             self.dtype,
             self.max_model_len,
             extra_page_bytes=extra_page_bytes,
+            graph_batch=self._graph_batch() if self._captures_graphs() else 0,
+            reserved_bytes=table_bytes,
         )
+
+    def _max_pages_per_request(self) -> int:
+        return pages_needed(self.max_model_len + self._lookahead_slots(), self.config.page_size)
+
+    def _graph_batch(self) -> int:
+        """The largest decode batch run over static inputs (0: none; the backend cannot be
+        captured or graphs are disabled)."""
+        if self.config.disable_cuda_graph or not self.attention_backend.graph_capturable:
+            return 0
+        return min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
+
+    def _captures_graphs(self) -> bool:
+        return self.device.type == "cuda" and self._graph_batch() > 0
+
+    def _decode_graphs(self) -> DecodeGraphRunner | None:
+        """The decode graph runner, captured on CUDA. Without CUDA (the Triton interpreter)
+        it runs the same static inputs eagerly."""
+        if not self._graph_batch():
+            return None
+        runner = DecodeGraphRunner(
+            self.model, self.kv_pool, self.page_table, self._graph_batch(), self.device
+        )
+        if self._captures_graphs():
+            runner.capture()
+        return runner
 
     def _lookahead_slots(self) -> int:
         return 0

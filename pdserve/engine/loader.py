@@ -78,9 +78,14 @@ def build_kv_pool(
     dtype: torch.dtype,
     max_model_len: int,
     extra_page_bytes: int = 0,
+    *,
+    graph_batch: int = 0,
+    reserved_bytes: int = 0,
 ) -> KVPool:
     """The target's KV pool. `extra_page_bytes`: bytes per page of other pools that share
-    its page ids (a draft model's), counted against the same budget."""
+    its page ids (a draft model's), counted against the same budget. On a GPU, the budget
+    also leaves room for CUDA graphs of decode batches up to `graph_batch` (0: none) and for
+    `reserved_bytes` of other device buffers."""
     target_page_bytes = KVPool.bytes_per_page(
         model_config.num_layers,
         config.page_size,
@@ -92,7 +97,10 @@ def build_kv_pool(
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
     elif device.type == "cuda":
-        budget = _gpu_kv_budget(config, model_config, model, device, dtype, max_model_len)
+        budget = _gpu_kv_budget(
+            config, model_config, model, device, dtype, max_model_len, graph_batch
+        )
+        budget = max(budget - reserved_bytes, 0)
     else:
         full = config.max_running_requests * pages_needed(max_model_len, config.page_size)
         budget = min(full * page_bytes, config.cpu_kv_cache_cap)
@@ -114,9 +122,13 @@ def build_kv_pool(
     )
 
 
-def _gpu_kv_budget(config, model_config, model, device, dtype, max_model_len) -> int:
-    """What is left of `gpu_memory_utilization` x total memory after the weights and the peak
-    activations of the largest prefill step (measured with one dummy forward pass)."""
+def _gpu_kv_budget(
+    config, model_config, model, device, dtype, max_model_len, graph_batch: int
+) -> int:
+    """What is left of `gpu_memory_utilization` x total memory after the weights, the peak
+    activations of the largest prefill step and, with CUDA graphs, the activations of the
+    largest captured decode batch (which a graph's memory pool keeps for good); both measured
+    with one dummy forward pass."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     tokens = min(config.prefill_token_budget, max_model_len)
@@ -142,14 +154,39 @@ def _gpu_kv_budget(config, model_config, model, device, dtype, max_model_len) ->
         model.compute_logits(hidden[-config.max_running_requests :])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - probe.nbytes
-    del probe, ctx, hidden
+    del ctx, hidden
+    graphs = _decode_activation_bytes(model, probe, graph_batch) if graph_batch else 0
+    del probe
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
-    budget = int(total * config.gpu_memory_utilization) - peak
+    budget = int(total * config.gpu_memory_utilization) - peak - graphs
     logger.info(
-        "GPU memory: total %.1f GiB, weights+activations peak %.1f GiB, KV budget %.1f GiB",
+        "GPU memory: total %.1f GiB, weights+activations peak %.1f GiB, CUDA graphs %.2f GiB, "
+        "KV budget %.1f GiB",
         total / 2**30,
         peak / 2**30,
+        graphs / 2**30,
         budget / 2**30,
     )
     return max(budget, 0)
+
+
+def _decode_activation_bytes(model: CausalLM, probe: KVPool, batch: int) -> int:
+    """Peak memory a decode forward of `batch` sequences allocates (over what is already
+    allocated): about what the memory pool of its CUDA graph keeps."""
+    device = probe.device
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    ctx = AttentionContext.build(
+        page_size=probe.page_size,
+        pages=[[i % probe.num_pages] for i in range(batch)],
+        num_computed=[0] * batch,
+        query_lens=[1] * batch,
+        device=device,
+    )
+    ids = torch.zeros(batch, dtype=torch.int64, device=device)
+    with torch.inference_mode():
+        model(ids, ctx.positions, probe, ctx)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before

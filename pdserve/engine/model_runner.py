@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.attention import AttentionContext
+from pdserve.engine.decode_graphs import DecodeGraphRunner
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.models import CausalLM
 from pdserve.engine.sampler import Sampler, SampleResult
@@ -16,11 +17,19 @@ from pdserve.engine.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_pool: KVPool, sampler: Sampler, device: torch.device):
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_pool: KVPool,
+        sampler: Sampler,
+        device: torch.device,
+        decode_graphs: DecodeGraphRunner | None = None,
+    ):
         self.model = model
         self.kv_pool = kv_pool
         self.sampler = sampler
         self.device = device
+        self.decode_graphs = decode_graphs
 
     def run(self, batch: ScheduledBatch) -> tuple[list[int], SampleResult]:
         """Compute the batch's new tokens; return the indices (into the batch) of requests that
@@ -36,6 +45,13 @@ class ModelRunner:
         token: the final hidden states (capture "final"), the outputs of the given layers
         side by side (a tuple of layer ids), or None."""
         requests = batch.requests
+        sampling = [i for i in range(len(batch)) if batch.samples(i)]
+        graphs = self.decode_graphs
+        if capture is None and graphs is not None and graphs.can_run(batch.num_new_tokens):
+            hidden = graphs.run(requests)
+            rows = hidden if len(sampling) == len(batch) else hidden[sampling]
+            logits = self.model.compute_logits(rows)
+            return sampling, self.sampler(logits, [requests[i] for i in sampling]), None
         input_ids = [
             token
             for request, count in zip(requests, batch.num_new_tokens, strict=True)
@@ -59,7 +75,6 @@ class ModelRunner:
         else:
             hidden = self.model(ids, ctx.positions, self.kv_pool, ctx)
             features = hidden if capture == "final" else None
-        sampling = [i for i in range(len(batch)) if batch.samples(i)]
         last_rows = [ctx.query_starts[i] + ctx.query_lens[i] - 1 for i in sampling]
         logits = self.model.compute_logits(hidden[last_rows])
         return sampling, self.sampler(logits, [requests[i] for i in sampling]), features

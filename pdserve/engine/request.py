@@ -52,9 +52,11 @@ class Request:
     draft_state: Any = None
     spec_verify_steps: int = 0
     spec_emitted_tokens: int = 0
-    # Per-request state owned by other components (sampler generator, detokenizer).
+    # Per-request state owned by other components (sampler generator, detokenizer, the
+    # device page table's row).
     generator: Any = None
     detokenizer: Any = None
+    page_table_row: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -54,11 +54,16 @@ def run_decode(
     rows = torch.randperm(num_rows, generator=generator)[: len(kv_lens)].to(DEVICE)
     out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
+    # The sequences' pages sit in shuffled rows of a larger table (a persistent page table).
+    table_rows = torch.randperm(len(kv_lens) + 3, generator=generator)[: len(kv_lens)]
+    table = torch.zeros(len(kv_lens) + 3, case.page_table.shape[1], dtype=torch.int64)
+    table[table_rows] = case.page_table.cpu()
     paged_decode_attention(
         q,
         case.k_cache,
         case.v_cache,
-        case.page_table,
+        table.to(DEVICE),
+        table_rows.to(DEVICE),
         torch.tensor(kv_lens, device=DEVICE),
         rows,
         out,
@@ -78,6 +83,38 @@ def run_decode(
     others[rows] = False
     assert out[others].isnan().all(), "the kernel wrote rows that are not decode rows"
     return relative_error(got, want)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_padding_rows_give_zeros(splits):
+    """A CUDA graph's padding rows (kv_len 0) must not read the cache or produce NaN."""
+    generator = torch.Generator().manual_seed(splits)
+    case = paged_case(
+        [5, 9],
+        page_size=4,
+        kv_heads=2,
+        head_dim=32,
+        dtype=torch.float32,
+        device=DEVICE,
+        generator=generator,
+    )
+    q = torch.randn(4, 4, 32, generator=generator).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(
+        q,
+        case.k_cache,
+        case.v_cache,
+        case.page_table,
+        torch.tensor([0, 1, 0, 0], device=DEVICE),
+        torch.tensor([5, 9, 0, 0], device=DEVICE),
+        torch.arange(4, device=DEVICE),
+        out,
+        scale=32**-0.5,
+        sliding_window=None,
+        num_splits=splits,
+    )
+    assert not out[:2].isnan().any()
+    assert (out[2:] == 0).all(), "a padding row's output is not 0"
 
 
 @pytest.mark.parametrize(
@@ -288,21 +325,24 @@ def test_rope_store_matches_torch_rotary_and_store(dtype, num_heads, kv_heads, h
     v = v.view(tokens, kv_heads, head_dim)
     positions = torch.randint(0, 256, (tokens,), generator=generator).to(DEVICE)
     slots = torch.randperm(num_pages * page_size, generator=generator)[:tokens].to(DEVICE)
+    slots[-1] = -1  # a CUDA graph's padding row: rotated, never stored
+    stored = slots[:-1]
     cache_shape = (num_pages, page_size, kv_heads, head_dim)
     k_cache = torch.full(cache_shape, float("nan"), dtype=dtype, device=DEVICE)
     v_cache = torch.full_like(k_cache, float("nan"))
     want_q, want_k = rotary(positions, q.clone(), k.clone())
     rope_and_store(q, k, v, positions, slots, rotary.cos, rotary.sin, k_cache, v_cache)
-    got_k = k_cache.view(-1, kv_heads, head_dim)[slots]
-    got_v = v_cache.view(-1, kv_heads, head_dim)[slots]
+    got_k = k_cache.view(-1, kv_heads, head_dim)[stored]
+    got_v = v_cache.view(-1, kv_heads, head_dim)[stored]
+    want_k = want_k[:-1]
     # float32: equal up to fused multiply-adds (the GPU compiler contracts a*b + c); bf16: the
     # kernel rounds once where torch rounds three times.
     ulp = 1e-6 if dtype == torch.float32 else 2.0**-6
     for got, want in ((q, want_q), (got_k, want_k)):
         assert torch.allclose(got.double(), want.double(), rtol=ulp, atol=ulp)
-    assert torch.equal(got_v, v)
+    assert torch.equal(got_v, v[:-1])
     untouched = torch.ones(num_pages * page_size, dtype=torch.bool, device=DEVICE)
-    untouched[slots] = False
+    untouched[stored] = False
     assert k_cache.view(-1, kv_heads, head_dim)[untouched].isnan().all()
 
 

@@ -30,6 +30,10 @@ class AttentionBackend(ABC):
 
     # Whether layers built with this backend use the fused Triton norm and activation kernels.
     fused_elementwise: bool = False
+    # Whether a decode-only forward over static inputs can be captured in a CUDA graph: no
+    # host syncs, no shapes that depend on the data, and padding rows (slot -1, KV length 0)
+    # that write nothing and read nothing.
+    graph_capturable: bool = False
 
     @abstractmethod
     def forward(

@@ -42,9 +42,9 @@ class AttentionContext:
     prefill_seqs: list[int]
     prefill_index: torch.Tensor  # [P]
     max_prefill_query_len: int
-    # Decode sequences: their token rows, page-table rows and KV lengths.
+    # Decode sequences: their token rows, rows of `page_table` and KV lengths.
     decode_token_rows: torch.Tensor  # [D]
-    decode_page_table: torch.Tensor  # [D, max_pages]
+    decode_table_rows: torch.Tensor  # [D]
     decode_kv_lens: torch.Tensor  # [D]
     max_decode_kv_len: int
     # Sequence index -> [query_len, kv_len] bool: which cached slots each new token may see
@@ -104,7 +104,7 @@ class AttentionContext:
                 "positions": storage,
                 "slots": slots,
                 "table": table,
-                "decode_table": table[torch.tensor(decode, dtype=torch.int64)],
+                "decode_table_rows": decode,
                 "query_starts": query_starts,
                 "query_lens": query_lens,
                 "kv_lens": kv_lens,
@@ -139,7 +139,7 @@ class AttentionContext:
             prefill_index=on_device["prefill"],
             max_prefill_query_len=max((query_lens[i] for i in prefill), default=0),
             decode_token_rows=on_device["decode_rows"],
-            decode_page_table=on_device["decode_table"],
+            decode_table_rows=on_device["decode_table_rows"],
             decode_kv_lens=on_device["decode_kv"],
             max_decode_kv_len=max((kv_lens[i] for i in decode), default=0),
             masks=device_masks or None,

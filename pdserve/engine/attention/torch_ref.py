@@ -87,7 +87,7 @@ def _decode_batch(q, k_cache, v_cache, ctx, scale, sliding_window):
     num_seqs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     max_len = ctx.max_decode_kv_len
-    pages = ctx.decode_page_table[:, : -(-max_len // ctx.page_size)]  # [D, P]
+    pages = ctx.page_table[ctx.decode_table_rows, : -(-max_len // ctx.page_size)]  # [D, P]
     keys = k_cache[pages].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [D, kv_heads, L, dim]
     values = v_cache[pages].flatten(1, 2)[:, :max_len].transpose(1, 2)
     key_pos = torch.arange(max_len, device=q.device)

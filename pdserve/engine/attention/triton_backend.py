@@ -19,6 +19,7 @@ from pdserve.engine.kv_pool import KVPool
 
 class TritonBackend(AttentionBackend):
     fused_elementwise = True
+    graph_capturable = True
 
     def __init__(self, device: torch.device):
         # The interpreter (CPU) has no multiprocessors; any count gives the same results.
@@ -68,7 +69,8 @@ class TritonBackend(AttentionBackend):
             q,
             k_cache,
             v_cache,
-            ctx.decode_page_table,
+            ctx.page_table,
+            ctx.decode_table_rows,
             ctx.decode_kv_lens,
             ctx.decode_token_rows,
             out,

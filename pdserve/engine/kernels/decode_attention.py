@@ -37,6 +37,7 @@ def _decode_chunk_kernel(
     k_cache_ptr,
     v_cache_ptr,
     page_table_ptr,
+    table_rows_ptr,
     kv_lens_ptr,
     rows_ptr,
     out_ptr,
@@ -69,6 +70,7 @@ def _decode_chunk_kernel(
     split = tl.program_id(2)
     kv_len = tl.load(kv_lens_ptr + seq)
     row = tl.load(rows_ptr + seq)
+    table_row = tl.load(table_rows_ptr + seq)
 
     # The new token sits at cache index kv_len - 1; a sliding window hides keys at or before
     # kv_len - 1 - window.
@@ -102,7 +104,7 @@ def _decode_chunk_kernel(
         k, v = load_kv_block(
             k_cache_ptr,
             v_cache_ptr,
-            page_table_ptr + seq * stride_table,
+            page_table_ptr + table_row * stride_table,
             tokens,
             valid,
             stride_k_slot,
@@ -124,7 +126,8 @@ def _decode_chunk_kernel(
         best = new_best
 
     # An empty chunk (past the end of a short context) leaves total = 0: its output is 0
-    # and its log-sum-exp -inf, so the merge gives it no weight.
+    # and its log-sum-exp -inf, so the merge gives it no weight. A sequence with no KV at
+    # all (a CUDA graph's padding row, kv_len 0) gets an output of 0.
     safe_total = tl.where(total > 0, total, 1.0)
     out = acc / safe_total[:, None]
     out_mask = head_ok[:, None] & dim_ok[None, :]
@@ -164,8 +167,11 @@ def _merge_chunks_kernel(
     split_ok = splits < NUM_SPLITS
     part_rows = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
     lse = tl.load(part_lse_ptr + part_rows, mask=split_ok, other=float("-inf"))
-    weights = tl.exp(lse - tl.max(lse, 0))
-    weights = weights / tl.sum(weights, 0)
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # every chunk empty: weights of 0
+    weights = tl.exp(lse - top)
+    total = tl.sum(weights, 0)
+    weights = weights / tl.where(total > 0, total, 1.0)
     parts = tl.load(
         part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :],
         mask=split_ok[:, None] & (dims[None, :] < HEAD_DIM),
@@ -184,6 +190,7 @@ def paged_decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     page_table: torch.Tensor,
+    table_rows: torch.Tensor,
     kv_lens: torch.Tensor,
     rows: torch.Tensor,
     out: torch.Tensor,
@@ -196,8 +203,9 @@ def paged_decode_attention(
     write the results into the same rows of `out`.
 
     q, out: [T, heads, head_dim]; k_cache, v_cache: [num_pages, page_size, kv_heads,
-    head_dim]; page_table: [D, max_pages]; kv_lens: [D], each sequence's KV length including
-    the new token (already in the cache).
+    head_dim]; page_table: [R, max_pages], sequence i's pages in row `table_rows[i]` (`[D]`);
+    kv_lens: [D], each sequence's KV length including the new token (already in the cache;
+    0 for a padding row, whose output is 0).
     """
     num_seqs = rows.shape[0]
     if num_seqs == 0:
@@ -222,6 +230,7 @@ def paged_decode_attention(
         k_slots,
         v_slots,
         page_table,
+        table_rows,
         kv_lens,
         rows,
         out,

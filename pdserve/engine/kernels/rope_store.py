@@ -76,7 +76,8 @@ def _rope_store_kernel(
     tl.store(q_rows + HALF, second.to(q_ptr.dtype.element_ty), mask=q_mask)
 
     kv_heads = tl.arange(0, KV_HEADS_PAD)
-    kv_heads = tl.where(kv_heads < NUM_KV_HEADS, kv_heads, -1)
+    # NOTE: a negative slot (a CUDA graph's padding row) stores nothing: no head is valid.
+    kv_heads = tl.where((kv_heads < NUM_KV_HEADS) & (slot >= 0), kv_heads, -1)
     kv_mask = (kv_heads[:, None] >= 0) & dims_ok[None, :]
     first, second = _rotate_heads(
         k_ptr + token * stride_k_token, stride_k_head, kv_heads, cos, sin, dims, dims_ok, HALF
@@ -107,8 +108,9 @@ def rope_and_store(
 ) -> None:
     """Rotate q `[T, heads, head_dim]` in place; write rotated k and v (`[T, kv_heads,
     head_dim]`) at flat cache `slots` of k_cache/v_cache (`[num_pages, page_size, kv_heads,
-    head_dim]`). cos, sin: `[max_positions, head_dim]` float32 tables. Rows of q, k and v
-    may be strided (views into one fused projection); the last dim must be contiguous."""
+    head_dim]`); a negative slot stores nothing. cos, sin: `[max_positions, head_dim]`
+    float32 tables. Rows of q, k and v may be strided (views into one fused projection);
+    the last dim must be contiguous."""
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:
         return

@@ -1,0 +1,202 @@
+"""Decode steps replayed from CUDA graphs.
+
+A decode step launches a few hundred small kernels; launched one by one from Python, the host
+takes several times longer than the GPU needs to run them. A CUDA graph records the whole
+forward once per batch-size bucket and replays it with one launch.
+
+A graph reads its inputs from fixed addresses, so every step writes them into static buffers:
+token ids, positions, cache slots, page-table rows and KV lengths are packed in one pinned
+host buffer and copied to the device in one transfer; page ids come from the persistent
+`DevicePageTable`. A batch runs in the smallest bucket that holds it; the padding rows have
+slot -1 (nothing stored) and KV length 0 (nothing read), and their outputs are ignored.
+The graph's output is the final hidden states; logits are computed outside it for the real
+rows only.
+
+Without CUDA (tests under the Triton interpreter) the same padded static inputs run eagerly,
+so everything but the capture itself is exercised on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.attention import AttentionContext
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.models import CausalLM
+from pdserve.engine.page_table import DevicePageTable
+from pdserve.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+# Rows of the static input buffer.
+_IDS, _POSITIONS, _SLOTS, _TABLE_ROWS, _KV_LENS = range(5)
+# A padding row's values, in the same order: token 0 at position 0, stored nowhere, no KV.
+_PADDING = (0, 0, -1, 0, 0)
+
+
+def batch_buckets(max_bs: int) -> list[int]:
+    """Batch sizes with a graph: 1, 2, 4, 8, then every multiple of 8 up to `max_bs` (and
+    `max_bs` itself)."""
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_bs]
+    sizes += range(16, max_bs + 1, 8)
+    if sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sizes
+
+
+@dataclass
+class CaptureReport:
+    num_graphs: int
+    seconds: float
+    pool_bytes: int
+
+
+class DecodeGraphRunner:
+    """Runs decode batches (one new token per request) of up to `max_bs` requests over static
+    inputs: replayed from graphs once `capture()` has run, eagerly before (or without CUDA)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_pool: KVPool,
+        page_table: DevicePageTable,
+        max_bs: int,
+        device: torch.device,
+    ):
+        self.model = model
+        self.kv_pool = kv_pool
+        self.page_table = page_table
+        self.device = device
+        self.buckets = batch_buckets(max_bs)
+        self.max_bs = self.buckets[-1]
+        pin = device.type == "cuda"
+        self._host = torch.zeros((len(_PADDING), self.max_bs), dtype=torch.int64, pin_memory=pin)
+        self._host_rows = self._host.numpy()
+        self._inputs = torch.zeros_like(self._host, device=device)
+        hidden_size = model.config.hidden_size
+        dtype = model.lm_head.weight.dtype
+        self._hidden = torch.zeros((self.max_bs, hidden_size), dtype=dtype, device=device)
+        self._contexts = {bs: self._context(bs) for bs in self.buckets}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Steps per bucket, replayed from a graph and run eagerly (statistics, tests).
+        self.replays: Counter[int] = Counter()
+        self.eager_runs: Counter[int] = Counter()
+
+    def can_run(self, num_new_tokens: list[int]) -> bool:
+        return len(num_new_tokens) <= self.max_bs and all(n == 1 for n in num_new_tokens)
+
+    def bucket_for(self, batch_size: int) -> int:
+        return next(b for b in self.buckets if b >= batch_size)
+
+    @torch.inference_mode()
+    def run(self, requests: list[Request]) -> torch.Tensor:
+        """Final hidden states `[len(requests), hidden]` of each request's next token (the
+        token at `num_computed_tokens`), its KV written to the cache."""
+        bs = len(requests)
+        bucket = self.bucket_for(bs)
+        self._fill(requests, bucket)
+        self._inputs.copy_(self._host, non_blocking=True)
+        graph = self._graphs.get(bucket)
+        if graph is not None:
+            graph.replay()
+            self.replays[bucket] += 1
+        else:
+            self._forward(bucket)
+            self.eager_runs[bucket] += 1
+        return self._hidden[:bs]
+
+    def _fill(self, requests: list[Request], bucket: int) -> None:
+        size = self.kv_pool.page_size
+        ids, positions, slots, kv_lens = [], [], [], []
+        for request in requests:
+            n = request.num_computed_tokens
+            ids.append(request.token_ids[n])
+            positions.append(n)
+            slots.append(request.pages[n // size] * size + n % size)
+            kv_lens.append(n + 1)
+        bs = len(requests)
+        host = self._host_rows
+        host[_IDS, :bs] = ids
+        host[_POSITIONS, :bs] = positions
+        host[_SLOTS, :bs] = slots
+        host[_TABLE_ROWS, :bs] = self.page_table.rows(requests)
+        host[_KV_LENS, :bs] = kv_lens
+        for field, value in enumerate(_PADDING):
+            host[field, bs:bucket] = value
+
+    def _forward(self, bucket: int) -> None:
+        ctx = self._contexts[bucket]
+        hidden = self.model(self._inputs[_IDS, :bucket], ctx.positions, self.kv_pool, ctx)
+        self._hidden[:bucket].copy_(hidden)
+
+    def _context(self, bs: int) -> AttentionContext:
+        """Attention metadata of a `bs`-row decode batch, as views of the static inputs."""
+        device = self.device
+        rows = torch.arange(bs, dtype=torch.int64, device=device)
+        nothing = torch.zeros(0, dtype=torch.int64, device=device)
+        kv_lens = self._inputs[_KV_LENS, :bs]
+        return AttentionContext(
+            page_size=self.kv_pool.page_size,
+            positions=self._inputs[_POSITIONS, :bs],
+            slot_mapping=self._inputs[_SLOTS, :bs],
+            # NOTE: host-side lengths are not known when a graph replays; only the torch
+            # reference reads them, and it never runs here (its backend is not capturable).
+            query_starts=list(range(bs)),
+            query_lens=[1] * bs,
+            kv_lens=[],
+            page_table=self.page_table.table,
+            seq_query_starts=rows,
+            seq_query_lens=torch.ones(bs, dtype=torch.int64, device=device),
+            seq_kv_lens=kv_lens,
+            prefill_seqs=[],
+            prefill_index=nothing,
+            max_prefill_query_len=0,
+            decode_token_rows=rows,
+            decode_table_rows=self._inputs[_TABLE_ROWS, :bs],
+            decode_kv_lens=kv_lens,
+            max_decode_kv_len=0,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> CaptureReport:
+        """Record a graph per bucket (largest first, all in one memory pool)."""
+        started = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        for field, value in enumerate(_PADDING):
+            self._host_rows[field, :] = value
+        self._inputs.copy_(self._host)
+        stream = torch.cuda.Stream(self.device)
+        pool = None
+        for bucket in reversed(self.buckets):
+            # NOTE: one eager run first, on the capture stream: Triton compiles its kernels
+            # and cuBLAS picks its algorithms outside the capture.
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._forward(bucket)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self._forward(bucket)
+            pool = graph.pool()
+            self._graphs[bucket] = graph
+        torch.cuda.synchronize(self.device)
+        report = CaptureReport(
+            num_graphs=len(self._graphs),
+            seconds=time.perf_counter() - started,
+            pool_bytes=torch.cuda.memory_reserved(self.device) - before,
+        )
+        logger.info(
+            "captured %d CUDA graphs (decode batches %d..%d) in %.1f s, %.0f MiB",
+            report.num_graphs,
+            self.buckets[0],
+            self.max_bs,
+            report.seconds,
+            report.pool_bytes / 2**20,
+        )
+        return report

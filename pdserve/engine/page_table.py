@@ -1,0 +1,97 @@
+"""A page table that lives on the device: one row per running request, updated in place.
+
+Building each step's page table from the requests' page lists costs host time in proportion
+to the whole batch's context (every page id of every sequence, every step). Here a request
+owns a row of one persistent device tensor while it runs, and a step writes only the page ids
+that changed since the request's last step (a new page every `page_size` tokens), all in one
+host-to-device copy. Kernels find sequence i's pages in row `rows[i]`.
+
+The tensor is allocated once and never moves: CUDA graphs read it by address.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.request import Request, RequestStatus
+
+
+class PageTableFullError(RuntimeError):
+    """More requests in one step than the table has rows, or a request with more pages than a
+    row holds: the scheduler's limits were not kept."""
+
+
+@dataclass
+class _Row:
+    """A request's row: its first `synced` pages are in it, as of preemption `epoch` (a
+    preemption frees every page, so the row is rewritten from the start)."""
+
+    index: int
+    synced: int
+    epoch: int
+
+
+class DevicePageTable:
+    def __init__(self, num_rows: int, max_pages: int, device: torch.device):
+        self.max_pages = max_pages
+        self.device = device
+        self.table = torch.zeros((num_rows, max_pages), dtype=torch.int64, device=device)
+        self._free = list(range(num_rows - 1, -1, -1))
+        self._owners: dict[int, Request] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.numel() * self.table.element_size()
+
+    def rows(self, requests: list[Request]) -> list[int]:
+        """The table rows of `requests`, with their current pages written there."""
+        positions: list[int] = []
+        page_ids: list[int] = []
+        rows = []
+        for request in requests:
+            row = request.page_table_row
+            if row is None or self._owners.get(row.index) is not request:
+                row = request.page_table_row = _Row(self._take(request), 0, 0)
+                row.epoch = request.num_preemptions
+            elif row.epoch != request.num_preemptions:
+                row.synced, row.epoch = 0, request.num_preemptions
+            count = len(request.pages)
+            if count > row.synced:
+                if count > self.max_pages:
+                    raise PageTableFullError(
+                        f"request {request.request_id} holds {count} pages; a page-table row "
+                        f"holds {self.max_pages}"
+                    )
+                start = row.index * self.max_pages
+                positions.extend(range(start + row.synced, start + count))
+                page_ids.extend(request.pages[row.synced :])
+            # NOTE: after a trim the row keeps stale ids past `count`; kernels never read past
+            # a sequence's KV length, and the next pages overwrite them.
+            row.synced = count
+            rows.append(row.index)
+        if positions:
+            writes = torch.tensor([positions, page_ids], dtype=torch.int64)
+            writes = writes.to(self.device, non_blocking=True)
+            self.table.view(-1).index_copy_(0, writes[0], writes[1])
+        return rows
+
+    def _take(self, request: Request) -> int:
+        if not self._free:
+            self._reclaim()
+        if not self._free:
+            raise PageTableFullError(
+                f"all {len(self._owners)} page-table rows belong to running requests"
+            )
+        index = self._free.pop()
+        self._owners[index] = request
+        return index
+
+    def _reclaim(self) -> None:
+        """Free the rows of requests that stopped running (finished or preempted)."""
+        for index, owner in list(self._owners.items()):
+            if owner.status is not RequestStatus.RUNNING:
+                del self._owners[index]
+                owner.page_table_row = None
+                self._free.append(index)

@@ -1,0 +1,79 @@
+"""The device page table: rows follow requests, only changed page ids are written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.page_table import DevicePageTable, PageTableFullError
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+
+
+def running(name: str, pages: list[int]) -> Request:
+    request = Request(name, [1, 2, 3], SamplingParams(), max_total_tokens=64)
+    request.status = RequestStatus.RUNNING
+    request.pages = list(pages)
+    return request
+
+
+def row_pages(table: DevicePageTable, row: int, count: int) -> list[int]:
+    return table.table[row, :count].tolist()
+
+
+def test_rows_hold_each_requests_pages_and_only_new_pages_are_written():
+    table = DevicePageTable(num_rows=3, max_pages=4, device=torch.device("cpu"))
+    a, b = running("a", [7, 2]), running("b", [5])
+    rows = table.rows([a, b])
+    assert len(set(rows)) == 2
+    assert row_pages(table, rows[0], 2) == [7, 2]
+    assert row_pages(table, rows[1], 1) == [5]
+    # Scribble over a's synced entries: a later step must write only its new page.
+    table.table[rows[0], :2] = -5
+    a.pages.append(9)
+    assert table.rows([b, a]) == [rows[1], rows[0]]
+    assert row_pages(table, rows[0], 3) == [-5, -5, 9]
+
+
+def test_a_preempted_request_is_rewritten_from_its_first_page():
+    table = DevicePageTable(num_rows=2, max_pages=4, device=torch.device("cpu"))
+    a = running("a", [1, 2])
+    (row,) = table.rows([a])
+    a.pages = [6, 4, 3]  # preempted, then readmitted with fresh pages
+    a.num_preemptions += 1
+    assert table.rows([a]) == [row]
+    assert row_pages(table, row, 3) == [6, 4, 3]
+
+
+def test_a_trimmed_request_gets_its_next_pages_where_the_trimmed_ones_were():
+    table = DevicePageTable(num_rows=1, max_pages=4, device=torch.device("cpu"))
+    a = running("a", [1, 2, 3])
+    (row,) = table.rows([a])
+    del a.pages[1:]  # rejected speculative KV
+    table.rows([a])
+    a.pages += [8, 9]
+    table.rows([a])
+    assert row_pages(table, row, 3) == [1, 8, 9]
+
+
+def test_rows_of_requests_that_stopped_running_are_reused():
+    table = DevicePageTable(num_rows=2, max_pages=2, device=torch.device("cpu"))
+    a, b, c = running("a", [1]), running("b", [2]), running("c", [3])
+    rows = table.rows([a, b])
+    with pytest.raises(PageTableFullError, match="2 page-table rows"):
+        table.rows([c])
+    a.status = RequestStatus.FINISHED
+    (row_c,) = table.rows([c])
+    assert row_c == rows[0]
+    assert row_pages(table, row_c, 1) == [3]
+    # a comes back (it was preempted, not finished): it needs a row again, b's is kept.
+    a.status = RequestStatus.RUNNING
+    with pytest.raises(PageTableFullError):
+        table.rows([a])
+    assert table.rows([b]) == [rows[1]]
+
+
+def test_a_request_with_more_pages_than_a_row_holds_is_refused():
+    table = DevicePageTable(num_rows=1, max_pages=2, device=torch.device("cpu"))
+    with pytest.raises(PageTableFullError, match="holds 3 pages; a page-table row holds 2"):
+        table.rows([running("a", [1, 2, 3])])
