@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import logging
 import pstats
 import statistics
 import tempfile
@@ -44,6 +45,7 @@ def main() -> None:
     )
     parser.add_argument("--disable-cuda-graph", action="store_true")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.unfused_elementwise:
         from pdserve.engine.attention.triton_backend import TritonBackend
 
