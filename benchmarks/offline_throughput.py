@@ -24,6 +24,14 @@ import time
 from pathlib import Path
 
 import torch
+from harness import (
+    add_model_arguments,
+    device_name,
+    load_transformers_model,
+    model_directory,
+    split_backend,
+    sync,
+)
 
 
 def make_workload(num_prompts: int, min_len: int, max_len: int, vocab: int, seed: int):
@@ -48,10 +56,10 @@ def run_pdserve(model_path: str, workload, args, attention_backend: str = "auto"
     )
     params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for _, n in workload]
     llm.generate([p for p, _ in workload[:4]], params[:4], use_tqdm=False)  # warm-up
-    _sync()
+    sync()
     start = time.perf_counter()
     outputs = llm.generate([p for p, _ in workload], params, use_tqdm=False)
-    _sync()
+    sync()
     elapsed = time.perf_counter() - start
     produced = sum(len(o.token_ids) for o in outputs)
     assert produced == sum(n for _, n in workload), "pdserve produced the wrong token count"
@@ -66,14 +74,8 @@ def run_pdserve(model_path: str, workload, args, attention_backend: str = "auto"
 
 
 def run_transformers(model_path: str, workload, args) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from pdserve.engine.dtypes import parse_dtype
-
-    dtype = parse_dtype(args.dtype if args.dtype != "auto" else "bfloat16")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-    model.generation_config.eos_token_id = None
+    model = load_transformers_model(model_path, args.dtype)
+    device = model.device
     order = sorted(range(len(workload)), key=lambda i: workload[i][1])
     batches = [order[i : i + args.hf_batch_size] for i in range(0, len(order), args.hf_batch_size)]
 
@@ -94,19 +96,14 @@ def run_transformers(model_path: str, workload, args) -> dict:
             )
 
     generate(batches[0][:2])  # warm-up
-    _sync()
+    sync()
     start = time.perf_counter()
     for batch in batches:
         generate(batch)
-    _sync()
+    sync()
     return _result(
         "transformers", workload, time.perf_counter() - start, batch_size=args.hf_batch_size
     )
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _result(name: str, workload, elapsed: float, **extra) -> dict:
@@ -124,9 +121,7 @@ def _result(name: str, workload, elapsed: float, **extra) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model-path", help="a model directory")
-    source.add_argument("--preset", help="a named config with random weights (llama-3.2-1b, ...)")
+    add_model_arguments(parser)
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1024)
@@ -140,29 +135,24 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as scratch:
-        model_path = args.model_path
-        if model_path is None:
-            from pdserve.engine.random_model import make_random_model
-
-            model_path = str(make_random_model(Path(scratch) / args.preset, args.preset))
+        model_path = model_directory(args, scratch)
         config = json.loads((Path(model_path) / "config.json").read_text())
         workload = make_workload(
             args.num_prompts, args.min_len, args.max_len, config["vocab_size"], args.seed
         )
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         report = {
             "model": args.preset or model_path,
-            "device": device,
+            "device": device_name(),
             "num_prompts": args.num_prompts,
             "lengths": [args.min_len, args.max_len],
             "results": [],
         }
         for name in args.backends.split(","):
+            engine, attention = split_backend(name)
             if name == "transformers":
                 result = run_transformers(model_path, workload, args)
-            elif name.split(":")[0] == "pdserve":
-                backend = name.split(":")[1] if ":" in name else "auto"
-                result = run_pdserve(model_path, workload, args, backend)
+            elif engine == "pdserve":
+                result = run_pdserve(model_path, workload, args, attention)
             else:
                 parser.error(f"unknown backend {name!r}: pdserve, pdserve:NAME or transformers")
             report["results"].append(result)

@@ -22,16 +22,14 @@ import pstats
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
+from harness import add_model_arguments, model_directory, sync
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model-path")
-    source.add_argument("--preset")
+    add_model_arguments(parser)
     parser.add_argument("--mode", choices=["decode", "prefill"], default="decode")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=1024)
@@ -54,13 +52,8 @@ def main() -> None:
     from pdserve import LLM
 
     with tempfile.TemporaryDirectory() as scratch:
-        model_path = args.model_path
-        if model_path is None:
-            from pdserve.engine.random_model import make_random_model
-
-            model_path = str(make_random_model(Path(scratch) / args.preset, args.preset))
         llm = LLM(
-            model_path,
+            model_directory(args, scratch),
             max_model_len=args.context + 4 * args.steps + 64,
             chunked_prefill_size=max(8192, args.context),
             attention_backend=args.attention_backend,
@@ -92,11 +85,6 @@ def main() -> None:
             if event.device_type == torch.autograd.DeviceType.CUDA
         )
         print(f"GPU time per {args.mode} step ({backend}): {kernels_us / args.steps / 1e3:.2f} ms")
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def random_prompt(engine, length: int, generator: torch.Generator) -> list[int]:
