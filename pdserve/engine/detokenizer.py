@@ -15,12 +15,22 @@ UTF-8 character: nothing is emitted and the window grows until the character com
 Stop strings are searched in the new text plus the `max(len(stop)) - 1` characters before it, so
 a stop string split across tokens is still found. Streaming (`take_new_text`) holds back any
 trailing text that could still grow into a stop string, so a client never sees part of one.
+
+Where text is made (SGLang's detokenizer-manager split): the engine keeps a `RequestDetokenizer`
+only for a request with stop strings, to know when it stops; it reports token ids. Text for
+clients is made beside it, in the worker's front end (and by `LLM.generate` offline), by another
+`RequestDetokenizer` fed the ids the engine reports. Both run the same deterministic algorithm,
+fed the same way, over the same ids, so they find a stop string at the same token and cut the
+text at the same character.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from pdserve.engine.sampling_params import SamplingParams
 
 # NOTE: prompt ids that seed the first window: enough for any tokenizer's leading-space rule
 # to see a preceding token, few enough to keep each decode cheap.
@@ -192,3 +202,51 @@ class IncrementalDetokenizer:
             if any(len(s) > length and s.startswith(tail) for s in self._stop):
                 return length
         return 0
+
+
+class RequestDetokenizer:
+    """One request's detokenizer: its `SamplingParams`' text settings, fed one id at a time,
+    stop strings checked once `min_new_tokens` ids were generated.
+
+    NOTE: this is the one way ids reach a request's detokenizer, in the engine (stop strings)
+    and where client text is made (front end, `LLM`): one id per `append` of the inner
+    detokenizer, with the same `check_stop`, whatever batches the ids arrive in (one per step,
+    several with speculative decoding). That is what makes both sides agree on the stop point.
+    """
+
+    def __init__(
+        self, tokenizer: TokenDecoder, prompt_token_ids: Sequence[int], params: SamplingParams
+    ):
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        self._min_new_tokens = params.min_new_tokens
+        self._num_tokens = 0
+
+    @property
+    def text(self) -> str:
+        return self._detokenizer.text
+
+    @property
+    def stopped_by(self) -> str | None:
+        return self._detokenizer.stopped_by
+
+    def append(self, token_ids: Sequence[int]) -> None:
+        """Feed generated ids (the request's next ones, in order)."""
+        for token_id in token_ids:
+            self._num_tokens += 1
+            self._detokenizer.append(
+                [token_id], check_stop=self._num_tokens >= self._min_new_tokens
+            )
+
+    def take_output(self, new_token_ids: Sequence[int], *, finished: bool) -> str:
+        """Feed one engine output's new ids; return the text a client may see now: none of a
+        stop string, all of the rest once the request `finished`."""
+        self.append(new_token_ids)
+        if finished:
+            self._detokenizer.finish()
+        return self._detokenizer.take_new_text()

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from pdserve.engine.attention import make_attention_backend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.decode_graphs import DecodeGraphRunner
-from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.detokenizer import RequestDetokenizer
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.loader import build_kv_pool, load_model, resolve_device, resolve_dtype
@@ -199,13 +199,10 @@ class Engine:
         )
         if params.seed is not None:
             request.generator = self.sampler.make_generator(self.device)
-        request.detokenizer = IncrementalDetokenizer(
-            self.tokenizer,
-            token_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-        )
+        if params.stop:
+            # NOTE: only stop strings need text here (to know when the request stops); text
+            # for clients is made outside the engine from the ids it reports (detokenizer.py).
+            request.detokenizer = RequestDetokenizer(self.tokenizer, token_ids, params)
         self.requests[request_id] = request
         return request
 
@@ -297,7 +294,7 @@ class Engine:
         if request is None:
             return False
         self.scheduler.finish(request, FinishReason.ABORT)
-        request.detokenizer.finish()
+        request.detokenizer = None
         return True
 
     def has_unfinished(self) -> bool:
@@ -329,7 +326,7 @@ class Engine:
             if not request.finished:
                 self.scheduler.finish(request, FinishReason.ABORT)
                 self.requests.pop(request.request_id, None)
-                request.detokenizer.finish()
+                request.detokenizer = None
             elif request.request_id in self.held:
                 self.release_held(request.request_id)
             request.error = reason
@@ -363,12 +360,12 @@ class Engine:
             request.logprobs.append(logprob)
             if top is not None:
                 request.top_logprobs.append(top)
-        min_reached = request.num_output_tokens >= request.sampling_params.min_new_tokens
-        request.detokenizer.append([token], check_stop=min_reached)
+        if request.detokenizer is not None:
+            request.detokenizer.append([token])
         reason = self._stop_reason(request, token)
         if reason is not None:
             self.scheduler.finish(request, reason, keep_pages=request.hold_pages)
-            request.detokenizer.finish()
+            request.detokenizer = None
             self.requests.pop(request.request_id, None)
             if request.hold_pages:
                 self.held[request.request_id] = request
@@ -382,7 +379,7 @@ class Engine:
             if token in p.stop_token_ids:
                 request.stop_reason = token
                 return FinishReason.STOP
-            if detok.stopped_by is not None:
+            if detok is not None and detok.stopped_by is not None:
                 request.stop_reason = detok.stopped_by
                 return FinishReason.STOP
         if request.num_tokens >= request.max_total_tokens:
@@ -397,9 +394,7 @@ class Engine:
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=request.output_token_ids,
-            text=request.detokenizer.text,
             new_token_ids=new_tokens,
-            new_text=request.detokenizer.take_new_text(),
             finished=request.finished,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             stop_reason=request.stop_reason,

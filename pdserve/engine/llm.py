@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.detokenizer import RequestDetokenizer
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -68,14 +69,23 @@ class LLM:
         for params in sampling_params:
             params.check_vocab(self.engine.model_config.vocab_size)
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        # NOTE: the engine reports ids; text is made here as a worker's front end makes it
+        # for clients (same detokenizer, fed the same outputs), so both read the same.
+        detokenizers: dict[str, RequestDetokenizer] = {}
         for request_id, ids_of_prompt, params in zip(ids, token_ids, sampling_params, strict=True):
             self.engine.add_request(request_id, ids_of_prompt, params)
+            detokenizers[request_id] = RequestDetokenizer(self.tokenizer, ids_of_prompt, params)
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
         bar = tqdm(total=len(prompts), desc="Generating", disable=not show)
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished():
             for output in self.engine.step():
+                detokenizer = detokenizers.get(output.request_id)
+                if detokenizer is None:
+                    continue  # a request queued on the engine by someone else
+                detokenizer.take_output(output.new_token_ids, finished=output.finished)
                 if output.finished:
+                    output.text = detokenizers.pop(output.request_id).text
                     final[output.request_id] = output
                     bar.update(1)
         bar.close()

@@ -7,16 +7,18 @@ from dataclasses import dataclass
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step: cumulative text and tokens, plus what is new since the
-    previous output (for streaming). `finish_reason` is "stop", "length" or "abort" once
-    `finished`; `stop_reason` is the stop token id or stop string that matched, if any."""
+    """A request's state after a step: cumulative tokens, plus those new since the previous
+    output (for streaming). `finish_reason` is "stop", "length" or "abort" once `finished`;
+    `stop_reason` is the stop token id or stop string that matched, if any.
+
+    Token-level: `Engine.step()` leaves `text` None. Text is made from the ids by a
+    `RequestDetokenizer` outside the engine (detokenizer.py): `LLM.generate` fills `text` of
+    the outputs it returns; a worker's front end streams it."""
 
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
-    text: str
     new_token_ids: list[int]
-    new_text: str
     finished: bool
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -34,6 +36,8 @@ class RequestOutput:
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[dict[int, float]] | None = None
     prompt: str | None = None
+    # All output text, stop strings applied (filled by `LLM.generate`; None from the engine).
+    text: str | None = None
     # Speculative decoding: verify steps so far and the tokens they emitted.
     spec_verify_ct: int = 0
     spec_emitted_tokens: int = 0

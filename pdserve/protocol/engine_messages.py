@@ -55,11 +55,15 @@ class Shutdown:
 
 @message("token_output")
 class TokenOutput:
-    """What one request produced in one step (`new_*`), plus its finish state."""
+    """What one request produced in one step (`new_*`), plus its finish state.
+
+    Token ids only: the front end makes the text (engine/detokenizer.py), so the engine spends
+    no time decoding for clients. Stop strings are the engine's decision (`finish_reason`,
+    `stop_reason`); the front end's detokenizer, fed these ids, cuts the text at the same
+    place."""
 
     request_id: str
     new_token_ids: list[int]
-    new_text: str
     finished: bool
     num_prompt_tokens: int
     num_output_tokens: int

@@ -334,7 +334,7 @@ class EngineClient:
 def _failed(request_id: str, reason: str) -> TokenOutput:
     """The last output of a request that ended outside the engine (it is worth a retry)."""
     return TokenOutput(
-        request_id, [], "", True, 0, 0, finish_reason="abort", error=reason,
+        request_id, [], True, 0, 0, finish_reason="abort", error=reason,
         error_kind="unavailable",
     )  # fmt: skip
 

@@ -295,7 +295,6 @@ def _failed_output(output: RequestOutput, reason: str) -> RequestOutput:
     return dataclasses.replace(
         output,
         new_token_ids=[],
-        new_text="",
         new_logprobs=None if output.new_logprobs is None else [],
         new_top_logprobs=None if output.new_top_logprobs is None else [],
         finished=True,
@@ -309,7 +308,6 @@ def _failed(msg: GenerateRequest, reason: str, kind: str = "invalid") -> TokenOu
     return TokenOutput(
         request_id=msg.request_id,
         new_token_ids=[],
-        new_text="",
         finished=True,
         num_prompt_tokens=len(msg.prompt_token_ids),
         num_output_tokens=0,
@@ -326,7 +324,6 @@ def _to_wire(output: RequestOutput) -> TokenOutput:
     return TokenOutput(
         request_id=output.request_id,
         new_token_ids=output.new_token_ids,
-        new_text=output.new_text,
         finished=output.finished,
         num_prompt_tokens=len(output.prompt_token_ids),
         num_output_tokens=len(output.token_ids),

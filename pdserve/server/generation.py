@@ -1,5 +1,11 @@
 """The request path every API shares: limits, prompt checks, sampling settings, running one
-or several engine requests, and metrics. API modules only translate bodies and responses."""
+or several engine requests, their text, and metrics. API modules only translate bodies and
+responses.
+
+Text is made here, not in the engine: the engine process reports token ids, and each request
+has a `RequestDetokenizer` in this process (engine/detokenizer.py), so detokenizing for clients
+takes no time from the engine's steps.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.engine.detokenizer import RequestDetokenizer
 from pdserve.engine.sampling_params import INT64_MIN, InvalidSamplingParams, SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, TokenOutput
 from pdserve.server.engine_client import DuplicateRequestId, EngineClient, EngineUnavailable
@@ -237,9 +244,12 @@ async def run_one(
     prompt_ids: list[int],
     sampling: dict[str, Any],
     bootstrap: Bootstrap | None = None,
-) -> AsyncIterator[TokenOutput]:
-    """Stream one engine request's outputs, recording latency and token metrics."""
+) -> AsyncIterator[tuple[TokenOutput, str]]:
+    """Stream one engine request's outputs, each with the text its new tokens add (never
+    part of a stop string), recording latency and token metrics."""
     metrics = state.metrics
+    # NOTE: `sampling` passed `sampling_settings`; the engine builds the same SamplingParams.
+    detokenizer = RequestDetokenizer(state.tokenizer, prompt_ids, SamplingParams(**sampling))
     arrival = last = time.monotonic()
     first, finished = True, False
     if bootstrap is not None:
@@ -267,7 +277,7 @@ async def run_one(
                     metrics.spec_accept_length.observe(
                         output.spec_emitted_tokens / output.spec_verify_ct
                     )
-            yield output
+            yield output, detokenizer.take_output(output.new_token_ids, finished=output.finished)
     except EngineUnavailable as e:
         raise APIError(503, f"engine unavailable: {e}") from None
     except DuplicateRequestId as e:
@@ -307,20 +317,20 @@ async def run_many(
     state: ServerState,
     jobs: list[tuple[str, list[int], dict[str, Any]]],
     bootstrap: Bootstrap | None = None,
-) -> AsyncIterator[tuple[int, TokenOutput]]:
-    """Run several engine requests at once; yield (job index, output) as they come. Leaving
-    early cancels (and so aborts) every job still running. A disaggregated request (with
-    `bootstrap`) is always a single job (see `bootstrap_of`)."""
+) -> AsyncIterator[tuple[int, TokenOutput, str]]:
+    """Run several engine requests at once; yield (job index, output, new text) as they
+    come. Leaving early cancels (and so aborts) every job still running. A disaggregated
+    request (with `bootstrap`) is always a single job (see `bootstrap_of`)."""
     if len(jobs) == 1:
-        async for output in run_one(state, *jobs[0], bootstrap):
-            yield 0, output
+        async for output, new_text in run_one(state, *jobs[0], bootstrap):
+            yield 0, output, new_text
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, job) -> None:
         try:
-            async for output in run_one(state, *job):
-                queue.put_nowait((index, output))
+            async for output, new_text in run_one(state, *job):
+                queue.put_nowait((index, (output, new_text)))
         except APIError as e:
             queue.put_nowait((index, e))
         queue.put_nowait((index, None))
@@ -335,7 +345,7 @@ async def run_many(
             elif isinstance(item, APIError):
                 raise item
             else:
-                yield index, item
+                yield index, *item
     finally:
         for task in tasks:
             task.cancel()

@@ -184,8 +184,8 @@ def _new_states(jobs) -> list[dict]:
     ]
 
 
-def _update(state: dict, output) -> None:
-    state["text"] += output.new_text
+def _update(state: dict, output, new_text: str) -> None:
+    state["text"] += new_text
     state["ids"].extend(output.new_token_ids)
     state["completion_tokens"] = output.num_output_tokens
     state["spec_verify_ct"] = output.spec_verify_ct
@@ -202,8 +202,8 @@ def _update(state: dict, output) -> None:
 async def _collect(server: ServerState, jobs, bootstrap) -> list[dict]:
     arrival = time.monotonic()
     states = _new_states(jobs)
-    async for index, output in run_many(server, jobs, bootstrap):
-        _update(states[index], output)
+    async for index, output, new_text in run_many(server, jobs, bootstrap):
+        _update(states[index], output, new_text)
     return [_result(job, s, arrival) for job, s in zip(jobs, states, strict=True)]
 
 
@@ -211,8 +211,8 @@ async def _stream(server: ServerState, jobs, bootstrap):
     arrival = time.monotonic()
     states = _new_states(jobs)
     try:
-        async for index, output in run_many(server, jobs, bootstrap):
-            _update(states[index], output)
+        async for index, output, new_text in run_many(server, jobs, bootstrap):
+            _update(states[index], output, new_text)
             result = _result(jobs[index], states[index], arrival)
             result["index"] = index
             yield f"data: {json.dumps(result)}\n\n"

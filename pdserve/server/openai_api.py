@@ -287,13 +287,15 @@ async def _respond(request, state, jobs, view: _View, body, bootstrap):
 
 async def _collect(state, jobs, view: _View, bootstrap) -> dict:
     outputs: list[list[TokenOutput]] = [[] for _ in jobs]
-    async for index, output in run_many(state, jobs, bootstrap):
+    texts: list[list[str]] = [[] for _ in jobs]
+    async for index, output, new_text in run_many(state, jobs, bootstrap):
         outputs[index].append(output)
+        texts[index].append(new_text)
     choices = []
     prompt_tokens = sum(len(ids) for i, (_, ids, _) in enumerate(jobs) if _is_first_choice(jobs, i))
     completion_tokens = 0
     for index, outs in enumerate(outputs):
-        text = "".join(o.new_text for o in outs)
+        text = "".join(texts[index])
         last = outs[-1]
         completion_tokens += last.num_output_tokens
         choice: dict[str, Any] = {
@@ -326,7 +328,7 @@ async def _stream(state, jobs, view: _View, include_usage: bool, bootstrap) -> A
     # first event is an error has sent nothing yet, so the router may still retry it.
     roles_sent = not view.chat
     try:
-        async for index, output in run_many(state, jobs, bootstrap):
+        async for index, output, new_text in run_many(state, jobs, bootstrap):
             if not roles_sent:
                 roles_sent = True
                 for i in range(len(jobs)):
@@ -334,7 +336,7 @@ async def _stream(state, jobs, view: _View, include_usage: bool, bootstrap) -> A
                     choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
                     yield event(view.envelope(True, [choice]))
             completion_tokens[index] = output.num_output_tokens
-            if not (output.new_text or output.finished or (view.logprobs and output.new_token_ids)):
+            if not (new_text or output.finished or (view.logprobs and output.new_token_ids)):
                 continue
             choice: dict[str, Any] = {
                 "index": index,
@@ -342,12 +344,12 @@ async def _stream(state, jobs, view: _View, include_usage: bool, bootstrap) -> A
                 "finish_reason": output.finish_reason if output.finished else None,
             }
             if view.chat:
-                choice["delta"] = {"content": output.new_text} if output.new_text else {}
+                choice["delta"] = {"content": new_text} if new_text else {}
             else:
-                choice["text"] = output.new_text
+                choice["text"] = new_text
             if output.finished and output.stop_reason is not None:
                 choice["stop_reason"] = output.stop_reason
-            text_length[index] += len(output.new_text)
+            text_length[index] += len(new_text)
             yield event(view.envelope(True, [choice]))
         if include_usage:
             prompt_tokens = sum(

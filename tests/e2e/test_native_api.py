@@ -5,15 +5,32 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
+from transformers import AutoTokenizer
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.detokenizer import decode_text
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
-def test_generate_text(server):
+@pytest.fixture(scope="module")
+def tokenizer(server):
+    return AutoTokenizer.from_pretrained(server.model_path)
+
+
+def stream_events(server, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=30) as response:
+        return [
+            json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")
+        ]
+
+
+def test_generate_text(server, tokenizer):
     out = server.post("/generate", {"text": "Hello", "sampling_params": GREEDY}).json()
     assert len(out["output_ids"]) == 12
+    # The engine sends ids only; the front end's text is what a whole decode of them reads.
+    assert out["text"] == decode_text(tokenizer, out["output_ids"])
     meta = out["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 12}
     assert meta["completion_tokens"] == 12 and meta["prompt_tokens"] > 0
@@ -30,11 +47,7 @@ def test_generate_input_ids_equal_offline_llm(server):
 
 
 def test_generate_stream_is_cumulative(server):
-    body = {"text": "Stream me", "sampling_params": GREEDY, "stream": True}
-    with httpx.stream("POST", server.url + "/generate", json=body, timeout=30) as response:
-        events = [
-            json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")
-        ]
+    events = stream_events(server, {"text": "Stream me", "sampling_params": GREEDY, "stream": True})
     lengths = [len(e["output_ids"]) for e in events]
     assert lengths == sorted(lengths) and lengths[-1] == 12
     whole = server.post("/generate", {"text": "Stream me", "sampling_params": GREEDY}).json()
@@ -49,6 +62,35 @@ def test_generate_stop_string_reports_match(server):
     out = server.post("/generate", {"text": "Hi", "sampling_params": params}).json()
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert out["text"] == full[: full.index(stop)]
+
+
+def test_stop_string_across_tokens_cuts_the_stream_where_the_engine_stopped(server, tokenizer):
+    """The engine stops on the token that completes the stop string; the front end, fed the
+    same tokens, cuts the text where it begins, and no event shows any of it."""
+    prompt, params = [3, 141, 59, 26], {**GREEDY, "max_new_tokens": 32}
+    out = server.post("/generate", {"input_ids": prompt, "sampling_params": params}).json()
+    ids = out["output_ids"]
+    pieces = [decode_text(tokenizer, [t]) for t in ids]
+
+    def letter(c: str) -> bool:
+        return c.isascii() and c.isalnum()
+
+    # From the last character of one token into the next (ASCII: no character is split).
+    cut = next(
+        i
+        for i in range(1, len(ids) - 1)
+        if letter(pieces[i][-1:]) and letter(pieces[i + 1][:1]) and pieces[i + 1].isascii()
+    )
+    stop = pieces[cut][-1] + pieces[cut + 1][:2]
+    full = decode_text(tokenizer, ids)
+    stop_at = next(n for n in range(1, len(ids) + 1) if stop in decode_text(tokenizer, ids[:n]))
+    body = {"input_ids": prompt, "sampling_params": {**params, "stop": stop}, "stream": True}
+    events = stream_events(server, body)
+    final = events[-1]
+    assert final["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert final["output_ids"] == ids[:stop_at]
+    assert final["text"] == full[: full.index(stop)]
+    assert all(final["text"].startswith(e["text"]) for e in events)
 
 
 def test_generate_logprobs(server):

@@ -25,7 +25,6 @@ def test_round_trip_with_nested_messages():
             TokenOutput(
                 "r",
                 [1, 2],
-                "hi",
                 True,
                 3,
                 2,
@@ -65,6 +64,20 @@ def test_expected_type_is_enforced():
         (
             raw("generate", {"request_id": "r", "prompt_token_ids": [True], "sampling": {}}),
             "expected an integer",
+        ),
+        (
+            raw(
+                "token_output",
+                {
+                    "request_id": "r",
+                    "new_token_ids": [1],
+                    "new_text": "text is made by the front end",
+                    "finished": False,
+                    "num_prompt_tokens": 1,
+                    "num_output_tokens": 1,
+                },
+            ),
+            "unknown fields",
         ),
         (
             raw(

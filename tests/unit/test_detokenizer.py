@@ -1,4 +1,6 @@
-"""Incremental detokenizer against whole-text decodes of a real (tiny, offline) BPE tokenizer."""
+"""Incremental detokenizer against whole-text decodes of a real (tiny, offline) BPE tokenizer,
+and the per-request detokenizer that the engine (stop strings) and the front end (client text)
+both feed."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from pdserve.engine.detokenizer import (
     DetokenizerFinished,
     IncrementalDetokenizer,
     InvalidStopString,
+    RequestDetokenizer,
     decode_text,
 )
+from pdserve.engine.sampling_params import SamplingParams
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -269,3 +273,54 @@ def test_append_after_finish_raises(tokenizer):
 def test_empty_stop_string_rejected(tokenizer):
     with pytest.raises(InvalidStopString, match="non-empty"):
         make(tokenizer, stop=("ok", ""))
+
+
+# ---- RequestDetokenizer: what the engine and the front end each run per request -------------
+
+BATCHINGS = [[1], [3], [2, 1, 4], [100]]  # ids per output: one per step, or speculative runs
+
+
+def feed_outputs(det: RequestDetokenizer, ids: list[int], sizes: list[int]) -> list[str]:
+    """Feed ids as engine outputs of the given sizes (cycled), the last one finished."""
+    chunks, i = [], 0
+    for size in itertools.cycle(sizes):
+        batch = ids[i : i + size]
+        i += size
+        chunks.append(det.take_output(batch, finished=i >= len(ids)))
+        if i >= len(ids):
+            return chunks
+
+
+@pytest.mark.parametrize("sizes", BATCHINGS)
+def test_request_output_text_is_the_whole_decode(tokenizer, sizes):
+    ids = encode(tokenizer, EMOJI_TEXT + " " + CJK_TEXT)
+    det = RequestDetokenizer(tokenizer, encode(tokenizer, PROMPT), SamplingParams())
+    chunks = feed_outputs(det, ids, sizes)
+    assert "".join(chunks) == det.text == decode_text(tokenizer, ids)
+    assert all(REPLACEMENT_CHAR not in chunk for chunk in chunks)
+
+
+@pytest.mark.parametrize("sizes", BATCHINGS)
+def test_request_stop_waits_for_min_new_tokens_however_ids_are_batched(tokenizer, sizes):
+    """The first "lo" completes before min_new_tokens and is ignored, the second ends it:
+    ids are fed one at a time whatever outputs they came in, as the engine feeds its own."""
+    text = "hello world, hello there"
+    ids = encode(tokenizer, text)
+    first_lo = next(i for i in range(len(ids)) if "lo" in decode_text(tokenizer, ids[: i + 1]))
+    params = SamplingParams(stop=["lo"], min_new_tokens=first_lo + 2, max_new_tokens=64)
+    det = RequestDetokenizer(tokenizer, encode(tokenizer, PROMPT), params)
+    chunks = feed_outputs(det, ids, sizes)
+    assert det.stopped_by == "lo"
+    assert "".join(chunks) == det.text == "hello world, hel"
+
+
+def test_request_stop_is_found_on_the_id_that_completes_it(tokenizer):
+    ids = encode(tokenizer, "xyzzy says hi")
+    params = SamplingParams(stop=["zy"], include_stop_str_in_output=True)
+    det = RequestDetokenizer(tokenizer, encode(tokenizer, PROMPT), params)
+    fed = 0
+    while det.stopped_by is None:
+        det.append(ids[fed : fed + 1])
+        fed += 1
+    assert token_span(tokenizer, ids, "zy") == 2
+    assert decode_text(tokenizer, ids[:fed]) == det.text == "xyzzy"

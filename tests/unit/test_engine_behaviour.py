@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.detokenizer import decode_text
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.loader import KVCacheTooSmallError
 from pdserve.engine.model_config import UnsupportedModelError
@@ -26,6 +27,39 @@ def greedy(n=32, **kw):
     return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, **kw)
 
 
+class DecodeCounter:
+    """A tokenizer that counts `decode` calls (everything else goes to the real one)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.decodes = 0
+
+    def decode(self, *args, **kwargs):
+        self.decodes += 1
+        return self.tokenizer.decode(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_engine_decodes_only_for_stop_strings(llm, monkeypatch):
+    counter = DecodeCounter(llm.engine.tokenizer)
+    monkeypatch.setattr(llm.engine, "tokenizer", counter)  # LLM keeps its own for the text
+    plain = llm.generate(PROMPT, greedy(12))[0]
+    assert counter.decodes == 0
+    assert plain.text == decode_text(llm.tokenizer, plain.token_ids)
+    stopping = llm.generate(PROMPT, greedy(12, stop=["never in this text"]))[0]
+    assert counter.decodes > 0
+    assert stopping.token_ids == plain.token_ids and stopping.text == plain.text
+
+
+def test_engine_outputs_carry_no_text(llm):
+    llm.engine.add_request("token-level", PROMPT, greedy(3, stop=["x"]))
+    outputs = [o for _ in range(3) for o in llm.engine.step()]
+    assert outputs and all(o.text is None for o in outputs)
+    llm.engine.abort_request("token-level")
+
+
 def test_stop_string_straddling_tokens_truncates_text(llm):
     full = llm.generate(PROMPT, greedy())[0]
     pieces = [llm.tokenizer.decode([t]) for t in full.token_ids]
@@ -34,8 +68,16 @@ def test_stop_string_straddling_tokens_truncates_text(llm):
     offset = sum(len(p) for p in pieces[:start]) + 1
     stop = full.text[offset : offset + len(pieces[start])]
     expected = full.text[: full.text.index(stop)]
+    # The engine stops on the first token whose text completes the stop string...
+    stop_at = next(
+        n
+        for n in range(1, len(full.token_ids) + 1)
+        if stop in decode_text(llm.tokenizer, full.token_ids[:n])
+    )
     out = llm.generate(PROMPT, greedy(stop=[stop]))[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == full.token_ids[:stop_at]
+    # ...and the text made outside it from those tokens is cut where the stop string begins.
     assert out.text == expected
     kept = llm.generate(PROMPT, greedy(stop=[stop], include_stop_str_in_output=True))[0]
     assert kept.text == expected + stop

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.detokenizer import decode_text
 from pdserve.engine.page_allocator import pages_needed
 from pdserve.engine.spec_config import SpecSettings
 from pdserve.speculative import registry
@@ -131,6 +132,15 @@ def test_token_limits_stops_and_logprobs_match_the_target(tiny_model_dirs, draft
     want = plain.generate(prompts, stopping)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert got[4].finish_reason == "stop" and got[4].token_ids[-1] == stop_at
+    # A stop string: several tokens per verify step reach the detokenizers (the engine's and
+    # the one making the text) in one output; both must stop where the target alone stops.
+    full = decode_text(plain.tokenizer, expected[4])
+    start = next(i for i in range(len(full) // 3, len(full)) if full[i : i + 3].isalnum())
+    stop = full[start : start + 3]
+    by_string = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+    got, want = llm.generate(prompts, by_string), plain.generate(prompts, by_string)
+    assert [(o.token_ids, o.text) for o in got] == [(o.token_ids, o.text) for o in want]
+    assert got[4].stop_reason == stop and got[4].text == full[: full.index(stop)]
     with_logprobs = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
     got = llm.generate(prompts, with_logprobs)
     want = plain.generate(prompts, with_logprobs)
