@@ -1,8 +1,10 @@
 """The engine: requests in, tokens out, one `step()` at a time.
 
 It owns the model, the KV pool, the scheduler and the sampler. `step()` schedules, runs the
-batch, and turns sampled tokens into outputs (stop checks, detokenization, page release). It is
-single-threaded; callers add and abort requests between steps.
+batch, and turns sampled tokens into outputs (stop checks, page release). Outputs carry token
+ids; text is made by whoever reads them (the worker's front end, `LLM.generate`), and the
+engine decodes only what stop strings need. It is single-threaded; callers add and abort
+requests between steps.
 """
 
 from __future__ import annotations

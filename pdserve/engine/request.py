@@ -52,8 +52,8 @@ class Request:
     draft_state: Any = None
     spec_verify_steps: int = 0
     spec_emitted_tokens: int = 0
-    # Per-request state owned by other components (sampler generator, detokenizer, the
-    # device page table's row).
+    # Per-request state owned by other components: the sampler's generator, the detokenizer
+    # (only for requests with stop strings), the device page table's row.
     generator: Any = None
     detokenizer: Any = None
     page_table_row: Any = None
