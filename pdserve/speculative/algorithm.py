@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pdserve.engine.spec_config import SpecSettings, SpeculativeConfigError
+from pdserve.protocol.metadata_spec import MetadataSpec
+from pdserve.protocol.spec_settings import SpecSettings, SpeculativeConfigError
 from pdserve.speculative.state import DraftBatch, DraftState, ExtendItem
 from pdserve.speculative.tree import DraftTree
-from pdserve.transfer.metadata_spec import MetadataSpec
 
 __all__ = [
     "Capabilities",

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.page_allocator import pages_needed
+from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
 from pdserve.transfer.handshake import model_fingerprint
 from pdserve.transfer.kv_staging import KVStager
-from pdserve.transfer.metadata_spec import MetadataSpec
 
 # Failure kinds, a closed set so metric labels stay bounded.
 FAILURE_KINDS = ("timeout", "peer_lost", "handshake", "aborted", "rejected", "no_pages", "error")

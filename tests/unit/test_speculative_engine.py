@@ -11,13 +11,13 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.page_allocator import pages_needed
-from pdserve.engine.spec_config import SpecSettings
+from pdserve.protocol.metadata_spec import MetadataSpec
+from pdserve.protocol.spec_settings import SpecSettings
 from pdserve.speculative import registry
 from pdserve.speculative.algorithm import Capabilities, SpeculativeAlgorithm
 from pdserve.speculative.checkpoints import make_tiny_eagle_draft
 from pdserve.speculative.state import DraftBatch
 from pdserve.speculative.tree import DraftTree
-from pdserve.transfer.metadata_spec import MetadataSpec
 from tests.conftest import random_prompts
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)

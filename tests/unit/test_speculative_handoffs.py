@@ -9,8 +9,8 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.decode.handoff import DecodeHandoff
-from pdserve.engine.spec_config import SpecSettings
 from pdserve.prefill.handoff import PrefillHandoff
+from pdserve.protocol.spec_settings import SpecSettings
 from tests.conftest import random_prompts
 from tests.unit.test_handoffs import CONFIG, boot, drive, finished
 
