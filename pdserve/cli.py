@@ -153,8 +153,8 @@ def engine_config_from_args(args: argparse.Namespace):
 
 def _generate(args: argparse.Namespace) -> int:
     from pdserve.engine.errors import InvalidRequestError
-    from pdserve.engine.llm import LLM
     from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
+    from pdserve.llm import LLM
 
     try:
         params = SamplingParams(

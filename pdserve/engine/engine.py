@@ -1,8 +1,14 @@
 """The engine: requests in, tokens out, one `step()` at a time.
 
 It owns the model, the KV pool, the scheduler and the sampler. `step()` schedules, runs the
-batch, and turns sampled tokens into outputs (stop checks, detokenization, page release). It is
-single-threaded; callers add and abort requests between steps.
+batch through one forward pass, and turns sampled tokens into outputs (stop checks,
+detokenization, page release). It is single-threaded; callers add and abort requests between
+steps.
+
+Speculative decoding is a component, not a subclass: an engine built with a `Speculator`
+(`pdserve.engine.speculator`) lets it draft for the requests that are ready, verifies the
+drafts in the same forward pass as everything else, and emits what the speculator accepts
+where a plain step would sample.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from pdserve.engine.attention import make_attention_backend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
+from pdserve.engine.forward_batch import Capture, ForwardBatch, ForwardOutput
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.loader import build_kv_pool, load_model, resolve_device, resolve_dtype
 from pdserve.engine.model_config import ModelConfig
@@ -28,17 +35,19 @@ from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from pdserve.engine.speculator import Draft, Emitted, Speculator
 
 logger = logging.getLogger(__name__)
 
 
 class Engine:
-    speculative = False  # SpeculativeEngine (pdserve.speculative) drafts and verifies
-
-    def __init__(self, config: EngineConfig):
-        if config.speculative is not None and not self.speculative:
+    def __init__(self, config: EngineConfig, speculator: Speculator | None = None):
+        """`speculator` drafts and verifies (None: plain decoding); build the one
+        `config.speculative` describes with `pdserve.speculative.build_speculator`."""
+        if config.speculative is not None and speculator is None:
             raise ValueError(
-                "speculative settings need pdserve.speculative.build_engine, not Engine"
+                "speculative settings need a speculator: "
+                "Engine(config, build_speculator(config.speculative)) (pdserve.speculative)"
             )
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model_path)
@@ -57,10 +66,20 @@ class Engine:
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.attention_backend = make_attention_backend(config.attention_backend, self.device)
-        self.model = self._load_models()
+        self.model = load_model(
+            config.model_path,
+            self.model_config,
+            self.device,
+            self.dtype,
+            self.max_model_len,
+            self.attention_backend,
+        )
+        self.speculator = speculator
+        if speculator is not None:
+            speculator.load(self)  # NOTE: draft models load before the KV pools are sized
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids)
-        self.kv_pool: KVPool = self._build_kv_pools()
+        self.kv_pool: KVPool = self._build_kv_pool()
         self.allocator = PageAllocator(self.kv_pool.num_pages)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -68,10 +87,12 @@ class Engine:
                 max_running_requests=config.max_running_requests,
                 prefill_token_budget=config.prefill_token_budget,
                 split_prompts=config.split_prompts,
-                lookahead=self._lookahead_slots(),
+                lookahead=speculator.lookahead_slots() if speculator else 0,
             ),
             self.allocator,
         )
+        # Target features every forward pass keeps for the draft.
+        self.capture = speculator.target_capture() if speculator else Capture.NONE
         self.runner = ModelRunner(self.model, self.kv_pool, self.sampler, self.device)
         self.requests: dict[str, Request] = {}
         # Finished requests whose pages are kept for a KV transfer (see `hold_pages`).
@@ -90,37 +111,30 @@ class Engine:
             self.max_model_len,
         )
 
-    # ---- start-up steps a speculative engine extends ---------------------------------------
+    # ---- start-up -------------------------------------------------------------------------
 
-    def _load_models(self):
-        return load_model(
-            self.config.model_path,
-            self.model_config,
-            self.device,
-            self.dtype,
-            self.max_model_len,
-            self.attention_backend,
-        )
-
-    def _build_kv_pools(self, extra_page_bytes: int = 0) -> KVPool:
-        """The target's pool; `extra_page_bytes` is what other pools sharing its page ids
-        (a draft model's) take per page."""
-        return build_kv_pool(
+    def _build_kv_pool(self) -> KVPool:
+        """The target's pool, sized with the draft's pools beside it: they share its page ids,
+        so each page costs both."""
+        speculator = self.speculator
+        pool = build_kv_pool(
             self.config,
             self.model_config,
             self.model,
             self.device,
             self.dtype,
             self.max_model_len,
-            extra_page_bytes=extra_page_bytes,
+            extra_page_bytes=speculator.draft_page_bytes() if speculator else 0,
         )
-
-    def _lookahead_slots(self) -> int:
-        return 0
+        if speculator is not None:
+            speculator.build_pools(pool.num_pages)
+        return pool
 
     def kv_tokens_for_transfer(self, num_prompt_tokens: int) -> int:
         """Token slots of KV a handoff moves for a prompt of this length."""
-        return num_prompt_tokens
+        if self.speculator is None:
+            return num_prompt_tokens
+        return self.speculator.kv_tokens_for_transfer(num_prompt_tokens)
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
@@ -269,16 +283,40 @@ class Engine:
     # ---- the step ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, post-process. Returns an output for every request that produced
-        tokens this step (and for every request that finished)."""
+        """Schedule, run one forward pass, then sample (or verify the speculator's drafts) and
+        post-process. Returns an output for every request that produced tokens this step (and
+        for every request that finished)."""
+        batch = self._schedule()
+        if not batch:
+            return []
+        drafts = self.speculator.propose(batch) if self.speculator else {}
+        output = self.runner.forward(self._forward_batch(batch, drafts), self.capture)
+        outputs = self._sample(batch, output, drafts) + self._verify(batch, output, drafts)
+        if self.speculator:
+            self.speculator.catch_up(batch, output, drafts)
+        return outputs
+
+    def _schedule(self) -> ScheduledBatch:
+        """This step's batch, remembered for `fail_step`."""
         self.current_batch = None
         batch = self.scheduler.schedule()
         self.current_batch = batch
         self.last_batch_tokens = sum(batch.num_new_tokens)
-        if not batch:
-            return []
-        sampled, result = self.runner.run(batch)
-        return self._process(batch, sampled, result)
+        return batch
+
+    def _forward_batch(self, batch: ScheduledBatch, drafts: dict[int, Draft]) -> ForwardBatch:
+        """The scheduled tokens of each request; a drafted request's draft instead."""
+        inputs = ForwardBatch()
+        for index, (request, count) in enumerate(
+            zip(batch.requests, batch.num_new_tokens, strict=True)
+        ):
+            start = request.num_computed_tokens
+            draft = drafts.get(index)
+            if draft is None:
+                inputs.add(request.pages, start, request.token_ids[start : start + count])
+            else:
+                inputs.add(request.pages, start, draft.token_ids, draft.positions, draft.mask)
+        return inputs
 
     def fail_step(self, reason: str) -> list[RequestOutput]:
         """After `step()` raised: end every request of its batch (every running request if it
@@ -301,18 +339,49 @@ class Engine:
             outputs.append(output)
         return outputs
 
-    def _process(self, batch: ScheduledBatch, sampled: list[int], result) -> list[RequestOutput]:
-        for request, count in zip(batch.requests, batch.num_new_tokens, strict=True):
-            request.num_computed_tokens += count
-        outputs = []
-        for j, index in enumerate(sampled):
-            request = batch.requests[index]
-            outputs.append(
-                self._accept_token(
-                    request, result.token_ids[j], result.logprobs[j], result.top_logprobs[j]
-                )
+    def _sample(
+        self, batch: ScheduledBatch, output: ForwardOutput, drafts: dict[int, Draft]
+    ) -> list[RequestOutput]:
+        """Requests without a draft: their scheduled tokens are computed now; each one whose
+        chunk reached its end samples its next token."""
+        plain = [i for i in range(len(batch)) if i not in drafts]
+        sampling = [i for i in plain if batch.samples(i)]
+        result = self.runner.sample(output, sampling, [batch.requests[i] for i in sampling])
+        for i in plain:
+            batch.requests[i].num_computed_tokens += batch.num_new_tokens[i]
+        return [
+            self._accept_token(
+                batch.requests[i], result.token_ids[j], result.logprobs[j], result.top_logprobs[j]
             )
+            for j, i in enumerate(sampling)
+        ]
+
+    def _verify(
+        self, batch: ScheduledBatch, output: ForwardOutput, drafts: dict[int, Draft]
+    ) -> list[RequestOutput]:
+        """Requests with a draft: the speculator emits what the target agrees with (the
+        speculator's `catch_up` then records what was computed)."""
+        if not drafts:
+            return []
+        seqs = list(drafts)
+        outputs = []
+        for i, logits in zip(seqs, self.runner.logits(output, seqs), strict=True):
+            request = batch.requests[i]
+            outputs.append(self._emit(request, self.speculator.verify(request, drafts[i], logits)))
         return outputs
+
+    def _emit(self, request: Request, emitted: list[Emitted]) -> RequestOutput:
+        """Append a verification's tokens, up to the one that finishes the request, and
+        report them."""
+        request.spec_verify_steps += 1
+        appended = []
+        for token, logprob, top in emitted:
+            self._append_token(request, token, logprob, top)
+            appended.append(token)
+            if request.finished:
+                break
+        request.spec_emitted_tokens += len(appended)
+        return self._output(request, appended)
 
     def _accept_token(self, request: Request, token: int, logprob, top) -> RequestOutput:
         """Append a sampled token, apply stop conditions, and report it."""

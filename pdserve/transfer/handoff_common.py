@@ -43,9 +43,9 @@ class EngineTransferLayout:
 def engine_transfer_layout(engine) -> EngineTransferLayout:
     """The engine's layout, metadata record and pools, speculative settings included."""
     pool = engine.kv_pool
-    algorithm = getattr(engine, "algorithm", None)
     spec, metadata, draft_pools = SpecLayout(), MetadataSpec(), []
-    if algorithm is not None:
+    if engine.speculator is not None:
+        algorithm = engine.speculator.algorithm
         settings = algorithm.settings
         draft_config = algorithm.draft_config()
         metadata = algorithm.metadata_spec(draft_config, str(engine.dtype).removeprefix("torch."))
