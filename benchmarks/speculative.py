@@ -115,7 +115,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from pdserve.engine.random_model import make_random_model
-    from pdserve.engine.spec_config import SpecSettings
+    from pdserve.protocol.spec_settings import SpecSettings
     from pdserve.speculative.train_eagle import TrainConfig, train_eagle
 
     work = Path(tempfile.mkdtemp(prefix="pdserve-spec-"))

@@ -57,7 +57,7 @@ def main() -> None:
         )
         started = time.perf_counter()
         report = train_eagle(config)
-        sequences = _generate(LLM(str(path), max_model_len=160), config)[:64].tolist()
+        sequences = _generate(LLM(str(path), max_model_len=160).engine, config)[:64].tolist()
         hits = total = 0
         for seq in sequences:
             for end in range(config.prompt_len, len(seq) - 1):

@@ -26,12 +26,12 @@ import time
 import torch
 
 from pdserve.engine.kv_pool import KVPool
+from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
 from pdserve.transfer.buffer_pool import BufferPool
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metadata import MetadataRecord
-from pdserve.transfer.metadata_spec import MetadataSpec
 from pdserve.transfer.room_state import TransferState
 
 MIB = 1 << 20

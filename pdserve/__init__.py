@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "LLM":
-        from pdserve.engine.llm import LLM
+        from pdserve.llm import LLM
 
         return LLM
     if name == "SamplingParams":

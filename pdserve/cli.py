@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from pdserve.engine.config import ATTENTION_BACKENDS
-from pdserve.engine.spec_config import SpeculativeConfigError
+from pdserve.protocol.spec_settings import SpeculativeConfigError
 
 POLICY_CHOICES = ("round_robin", "random", "least_load")
 
@@ -105,7 +105,7 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
 
 def spec_settings_from_args(args: argparse.Namespace):
     """SpecSettings from the --speculative-* flags, None when speculation is off."""
-    from pdserve.engine.spec_config import SpecSettings, SpeculativeConfigError
+    from pdserve.protocol.spec_settings import SpecSettings, SpeculativeConfigError
 
     algorithm = getattr(args, "speculative_algorithm", None)
     shape = {
@@ -164,8 +164,8 @@ def engine_config_from_args(args: argparse.Namespace):
 
 def _generate(args: argparse.Namespace) -> int:
     from pdserve.engine.errors import InvalidRequestError
-    from pdserve.engine.llm import LLM
     from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
+    from pdserve.llm import LLM
 
     try:
         params = SamplingParams(

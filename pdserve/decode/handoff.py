@@ -229,9 +229,9 @@ class DecodeHandoff:
         return outputs
 
     def _draft_inputs(self, ready: list[_Pending], records: list) -> list:
-        algorithm = getattr(self.engine, "algorithm", None)
-        if algorithm is None or not ready:
+        if self.engine.speculator is None or not ready:
             return [None] * len(ready)
+        algorithm = self.engine.speculator.algorithm
         batch = DraftBatch(
             [p.request_id for p in ready], self.transfer.metadata, self.engine.device
         )

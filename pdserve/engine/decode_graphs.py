@@ -25,11 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.attention import AttentionContext
+from pdserve.engine.attention import AttentionBackend, AttentionContext
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.models import CausalLM
 from pdserve.engine.page_table import DevicePageTable
-from pdserve.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,37 @@ logger = logging.getLogger(__name__)
 _IDS, _POSITIONS, _SLOTS, _TABLE_ROWS, _KV_LENS = range(5)
 # A padding row's values, in the same order: token 0 at position 0, stored nowhere, no KV.
 _PADDING = (0, 0, -1, 0, 0)
+
+
+def graph_batch_size(
+    config: EngineConfig, backend: AttentionBackend, device: torch.device | None = None
+) -> int:
+    """The largest decode batch run over static inputs, 0 for none (graphs disabled, or a
+    backend that cannot be captured). With `device`, 0 also where nothing is captured (CPU)."""
+    if config.disable_cuda_graph or not backend.graph_capturable:
+        return 0
+    if device is not None and device.type != "cuda":
+        return 0
+    return min(config.cuda_graph_max_bs, config.max_running_requests)
+
+
+def build_decode_graphs(
+    config: EngineConfig,
+    backend: AttentionBackend,
+    model: CausalLM,
+    kv_pool: KVPool,
+    page_table: DevicePageTable,
+    device: torch.device,
+) -> DecodeGraphRunner | None:
+    """The engine's decode graph runner, captured on CUDA; without CUDA (the Triton
+    interpreter) it runs the same static inputs eagerly. None where graphs are off."""
+    max_bs = graph_batch_size(config, backend)
+    if not max_bs:
+        return None
+    runner = DecodeGraphRunner(model, kv_pool, page_table, max_bs, device)
+    if device.type == "cuda":
+        runner.capture()
+    return runner
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -87,19 +119,20 @@ class DecodeGraphRunner:
         self.replays: Counter[int] = Counter()
         self.eager_runs: Counter[int] = Counter()
 
-    def can_run(self, num_new_tokens: list[int]) -> bool:
-        return len(num_new_tokens) <= self.max_bs and all(n == 1 for n in num_new_tokens)
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """A plain decode batch of known requests that a bucket holds."""
+        return batch.is_decode and len(batch) <= self.max_bs and None not in batch.requests
 
     def bucket_for(self, batch_size: int) -> int:
         return next(b for b in self.buckets if b >= batch_size)
 
     @torch.inference_mode()
-    def run(self, requests: list[Request]) -> torch.Tensor:
-        """Final hidden states `[len(requests), hidden]` of each request's next token (the
-        token at `num_computed_tokens`), its KV written to the cache."""
-        bs = len(requests)
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden states `[len(batch), hidden]` of a decode batch (`can_run`), its KV
+        written to the cache. A view of a static buffer: the next run overwrites it."""
+        bs = len(batch)
         bucket = self.bucket_for(bs)
-        self._fill(requests, bucket)
+        self._fill(batch, bucket)
         self._inputs.copy_(self._host, non_blocking=True)
         graph = self._graphs.get(bucket)
         if graph is not None:
@@ -110,22 +143,20 @@ class DecodeGraphRunner:
             self.eager_runs[bucket] += 1
         return self._hidden[:bs]
 
-    def _fill(self, requests: list[Request], bucket: int) -> None:
+    def _fill(self, batch: ForwardBatch, bucket: int) -> None:
         size = self.kv_pool.page_size
-        ids, positions, slots, kv_lens = [], [], [], []
-        for request in requests:
-            n = request.num_computed_tokens
-            ids.append(request.token_ids[n])
-            positions.append(n)
-            slots.append(request.pages[n // size] * size + n % size)
-            kv_lens.append(n + 1)
-        bs = len(requests)
+        positions = batch.num_computed
+        slots = [
+            pages[n // size] * size + n % size
+            for pages, n in zip(batch.pages, positions, strict=True)
+        ]
+        bs = len(batch)
         host = self._host_rows
-        host[_IDS, :bs] = ids
+        host[_IDS, :bs] = [tokens[0] for tokens in batch.token_ids]
         host[_POSITIONS, :bs] = positions
         host[_SLOTS, :bs] = slots
-        host[_TABLE_ROWS, :bs] = self.page_table.rows(requests)
-        host[_KV_LENS, :bs] = kv_lens
+        host[_TABLE_ROWS, :bs] = self.page_table.rows(batch.requests)
+        host[_KV_LENS, :bs] = [n + 1 for n in positions]
         for field, value in enumerate(_PADDING):
             host[field, bs:bucket] = value
 

@@ -1,10 +1,15 @@
 """The engine: requests in, tokens out, one `step()` at a time.
 
 It owns the model, the KV pool, the scheduler and the sampler. `step()` schedules, runs the
-batch, and turns sampled tokens into outputs (stop checks, page release). Outputs carry token
-ids; text is made by whoever reads them (the worker's front end, `LLM.generate`), and the
-engine decodes only what stop strings need. It is single-threaded; callers add and abort
-requests between steps.
+batch through one forward pass, and turns sampled tokens into outputs (stop checks, page
+release). Outputs carry token ids; text is made by whoever reads them (the worker's front end,
+`LLM.generate`), and the engine decodes only what stop strings need. It is single-threaded;
+callers add and abort requests between steps.
+
+Speculative decoding is a component, not a subclass: an engine built with a `Speculator`
+(`pdserve.engine.speculator`) lets it draft for the requests that are ready, verifies the
+drafts in the same forward pass as everything else, and emits what the speculator accepts
+where a plain step would sample.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ from transformers import AutoTokenizer
 
 from pdserve.engine.attention import make_attention_backend
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.decode_graphs import DecodeGraphRunner
+from pdserve.engine.decode_graphs import build_decode_graphs, graph_batch_size
 from pdserve.engine.detokenizer import RequestDetokenizer
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
+from pdserve.engine.forward_batch import Capture, ForwardBatch, ForwardOutput
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.loader import build_kv_pool, load_model, resolve_device, resolve_dtype
 from pdserve.engine.model_config import ModelConfig
@@ -32,17 +38,19 @@ from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from pdserve.engine.speculator import Draft, Emitted, Speculator
 
 logger = logging.getLogger(__name__)
 
 
 class Engine:
-    speculative = False  # SpeculativeEngine (pdserve.speculative) drafts and verifies
-
-    def __init__(self, config: EngineConfig):
-        if config.speculative is not None and not self.speculative:
+    def __init__(self, config: EngineConfig, speculator: Speculator | None = None):
+        """`speculator` drafts and verifies (None: plain decoding); build the one
+        `config.speculative` describes with `pdserve.speculative.build_speculator`."""
+        if config.speculative is not None and speculator is None:
             raise ValueError(
-                "speculative settings need pdserve.speculative.build_engine, not Engine"
+                "speculative settings need a speculator: "
+                "Engine(config, build_speculator(config.speculative)) (pdserve.speculative)"
             )
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model_path)
@@ -61,10 +69,23 @@ class Engine:
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.attention_backend = make_attention_backend(config.attention_backend, self.device)
-        self.model = self._load_models()
+        self.model = load_model(
+            config.model_path,
+            self.model_config,
+            self.device,
+            self.dtype,
+            self.max_model_len,
+            self.attention_backend,
+        )
+        self.speculator = speculator
+        if speculator is not None:
+            speculator.load(self)  # NOTE: draft models load before the KV pools are sized
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids)
-        self.kv_pool: KVPool = self._build_kv_pools()
+        lookahead = speculator.lookahead_slots() if speculator else 0
+        # The most pages a request can hold: max_model_len tokens and the speculative slots.
+        self.max_pages_per_request = pages_needed(self.max_model_len + lookahead, config.page_size)
+        self.kv_pool: KVPool = self._build_kv_pool()
         self.allocator = PageAllocator(self.kv_pool.num_pages)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -72,17 +93,20 @@ class Engine:
                 max_running_requests=config.max_running_requests,
                 prefill_token_budget=config.prefill_token_budget,
                 split_prompts=config.split_prompts,
-                lookahead=self._lookahead_slots(),
+                lookahead=lookahead,
             ),
             self.allocator,
         )
+        # Target features every forward pass keeps for the draft.
+        self.capture = speculator.target_capture() if speculator else Capture.NONE
         self.page_table = DevicePageTable(
-            num_rows=config.max_running_requests,
-            max_pages=self._max_pages_per_request(),
-            device=self.device,
+            config.max_running_requests, self.max_pages_per_request, self.device
+        )
+        decode_graphs = build_decode_graphs(
+            config, self.attention_backend, self.model, self.kv_pool, self.page_table, self.device
         )
         self.runner = ModelRunner(
-            self.model, self.kv_pool, self.sampler, self.device, self._decode_graphs()
+            self.model, self.kv_pool, self.sampler, self.device, decode_graphs
         )
         self.requests: dict[str, Request] = {}
         # Finished requests whose pages are kept for a KV transfer (see `hold_pages`).
@@ -101,65 +125,34 @@ class Engine:
             self.max_model_len,
         )
 
-    # ---- start-up steps a speculative engine extends ---------------------------------------
+    # ---- start-up -------------------------------------------------------------------------
 
-    def _load_models(self):
-        return load_model(
-            self.config.model_path,
-            self.model_config,
-            self.device,
-            self.dtype,
-            self.max_model_len,
-            self.attention_backend,
-        )
-
-    def _build_kv_pools(self, extra_page_bytes: int = 0) -> KVPool:
-        """The target's pool; `extra_page_bytes` is what other pools sharing its page ids
-        (a draft model's) take per page."""
-        table_bytes = self.config.max_running_requests * self._max_pages_per_request() * 8
-        return build_kv_pool(
+    def _build_kv_pool(self) -> KVPool:
+        """The target's pool, sized with the draft's pools beside it: they share its page ids,
+        so each page costs both."""
+        speculator = self.speculator
+        pool = build_kv_pool(
             self.config,
             self.model_config,
             self.model,
             self.device,
             self.dtype,
             self.max_model_len,
-            extra_page_bytes=extra_page_bytes,
-            graph_batch=self._graph_batch() if self._captures_graphs() else 0,
-            reserved_bytes=table_bytes,
+            extra_page_bytes=speculator.draft_page_bytes() if speculator else 0,
+            graph_batch=graph_batch_size(self.config, self.attention_backend, self.device),
+            reserved_bytes=DevicePageTable.bytes_for(
+                self.config.max_running_requests, self.max_pages_per_request
+            ),
         )
-
-    def _max_pages_per_request(self) -> int:
-        return pages_needed(self.max_model_len + self._lookahead_slots(), self.config.page_size)
-
-    def _graph_batch(self) -> int:
-        """The largest decode batch run over static inputs (0: none; the backend cannot be
-        captured or graphs are disabled)."""
-        if self.config.disable_cuda_graph or not self.attention_backend.graph_capturable:
-            return 0
-        return min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
-
-    def _captures_graphs(self) -> bool:
-        return self.device.type == "cuda" and self._graph_batch() > 0
-
-    def _decode_graphs(self) -> DecodeGraphRunner | None:
-        """The decode graph runner, captured on CUDA. Without CUDA (the Triton interpreter)
-        it runs the same static inputs eagerly."""
-        if not self._graph_batch():
-            return None
-        runner = DecodeGraphRunner(
-            self.model, self.kv_pool, self.page_table, self._graph_batch(), self.device
-        )
-        if self._captures_graphs():
-            runner.capture()
-        return runner
-
-    def _lookahead_slots(self) -> int:
-        return 0
+        if speculator is not None:
+            speculator.build_pools(pool.num_pages)
+        return pool
 
     def kv_tokens_for_transfer(self, num_prompt_tokens: int) -> int:
         """Token slots of KV a handoff moves for a prompt of this length."""
-        return num_prompt_tokens
+        if self.speculator is None:
+            return num_prompt_tokens
+        return self.speculator.kv_tokens_for_transfer(num_prompt_tokens)
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
@@ -305,16 +298,48 @@ class Engine:
     # ---- the step ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, post-process. Returns an output for every request that produced
-        tokens this step (and for every request that finished)."""
+        """Schedule, run one forward pass, then sample (or verify the speculator's drafts) and
+        post-process. Returns an output for every request that produced tokens this step (and
+        for every request that finished)."""
+        batch = self._schedule()
+        if not batch:
+            return []
+        drafts = self.speculator.propose(batch) if self.speculator else {}
+        output = self.runner.forward(self._forward_batch(batch, drafts), self.capture)
+        outputs = self._sample(batch, output, drafts) + self._verify(batch, output, drafts)
+        if self.speculator:
+            self.speculator.catch_up(batch, output, drafts)
+        return outputs
+
+    def _schedule(self) -> ScheduledBatch:
+        """This step's batch, remembered for `fail_step`."""
         self.current_batch = None
         batch = self.scheduler.schedule()
         self.current_batch = batch
         self.last_batch_tokens = sum(batch.num_new_tokens)
-        if not batch:
-            return []
-        sampled, result = self.runner.run(batch)
-        return self._process(batch, sampled, result)
+        return batch
+
+    def _forward_batch(self, batch: ScheduledBatch, drafts: dict[int, Draft]) -> ForwardBatch:
+        """The scheduled tokens of each request; a drafted request's draft instead."""
+        inputs = ForwardBatch()
+        for index, (request, count) in enumerate(
+            zip(batch.requests, batch.num_new_tokens, strict=True)
+        ):
+            start = request.num_computed_tokens
+            draft = drafts.get(index)
+            if draft is None:
+                tokens = request.token_ids[start : start + count]
+                inputs.add(request.pages, start, tokens, request=request)
+            else:
+                inputs.add(
+                    request.pages,
+                    start,
+                    draft.token_ids,
+                    draft.positions,
+                    draft.mask,
+                    request=request,
+                )
+        return inputs
 
     def fail_step(self, reason: str) -> list[RequestOutput]:
         """After `step()` raised: end every request of its batch (every running request if it
@@ -337,18 +362,49 @@ class Engine:
             outputs.append(output)
         return outputs
 
-    def _process(self, batch: ScheduledBatch, sampled: list[int], result) -> list[RequestOutput]:
-        for request, count in zip(batch.requests, batch.num_new_tokens, strict=True):
-            request.num_computed_tokens += count
-        outputs = []
-        for j, index in enumerate(sampled):
-            request = batch.requests[index]
-            outputs.append(
-                self._accept_token(
-                    request, result.token_ids[j], result.logprobs[j], result.top_logprobs[j]
-                )
+    def _sample(
+        self, batch: ScheduledBatch, output: ForwardOutput, drafts: dict[int, Draft]
+    ) -> list[RequestOutput]:
+        """Requests without a draft: their scheduled tokens are computed now; each one whose
+        chunk reached its end samples its next token."""
+        plain = [i for i in range(len(batch)) if i not in drafts]
+        sampling = [i for i in plain if batch.samples(i)]
+        result = self.runner.sample(output, sampling, [batch.requests[i] for i in sampling])
+        for i in plain:
+            batch.requests[i].num_computed_tokens += batch.num_new_tokens[i]
+        return [
+            self._accept_token(
+                batch.requests[i], result.token_ids[j], result.logprobs[j], result.top_logprobs[j]
             )
+            for j, i in enumerate(sampling)
+        ]
+
+    def _verify(
+        self, batch: ScheduledBatch, output: ForwardOutput, drafts: dict[int, Draft]
+    ) -> list[RequestOutput]:
+        """Requests with a draft: the speculator emits what the target agrees with (the
+        speculator's `catch_up` then records what was computed)."""
+        if not drafts:
+            return []
+        seqs = list(drafts)
+        outputs = []
+        for i, logits in zip(seqs, self.runner.logits(output, seqs), strict=True):
+            request = batch.requests[i]
+            outputs.append(self._emit(request, self.speculator.verify(request, drafts[i], logits)))
         return outputs
+
+    def _emit(self, request: Request, emitted: list[Emitted]) -> RequestOutput:
+        """Append a verification's tokens, up to the one that finishes the request, and
+        report them."""
+        request.spec_verify_steps += 1
+        appended = []
+        for token, logprob, top in emitted:
+            self._append_token(request, token, logprob, top)
+            appended.append(token)
+            if request.finished:
+                break
+        request.spec_emitted_tokens += len(appended)
+        return self._output(request, appended)
 
     def _accept_token(self, request: Request, token: int, logprob, top) -> RequestOutput:
         """Append a sampled token, apply stop conditions, and report it."""

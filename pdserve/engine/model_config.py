@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.protocol.metadata_spec import spec_hidden_size_of
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -21,18 +23,6 @@ SUPPORTED_ARCHITECTURES = (
 
 class UnsupportedModelError(ValueError):
     """The checkpoint's architecture (or a feature of it) is not implemented."""
-
-
-def spec_hidden_size_of(hf_config: dict[str, Any]) -> int:
-    """Width of the hidden-state row that speculative decoding carries (docs/architecture.md §6).
-
-    `hidden_size * hc_mult` for models with hyper-connections (`hc_mult > 1`), else
-    `hidden_size`. Computed from the config alone, so a rank without the model loaded can size
-    its buffers.
-    """
-    hidden = int(hf_config["hidden_size"])
-    hc_mult = int(hf_config.get("hc_mult") or 1)
-    return hidden * hc_mult if hc_mult > 1 else hidden
 
 
 def _rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:

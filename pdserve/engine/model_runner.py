@@ -1,7 +1,8 @@
-"""Runs one scheduled batch through the model and samples the requests that reached their end.
+"""Runs the target model: one forward pass over a `ForwardBatch`, then logits for the rows that
+need them (a token to sample, or a draft to verify).
 
-Input preparation (flattening token slices, positions, cache slots) lives here so the model
-sees only `(input_ids, positions)` plus the attention context.
+Input preparation (flattening token ids, positions, cache slots) lives here so the model sees
+only `(input_ids, positions)` plus the attention context.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import torch
 
 from pdserve.engine.attention import AttentionContext
 from pdserve.engine.decode_graphs import DecodeGraphRunner
+from pdserve.engine.forward_batch import Capture, ForwardBatch, ForwardOutput
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.models import CausalLM
+from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SampleResult
-from pdserve.engine.scheduler import ScheduledBatch
 
 
 class ModelRunner:
@@ -31,50 +33,53 @@ class ModelRunner:
         self.device = device
         self.decode_graphs = decode_graphs
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[int], SampleResult]:
-        """Compute the batch's new tokens; return the indices (into the batch) of requests that
-        sampled a token and what they sampled."""
-        sampling, result, _ = self.run_with_features(batch, None)
-        return sampling, result
-
     @torch.inference_mode()
-    def run_with_features(
-        self, batch: ScheduledBatch, capture: str | tuple[int, ...] | None
-    ) -> tuple[list[int], SampleResult, torch.Tensor | None]:
-        """`run`, also returning the target features a draft model reads, one row per new
-        token: the final hidden states (capture "final"), the outputs of the given layers
-        side by side (a tuple of layer ids), or None."""
-        requests = batch.requests
-        sampling = [i for i in range(len(batch)) if batch.samples(i)]
+    def forward(self, batch: ForwardBatch, capture: Capture = Capture.NONE) -> ForwardOutput:
+        """The one forward pass, for plain steps, prefill chunks and speculative verification:
+        every sequence's new tokens at once, KV written into their pages, and the features
+        `capture` asks for. Plain decode batches replay a CUDA graph (`decode_graphs`)."""
         graphs = self.decode_graphs
-        if capture is None and graphs is not None and graphs.can_run(batch.num_new_tokens):
-            hidden = graphs.run(requests)
-            rows = hidden if len(sampling) == len(batch) else hidden[sampling]
-            logits = self.model.compute_logits(rows)
-            return sampling, self.sampler(logits, [requests[i] for i in sampling]), None
-        input_ids = [
-            token
-            for request, count in zip(requests, batch.num_new_tokens, strict=True)
-            for token in request.token_ids[
-                request.num_computed_tokens : request.num_computed_tokens + count
-            ]
-        ]
+        if graphs is not None and capture.kind != "layers" and graphs.can_run(batch):
+            hidden = graphs.run(batch)
+            # NOTE: the graph's output buffer is overwritten by the next replay; a draft may
+            # keep the features past this step.
+            features = hidden.clone() if capture.kind == "final" else None
+            return ForwardOutput(batch, list(range(len(batch))), hidden, features)
         ctx = AttentionContext.build(
             page_size=self.kv_pool.page_size,
-            pages=[r.pages for r in requests],
-            num_computed=[r.num_computed_tokens for r in requests],
-            query_lens=batch.num_new_tokens,
+            pages=batch.pages,
+            num_computed=batch.num_computed,
+            query_lens=batch.query_lens,
             device=self.device,
+            positions=batch.explicit_positions(),
+            masks=batch.masks or None,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        features = None
-        if isinstance(capture, tuple):
+        ids = torch.tensor(batch.flat_token_ids(), dtype=torch.int64)
+        ids = ids.to(self.device, non_blocking=True)
+        if capture.kind == "layers":
             hidden, features = self.model.forward_capture(
-                ids, ctx.positions, self.kv_pool, ctx, capture
+                ids, ctx.positions, self.kv_pool, ctx, capture.layer_ids
             )
         else:
             hidden = self.model(ids, ctx.positions, self.kv_pool, ctx)
-            features = hidden if capture == "final" else None
-        last_rows = [ctx.query_starts[i] + ctx.query_lens[i] - 1 for i in sampling]
-        logits = self.model.compute_logits(hidden[last_rows])
-        return sampling, self.sampler(logits, [requests[i] for i in sampling]), features
+            features = hidden if capture.kind == "final" else None
+        return ForwardOutput(batch, ctx.query_starts, hidden, features)
+
+    @torch.inference_mode()
+    def sample(
+        self, output: ForwardOutput, seqs: list[int], requests: list[Request]
+    ) -> SampleResult:
+        """A token for each of `seqs` (indices into the pass's batch; `requests` are theirs),
+        sampled from its last row."""
+        if len(seqs) == output.hidden.shape[0]:
+            hidden = output.hidden  # every row samples (a decode step): no gather
+        else:
+            hidden = output.hidden[[output.last_row(i) for i in seqs]]
+        return self.sampler(self.model.compute_logits(hidden), requests)
+
+    @torch.inference_mode()
+    def logits(self, output: ForwardOutput, seqs: list[int]) -> list[torch.Tensor]:
+        """Every row's logits for each of `seqs` (a verification reads them all)."""
+        rows = [row for i in seqs for row in range(output.rows(i).start, output.rows(i).stop)]
+        logits = self.model.compute_logits(output.hidden[rows])
+        return list(logits.split([len(output.batch.token_ids[i]) for i in seqs]))

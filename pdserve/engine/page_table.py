@@ -41,9 +41,9 @@ class DevicePageTable:
         self._free = list(range(num_rows - 1, -1, -1))
         self._owners: dict[int, Request] = {}
 
-    @property
-    def nbytes(self) -> int:
-        return self.table.numel() * self.table.element_size()
+    @staticmethod
+    def bytes_for(num_rows: int, max_pages: int) -> int:
+        return num_rows * max_pages * 8
 
     def rows(self, requests: list[Request]) -> list[int]:
         """The table rows of `requests`, with their current pages written there."""

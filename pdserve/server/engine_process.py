@@ -60,9 +60,10 @@ def run_engine_process(
     outbox.setsockopt(zmq.LINGER, 0)
     outbox.connect(outputs_addr)
     try:
-        from pdserve.speculative.engine import build_engine
+        from pdserve.engine.engine import Engine
+        from pdserve.speculative.speculator import build_speculator
 
-        engine = build_engine(config)
+        engine = Engine(config, build_speculator(config.speculative))
         handoff = _build_handoff(engine, role)
     except Exception as e:
         outbox.send(encode(EngineFailed(short_reason(e))))

@@ -8,6 +8,7 @@ them in one forward pass, and lossless verification keeps the output exactly the
   draft-model algorithms share (draft KV, catching up, chain and tree drafting).
 - `tree.py`: draft trees; `verify.py`: lossless verification; `state.py`: per-request draft
   state and the disaggregation hook's batch.
-- `engine.py`: the speculative engine; `train_eagle.py`: `pdserve train-eagle`;
-  `checkpoints.py`: writing EAGLE draft checkpoints.
+- `speculator.py`: the engine's speculator over one algorithm (`build_speculator`): drafts,
+  verifies in the engine's forward pass, catches the draft up; `train_eagle.py`:
+  `pdserve train-eagle`; `checkpoints.py`: writing EAGLE draft checkpoints.
 """

@@ -7,9 +7,9 @@ rank that has not loaded the draft sizes them the same way. Two hidden widths ex
 never confused: the draft's recurrent width (what crosses prefill -> decode, sized here) and
 the target's capture width (extend phase: `ExtendItem.features`, the algorithm's own business).
 
-The speculative engine drives an algorithm through four calls: `load` (draft models, before
-the KV pools are sized), `build_pools` (draft KV sharing the target's page ids), `extend`
-(after the target computed tokens: catch the draft up, return each request's next
+The engine's speculator (`speculator.py`) drives an algorithm through four calls: `load` (draft
+models, before the KV pools are sized), `build_pools` (draft KV sharing the target's page ids),
+`extend` (after the target computed tokens: catch the draft up, return each request's next
 `DraftState`) and `propose` (a `DraftTree` per request). Algorithms without a draft model
 (NGRAM, most plugins) implement only `propose` and the disaggregation hook.
 """
@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pdserve.engine.spec_config import SpecSettings, SpeculativeConfigError
+from pdserve.engine.forward_batch import Capture
+from pdserve.protocol.metadata_spec import MetadataSpec
+from pdserve.protocol.spec_settings import SpecSettings, SpeculativeConfigError
 from pdserve.speculative.state import DraftBatch, DraftState, ExtendItem
 from pdserve.speculative.tree import DraftTree
-from pdserve.transfer.metadata_spec import MetadataSpec
 
 __all__ = [
     "Capabilities",
@@ -113,11 +114,13 @@ class SpeculativeAlgorithm(abc.ABC):
         fed = (s.num_steps - 1) * s.eagle_topk
         return max(s.num_draft_tokens, fed + 1) + 1
 
-    # ---- runtime: the speculative engine calls these ---------------------------------
+    # ---- runtime: the engine's speculator calls these --------------------------------
 
-    def target_capture(self) -> str | tuple[int, ...] | None:
-        """Target features the draft reads: None, "final" hidden states, or layer ids."""
-        return None
+    def target_capture(self) -> Capture:
+        """Target features the draft reads (valid after `load`): `Capture.NONE`, the final
+        hidden states (`Capture.final()`) or the outputs of some layers
+        (`Capture.layers(ids)`)."""
+        return Capture.NONE
 
     def load(self, engine) -> None:
         """Load draft models (before the KV pools are sized). Default: nothing."""

@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import torch
 
+from pdserve.engine.forward_batch import Capture
 from pdserve.engine.loader import default_dtype
 from pdserve.engine.models.eagle import EagleConfig, EagleDraftModel
 from pdserve.engine.weights import iterate_weights
@@ -55,8 +56,9 @@ class Eagle(DraftModelAlgorithm):
         )
         return _EagleNet(model.eval())
 
-    def target_capture(self):
-        return self.config.capture
+    def target_capture(self) -> Capture:
+        capture = self.config.capture
+        return Capture.final() if capture == "final" else Capture.layers(capture)
 
     def draft_kv_shape(self) -> tuple[int, int, int]:
         layers = self.config.layers

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from pdserve.transfer.metadata_spec import MetadataSpec
+from pdserve.protocol.metadata_spec import MetadataSpec
 
 
 @dataclass

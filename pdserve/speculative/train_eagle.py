@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.attention import AttentionContext
-from pdserve.engine.llm import LLM
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.forward_batch import Capture, ForwardBatch
 from pdserve.engine.page_allocator import pages_needed
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.speculative.checkpoints import build_draft_model, eagle_draft_config, save_draft
@@ -75,17 +76,18 @@ class TrainReport:
 
 def train_eagle(config: TrainConfig) -> TrainReport:
     torch.manual_seed(config.seed)
-    llm = LLM(
-        config.model_path,
-        device=config.device,
-        dtype=config.dtype,
-        max_model_len=config.prompt_len + config.gen_len + 8,
-        seed=config.seed,
+    engine = Engine(
+        EngineConfig(
+            config.model_path,
+            device=config.device,
+            dtype=config.dtype,
+            max_model_len=config.prompt_len + config.gen_len + 8,
+            seed=config.seed,
+        )
     )
-    engine = llm.engine
     target = engine.model_config
     aux = config.aux_layer_ids or _default_aux(target.num_layers)
-    sequences = _generate(llm, config)
+    sequences = _generate(engine, config)
     features, labels = _capture(engine, sequences, tuple(aux))
     draft_vocab = _draft_vocabulary(labels, min(config.draft_vocab_size, target.vocab_size))
     draft_config = eagle_draft_config(
@@ -119,24 +121,31 @@ def _default_aux(num_layers: int) -> list[int]:
     return sorted({0, num_layers // 2, num_layers - 1})
 
 
-def _generate(llm: LLM, config: TrainConfig) -> torch.Tensor:
+def _generate(engine: Engine, config: TrainConfig) -> torch.Tensor:
     """[N, prompt + gen] token ids: random prompts and the target's greedy continuations."""
-    tokenizer_size = len(llm.tokenizer)
-    vocab = min(llm.engine.model_config.vocab_size, tokenizer_size)
+    tokenizer_size = len(engine.tokenizer)
+    vocab = min(engine.model_config.vocab_size, tokenizer_size)
     generator = torch.Generator().manual_seed(config.seed)
     prompts = torch.randint(
         3, vocab, (config.num_sequences, config.prompt_len), generator=generator
     )
     params = SamplingParams(max_new_tokens=config.gen_len, temperature=0, ignore_eos=True)
     started = time.perf_counter()
-    outputs = llm.generate(prompts.tolist(), params, use_tqdm=False)
+    rows = prompts.tolist()
+    for i, prompt in enumerate(rows):
+        engine.add_request(f"train-{i}", prompt, params)
+    generated: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                generated[output.request_id] = output.token_ids
     logger.info(
         "generated %d x %d tokens in %.1f s",
         config.num_sequences,
         config.gen_len,
         time.perf_counter() - started,
     )
-    return torch.tensor([p + o.token_ids for p, o in zip(prompts.tolist(), outputs, strict=True)])
+    return torch.tensor([prompt + generated[f"train-{i}"] for i, prompt in enumerate(rows)])
 
 
 @torch.inference_mode()
@@ -151,17 +160,11 @@ def _capture(engine, sequences: torch.Tensor, aux: tuple[int, ...]):
         chunk = sequences[start : start + per_pass]
         pages = [engine.allocator.allocate(pages_needed(length, page_size)) for _ in chunk]
         try:
-            ctx = AttentionContext.build(
-                page_size=page_size,
-                pages=pages,
-                num_computed=[0] * len(chunk),
-                query_lens=[length] * len(chunk),
-                device=engine.device,
-            )
-            ids = chunk.reshape(-1).to(engine.device)
-            hidden, captured = engine.model.forward_capture(
-                ids, ctx.positions, engine.kv_pool, ctx, aux
-            )
+            inputs = ForwardBatch()
+            for tokens, pages_of_row in zip(chunk.tolist(), pages, strict=True):
+                inputs.add(pages_of_row, 0, tokens)
+            output = engine.runner.forward(inputs, Capture.layers(aux))
+            hidden, captured = output.hidden, output.features
             labels.append(engine.model.compute_logits(hidden).argmax(-1).view(len(chunk), length))
             features.append(captured.view(len(chunk), length, -1))
         finally:

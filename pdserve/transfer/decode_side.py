@@ -21,6 +21,7 @@ import zmq
 
 from pdserve.protocol.codec import ProtocolError, decode
 from pdserve.protocol.log_limit import RateLimitedLog
+from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import (
     AbortRoom,
     Heartbeat,
@@ -44,7 +45,6 @@ from pdserve.transfer.decode_peers import PeerConnections, _Peer
 from pdserve.transfer.dist_plane import DistPlane
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.metadata import MetadataMismatch, MetadataRecord
-from pdserve.transfer.metadata_spec import MetadataSpec
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.peer_allow import zmq_endpoint
 from pdserve.transfer.receiver_room import ReceiverRoom

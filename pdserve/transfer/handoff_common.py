@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.page_allocator import pages_needed
+from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
 from pdserve.transfer.handshake import model_fingerprint
 from pdserve.transfer.kv_staging import KVStager
-from pdserve.transfer.metadata_spec import MetadataSpec
 
 # Failure kinds, a closed set so metric labels stay bounded.
 FAILURE_KINDS = ("timeout", "peer_lost", "handshake", "aborted", "rejected", "no_pages", "error")
@@ -43,9 +43,9 @@ class EngineTransferLayout:
 def engine_transfer_layout(engine) -> EngineTransferLayout:
     """The engine's layout, metadata record and pools, speculative settings included."""
     pool = engine.kv_pool
-    algorithm = getattr(engine, "algorithm", None)
     spec, metadata, draft_pools = SpecLayout(), MetadataSpec(), []
-    if algorithm is not None:
+    if engine.speculator is not None:
+        algorithm = engine.speculator.algorithm
         settings = algorithm.settings
         draft_config = algorithm.draft_config()
         metadata = algorithm.metadata_spec(draft_config, str(engine.dtype).removeprefix("torch."))

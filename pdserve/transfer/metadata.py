@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.dtypes import parse_dtype
+from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import MetadataHeader
-from pdserve.transfer.metadata_spec import MetadataSpec
 
 MAX_TOP_LOGPROBS = 20  # the most top alternatives any API asks for
 

@@ -23,6 +23,7 @@ import zmq
 
 from pdserve.protocol.codec import ProtocolError, decode, encode
 from pdserve.protocol.log_limit import RateLimitedLog
+from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import (
     AbortRoom,
     Heartbeat,
@@ -39,7 +40,6 @@ from pdserve.protocol.transfer_messages import (
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.dist_plane import DistPlane
 from pdserve.transfer.io_thread import IOThread
-from pdserve.transfer.metadata_spec import MetadataSpec
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.prefill_peers import PeerRegistry, _Peer
 from pdserve.transfer.room_state import RoomState, Tombstones, TransferState

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.spec_config import SpecSettings
+from pdserve.protocol.spec_settings import SpecSettings
 from pdserve.server.local_process import LocalServer
 from tests.conftest import random_prompts
 from tests.e2e.conftest import START_DEADLINE_S, Server

@@ -9,12 +9,12 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.errors import InvalidRequestError
+from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.decode_side import DecodeTransferClient
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metadata import MetadataRecord
-from pdserve.transfer.metadata_spec import MetadataSpec
 from pdserve.transfer.prefill_side import PrefillTransferServer
 from pdserve.transfer.room_state import TransferState
 from tests.conftest import random_prompts

@@ -29,16 +29,16 @@ def params(n: int = 8) -> SamplingParams:
 
 
 def break_next_steps(monkeypatch, engine, count: int) -> None:
-    run = engine.runner.run
+    forward = engine.runner.forward
     left = [count]
 
-    def failing_run(batch):
+    def failing_forward(batch, capture):
         if left[0]:
             left[0] -= 1
             raise RuntimeError("device lost\nsecond line of detail")
-        return run(batch)
+        return forward(batch, capture)
 
-    monkeypatch.setattr(engine.runner, "run", failing_run)
+    monkeypatch.setattr(engine.runner, "forward", failing_forward)
 
 
 def test_a_failed_step_fails_its_requests_and_frees_their_pages(engine, loop, monkeypatch):

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pdserve.engine.kv_pool import KVPool
+from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.transfer.kv_staging import KVStager, StagingError
 from pdserve.transfer.metadata import MetadataMismatch, MetadataRecord
-from pdserve.transfer.metadata_spec import MetadataSpec
 
 
 def pool(num_pages, page_size=4, layers=3, dtype=torch.bfloat16, seed=None):

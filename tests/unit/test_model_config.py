@@ -1,6 +1,7 @@
 import pytest
 
-from pdserve.engine.model_config import ModelConfig, UnsupportedModelError, spec_hidden_size_of
+from pdserve.engine.model_config import ModelConfig, UnsupportedModelError
+from pdserve.protocol.metadata_spec import spec_hidden_size_of
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],

@@ -1,6 +1,6 @@
 """Speculative decoding's core pieces (issue 6, first part): the algorithm registry and its
 refusals, buffer sizing from configs alone, NGRAM proposals, and lossless verification
-(greedy exactness; the sampling verifier's output distribution against the target's)."""
+(greedy exactness; the tree sampling verifier's output distribution against the target's)."""
 
 from __future__ import annotations
 
@@ -22,11 +22,7 @@ from pdserve.speculative.algorithm import (
 )
 from pdserve.speculative.ngram import propose_ngram, propose_ngram_tree
 from pdserve.speculative.tree import ROOT, DraftTree
-from pdserve.speculative.verify import (
-    accept_greedy,
-    accept_sampling,
-    verify_sampling,
-)
+from pdserve.speculative.verify import accept_greedy, accept_sampling
 
 EAGLE_LIKE = Capabilities(has_draft_kv=True, carries_hidden=True, seeds_topk=True)
 
@@ -154,45 +150,6 @@ def test_greedy_verification_keeps_exactly_the_targets_tokens():
     next_token = [bonus for _, bonus in results]
     assert accepted == cut.tolist()
     assert next_token == target[torch.arange(64), cut].tolist()
-
-
-@pytest.mark.parametrize("k", [1, 3])
-def test_sampling_verifier_emits_the_target_distribution(k):
-    """Fixed p (target) and q (draft) at every position, so the target's own output would be
-    i.i.d. p: the first two emitted tokens must each be p-distributed (total variation < 0.01
-    over 1e5 draws), and the acceptance rate must be the overlap of p and q."""
-    vocab, draws = 8, 100_000
-    generator = torch.Generator().manual_seed(1)
-    p = torch.softmax(torch.randn(vocab, generator=generator) * 1.5, -1)
-    q = torch.softmax(torch.randn(vocab, generator=generator) * 1.5, -1)
-
-    def round_of(n: int):
-        draft = torch.multinomial(q, n * k, replacement=True, generator=generator).view(n, k)
-        target, proposal = p.expand(n, k + 1, vocab), q.expand(n, k, vocab)
-        return (draft, *verify_sampling(target, proposal, draft, generator))
-
-    def tv(tokens) -> float:
-        empirical = torch.bincount(tokens, minlength=vocab).double() / tokens.numel()
-        return 0.5 * (empirical - p.double()).abs().sum().item()
-
-    draft, accepted, next_token = round_of(draws)
-    # Emitted: the accepted draft tokens, then next_token; the next round goes on from there.
-    first = torch.where(accepted > 0, draft[:, 0], next_token)
-    second = torch.where(accepted > 1, draft[:, min(1, k - 1)], next_token)
-    restart = accepted == 0  # one token this round: the second comes from a new round
-    fresh_draft, fresh_accepted, fresh_next = round_of(int(restart.sum()))
-    second[restart] = torch.where(fresh_accepted > 0, fresh_draft[:, 0], fresh_next)
-    assert tv(first) < 0.01
-    assert tv(second) < 0.01
-    overlap = torch.minimum(p, q).sum().item()
-    assert abs((accepted > 0).double().mean().item() - overlap) < 0.01
-
-
-def test_sampling_verifier_accepts_everything_when_draft_equals_target():
-    probs = torch.softmax(torch.randn(4, 3, 6), -1)
-    draft = torch.stack([torch.multinomial(probs[:, i], 1).squeeze(1) for i in range(2)], 1)
-    accepted, next_token = verify_sampling(probs, probs[:, :2], draft)
-    assert accepted.tolist() == [2, 2, 2, 2] and (next_token >= 0).all()
 
 
 def test_builtins_are_registered_and_cannot_be_unregistered():

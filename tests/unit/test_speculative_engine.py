@@ -12,13 +12,13 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.detokenizer import decode_text
 from pdserve.engine.page_allocator import pages_needed
-from pdserve.engine.spec_config import SpecSettings
+from pdserve.protocol.metadata_spec import MetadataSpec
+from pdserve.protocol.spec_settings import SpecSettings
 from pdserve.speculative import registry
 from pdserve.speculative.algorithm import Capabilities, SpeculativeAlgorithm
 from pdserve.speculative.checkpoints import make_tiny_eagle_draft
 from pdserve.speculative.state import DraftBatch
 from pdserve.speculative.tree import DraftTree
-from pdserve.transfer.metadata_spec import MetadataSpec
 from tests.conftest import random_prompts
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
@@ -89,7 +89,7 @@ def page_bytes(tiny_model_dirs, algorithm, draft):
     """Bytes of one page of 4 tokens, target and draft KV."""
     engine = spec_llm(tiny_model_dirs("llama"), algorithm, draft, TREE).engine
     pool = engine.kv_pool
-    return pool.nbytes // pool.num_pages + engine.algorithm.draft_page_bytes()
+    return pool.nbytes // pool.num_pages + engine.speculator.draft_page_bytes()
 
 
 def test_a_copy_of_the_target_as_standalone_draft_accepts_every_token(tiny_model_dirs, reference):
@@ -182,7 +182,7 @@ def test_standalone_draft_of_another_width_including_empty_batches(tiny_model_di
     target = tiny_model_dirs("llama")
     draft = make_tiny_model(tmp_path / "draft", "llama", hidden_size=32, num_heads=2, seed=3)
     llm = spec_llm(target, "STANDALONE", str(draft), TREE)
-    engine, algorithm = llm.engine, llm.engine.algorithm
+    engine, algorithm = llm.engine, llm.engine.speculator.algorithm
     assert engine.model_config.hidden_size == 64 and algorithm.config.hidden_size == 32
     assert engine.step() == []  # idle
     assert algorithm.extend([]) == [] and algorithm.propose([]) == []
@@ -243,6 +243,31 @@ def test_a_plugin_that_proposes_too_much_is_stopped_with_a_clear_error(tiny_mode
             llm.generate([[1, 2, 3]], GREEDY)
     finally:
         registry.unregister("TEST_TOO_MANY")
+
+
+def test_speculative_settings_without_a_speculator_are_refused(tiny_model_dirs):
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import Engine
+
+    settings = SpecSettings("NGRAM", **CHAIN)
+    config = EngineConfig(tiny_model_dirs("llama"), device="cpu", speculative=settings)
+    with pytest.raises(ValueError, match="need a speculator"):
+        Engine(config)
+
+
+def test_a_plugin_capture_that_is_not_a_capture_is_named(tiny_model_dirs):
+    class OldCapture(RepeatLast):
+        name = "TEST_OLD_CAPTURE"
+
+        def target_capture(self):
+            return "final"
+
+    registry.register(OldCapture)
+    try:
+        with pytest.raises(TypeError, match="returned 'final'; return a Capture"):
+            spec_llm(tiny_model_dirs("llama"), "TEST_OLD_CAPTURE", None, CHAIN)
+    finally:
+        registry.unregister("TEST_OLD_CAPTURE")
 
 
 def test_bad_configurations_fail_at_start_with_the_reason(tiny_model_dirs, drafts, tmp_path):

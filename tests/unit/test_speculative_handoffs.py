@@ -9,8 +9,8 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.decode.handoff import DecodeHandoff
-from pdserve.engine.spec_config import SpecSettings
 from pdserve.prefill.handoff import PrefillHandoff
+from pdserve.protocol.spec_settings import SpecSettings
 from tests.conftest import random_prompts
 from tests.unit.test_handoffs import CONFIG, boot, drive, finished
 
@@ -118,7 +118,8 @@ def test_a_hook_that_returns_none_fails_the_room_not_the_worker(drafts, tiny_mod
     model = tiny_model_dirs("llama")
     prefill = PrefillHandoff(engine(model, "NGRAM", None, CHAIN), CONFIG)
     decode = DecodeHandoff(engine(model, "NGRAM", None, CHAIN), CONFIG)
-    decode.engine.algorithm.build_disagg_draft_input = lambda batch, last, records: [None]
+    algorithm = decode.engine.speculator.algorithm
+    algorithm.build_disagg_draft_input = lambda batch, last, records: [None]
     try:
         outputs = run_pair(prefill, decode, [[5, 6, 7, 8]])
         assert "returned None" in outputs["d0"][-1].error

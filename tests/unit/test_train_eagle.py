@@ -14,7 +14,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.attention import AttentionContext
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.spec_config import SpecSettings
+from pdserve.protocol.spec_settings import SpecSettings
 from pdserve.speculative.checkpoints import build_draft_model, eagle_draft_config
 from pdserve.speculative.train_eagle import _capture, ttt_logits
 from tests.conftest import random_prompts

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from pdserve.protocol.codec import decode, encode
+from pdserve.protocol.metadata_spec import MetadataSpec, MetadataSpecError
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
 from pdserve.transfer.handshake import (
     HandshakeMismatch,
@@ -14,7 +15,6 @@ from pdserve.transfer.handshake import (
     layout_mismatches,
     model_fingerprint,
 )
-from pdserve.transfer.metadata_spec import MetadataSpec, MetadataSpecError
 from pdserve.transfer.room_state import InvalidTransition, RoomState, Tombstones, TransferState
 
 

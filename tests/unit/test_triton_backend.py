@@ -17,7 +17,7 @@ from pdserve.engine.attention.select import (
 )
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.models.layers import RotaryEmbedding
-from pdserve.engine.spec_config import SpecSettings
+from pdserve.protocol.spec_settings import SpecSettings
 from tests.conftest import ARCHS, random_prompts
 
 pytest.importorskip("triton")

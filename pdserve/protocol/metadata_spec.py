@@ -10,8 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.model_config import spec_hidden_size_of
-from pdserve.engine.spec_config import MAX_TOPK
+from pdserve.protocol.spec_settings import MAX_TOPK
+
+
+def spec_hidden_size_of(hf_config: dict[str, Any]) -> int:
+    """Width of the hidden-state row that speculative decoding carries (docs/architecture.md §6).
+
+    `hidden_size * hc_mult` for models with hyper-connections (`hc_mult > 1`), else
+    `hidden_size`. Computed from the config alone, so a rank without the model loaded can size
+    its buffers.
+    """
+    hidden = int(hf_config["hidden_size"])
+    hc_mult = int(hf_config.get("hc_mult") or 1)
+    return hidden * hc_mult if hc_mult > 1 else hidden
 
 
 class MetadataSpecError(ValueError):

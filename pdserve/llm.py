@@ -1,4 +1,8 @@
-"""Offline generation: `LLM(model_path).generate(prompts, SamplingParams(...))`."""
+"""Offline generation: `LLM(model_path).generate(prompts, SamplingParams(...))`.
+
+It composes an engine with the speculator its settings ask for, as the CLI and the engine
+process do, so it sits above both `engine/` and `speculative/`.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from pdserve.engine.detokenizer import RequestDetokenizer
 from pdserve.engine.engine import Engine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.speculative.speculator import build_speculator
 
 Prompt = str | Sequence[int]
 
@@ -34,14 +39,7 @@ class LLM:
         return llm
 
     def _start(self, config: EngineConfig) -> None:
-        if config.speculative is None:
-            self.engine = Engine(config)
-        else:
-            # NOTE: the one place the engine package reaches into speculative/ (which builds
-            # on the engine): the offline entry point composes the two, like the CLI does.
-            from pdserve.speculative.engine import SpeculativeEngine
-
-            self.engine = SpeculativeEngine(config)
+        self.engine = Engine(config, build_speculator(config.speculative))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

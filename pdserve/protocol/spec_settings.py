@@ -1,7 +1,9 @@
 """Speculative decoding settings (the `--speculative-*` flags, SGLang's names). Torch-free.
 
-They live with the engine's config because an engine is configured with them; what they mean
-(the algorithms, drafting and verification) is `pdserve.speculative`'s business.
+They live in `protocol/` because every side reads them: the engine's config carries them, the
+speculative package builds its algorithm from them, and a handshake compares them between a
+prefill and a decode worker. What they mean (drafting and verification) is
+`pdserve.speculative`'s business.
 """
 
 from __future__ import annotations

@@ -1,0 +1,76 @@
+"""What the engine asks of speculative decoding: one `Speculator`, passed to `Engine` (None:
+plain decoding). Speculation is composed, not inherited (docs/architecture.md §1): the engine
+knows this interface only, and `pdserve.speculative` implements it (`build_speculator`).
+
+A step with a speculator: `propose` drafts for the requests ready to (fully computed, one
+token scheduled); one forward pass computes the other requests' chunks and every draft's
+verification (`Draft`: the last committed token, then the proposals); requests without a draft
+sample as usual, requests with one keep what `verify` accepts; `catch_up` then keeps the
+accepted KV and brings the draft up to date with every token the target computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from pdserve.engine.forward_batch import Capture, ForwardOutput
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from pdserve.engine.engine import Engine
+
+# (token, its logprob or None, its top logprobs or None), as the engine appends a token.
+Emitted = tuple[int, float | None, dict[int, float] | None]
+
+
+@dataclass(kw_only=True)
+class Draft:
+    """One request's proposal as its verification pass computes it: `token_ids` are the last
+    committed token and then the proposed ones. A chain needs nothing more (consecutive
+    positions, causal); a tree gives each token's `positions` and a `mask`
+    ([len(token_ids), num_computed + len(token_ids)]: the slots each token may see)."""
+
+    token_ids: list[int]
+    positions: list[int] | None = None
+    mask: torch.Tensor | None = None
+
+
+class Speculator(Protocol):
+    """The engine's side of speculative decoding. Start-up calls, in order: `load`,
+    `draft_page_bytes`, `build_pools`, `lookahead_slots`, `target_capture`; then each step
+    `propose`, `verify` (per draft) and `catch_up`."""
+
+    def load(self, engine: Engine) -> None:
+        """Load draft models: after the target, before the KV pools are sized."""
+
+    def draft_page_bytes(self) -> int:
+        """Bytes per page of draft KV (0 without): pools sharing the target's page ids."""
+
+    def build_pools(self, num_pages: int) -> None:
+        """Allocate the draft's KV pools, `num_pages` pages sharing the target's page ids."""
+
+    def lookahead_slots(self) -> int:
+        """KV slots past a request's last committed token one step may write."""
+
+    def kv_tokens_for_transfer(self, num_prompt_tokens: int) -> int:
+        """Token slots of KV a prefill -> decode handoff moves for a prompt of this length."""
+
+    def target_capture(self) -> Capture:
+        """Target features the draft reads, kept by every forward pass."""
+
+    def propose(self, batch: ScheduledBatch) -> dict[int, Draft]:
+        """Drafts for the requests of `batch` ready to speculate, by index in the batch."""
+
+    def verify(self, request: Request, draft: Draft, logits: torch.Tensor) -> list[Emitted]:
+        """The tokens to emit after a verification pass (`logits`: one row per draft token,
+        the last committed one's first): the accepted proposals, then one the target chose."""
+
+    def catch_up(
+        self, batch: ScheduledBatch, output: ForwardOutput, drafts: dict[int, Draft]
+    ) -> None:
+        """After the step's tokens were appended: keep the accepted proposals' KV, and catch
+        the draft up on what `output`'s pass computed."""

@@ -1,0 +1,280 @@
+"""The engine's speculator (`pdserve.engine.speculator.Speculator`) over one `SpeculativeAlgorithm`.
+
+Each step, requests that are fully computed and have a draft input get a tree from the
+algorithm (checked, and cut to what the request may still emit); the engine verifies it in
+its forward pass, as the last committed token plus the tree. Verification (see `verify.py`)
+is lossless: greedy output is exactly the target's, sampled output is distributed exactly as
+the target's. KV written for rejected tokens is dropped: an accepted tree node's KV moves to
+the slot of its position, and the pages past the accepted tokens go back to the allocator
+after every step. Then the draft catches up on every token the target computed (prefill
+chunks too), which gives each fully computed request its next draft input.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.forward_batch import Capture, ForwardOutput
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import filtered_probs, generator_at
+from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.speculator import Draft, Emitted
+from pdserve.protocol.spec_settings import SpecSettings
+from pdserve.speculative import registry
+from pdserve.speculative.algorithm import SpeculativeAlgorithm
+from pdserve.speculative.state import ExtendItem
+from pdserve.speculative.tree import DraftTree
+from pdserve.speculative.verify import accept_greedy, accept_sampling
+
+logger = logging.getLogger(__name__)
+
+
+def build_speculator(settings: SpecSettings | None) -> AlgorithmSpeculator | None:
+    """The speculator these settings describe (None: no speculative decoding)."""
+    if settings is None:
+        return None
+    return AlgorithmSpeculator(registry.get(settings.algorithm)(settings))
+
+
+@dataclass(kw_only=True)
+class TreeDraft(Draft):
+    """A draft tree in the verification pass: proposed after `start` committed tokens; after
+    `verify`, its accepted nodes (`path`, root to leaf) and the target's token after them."""
+
+    tree: DraftTree
+    start: int
+    path: list[int] = field(default_factory=list)
+    bonus: int = -1
+
+
+@dataclass
+class _RowView:
+    """A tree row seen as a request by the sampler: the history down to that row."""
+
+    sampling_params: object
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class AlgorithmSpeculator:
+    """Drafts with `algorithm`, verifies its trees, and keeps its draft state current."""
+
+    def __init__(self, algorithm: SpeculativeAlgorithm):
+        self.algorithm = algorithm
+        self.settings: SpecSettings = algorithm.settings
+
+    # ---- start-up ----------------------------------------------------------------------
+
+    def load(self, engine) -> None:
+        self.engine = engine
+        self.algorithm.load(engine)
+        logger.info(
+            "speculative decoding: %s, %d steps, topk %d, %d draft tokens",
+            self.algorithm.name,
+            self.settings.num_steps,
+            self.settings.eagle_topk,
+            self.settings.num_draft_tokens,
+        )
+
+    def draft_page_bytes(self) -> int:
+        return self.algorithm.draft_page_bytes()
+
+    def build_pools(self, num_pages: int) -> None:
+        self.algorithm.build_pools(num_pages)
+
+    def lookahead_slots(self) -> int:
+        return self.algorithm.lookahead_slots()
+
+    def kv_tokens_for_transfer(self, num_prompt_tokens: int) -> int:
+        # NOTE: the draft's KV may cover the first generated token too (STANDALONE).
+        return num_prompt_tokens + 1
+
+    def target_capture(self) -> Capture:
+        capture = self.algorithm.target_capture()
+        if not isinstance(capture, Capture):
+            raise TypeError(
+                f"{self.algorithm.name}.target_capture() returned {capture!r}; return a "
+                "Capture (Capture.NONE, Capture.final() or Capture.layers(ids))"
+            )
+        return capture
+
+    # ---- proposing ---------------------------------------------------------------------
+
+    def propose(self, batch: ScheduledBatch) -> dict[int, Draft]:
+        # NOTE: a prompt whose last chunk is one token has a draft state already; its first
+        # token still comes from the sampler, as every other first token does (verifying a
+        # tree draws differently): a seeded request's tokens must not depend on where the
+        # chunks of a batch happened to end.
+        ready = [
+            i
+            for i, (request, count) in enumerate(
+                zip(batch.requests, batch.num_new_tokens, strict=True)
+            )
+            if request.draft_state is not None and count == 1 and request.num_output_tokens > 0
+        ]
+        if not ready:
+            return {}
+        requests = [batch.requests[i] for i in ready]
+        trees = self.algorithm.propose(requests)
+        if len(trees) != len(requests):
+            raise RuntimeError(f"{self.algorithm.name}.propose returned {len(trees)} trees")
+        return {
+            i: self._draft(request, self._fit(request, tree))
+            for i, request, tree in zip(ready, requests, trees, strict=True)
+        }
+
+    def _fit(self, request: Request, tree: DraftTree) -> DraftTree:
+        """Check a proposal, and cut it to what the request may still emit."""
+        s = self.settings
+        if len(tree) > s.num_draft_tokens - 1 or any(d > s.num_steps for d in tree.depths):
+            raise RuntimeError(
+                f"{self.algorithm.name} proposed {len(tree)} tokens {max(tree.depths)} deep; "
+                f"the settings allow {s.num_draft_tokens - 1} tokens, {s.num_steps} deep"
+            )
+        vocab = self.engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in tree.tokens):
+            raise RuntimeError(f"{self.algorithm.name} proposed token ids outside the vocabulary")
+        # NOTE: accepted nodes + the bonus token must fit the request's token limit.
+        return tree.truncated(request.max_total_tokens - request.num_tokens - 1)
+
+    @staticmethod
+    def _draft(request: Request, tree: DraftTree) -> TreeDraft:
+        """The verification input: the last committed token (the root, at position n), then
+        the tree's nodes at n + depth, each seeing the cached prefix, its ancestors and
+        itself. A chain is consecutive and causal: no positions or mask needed."""
+        n = request.num_computed_tokens
+        token_ids = [request.token_ids[-1], *tree.tokens]
+        if tree.is_chain:
+            return TreeDraft(token_ids=token_ids, tree=tree, start=n)
+        mask = torch.zeros(len(tree) + 1, n + len(tree) + 1, dtype=torch.bool)
+        mask[:, :n] = True
+        mask[:, n:] = torch.tensor(tree.attention_mask())
+        positions = [n, *(n + d for d in tree.depths)]
+        return TreeDraft(token_ids=token_ids, positions=positions, mask=mask, tree=tree, start=n)
+
+    # ---- verifying ---------------------------------------------------------------------
+
+    def verify(self, request: Request, draft: TreeDraft, logits: torch.Tensor) -> list[Emitted]:
+        """Rows see the history down to them: stop tokens before min_new_tokens, penalties."""
+        tree = draft.tree
+        params = request.sampling_params
+        raw = logits.log_softmax(dim=-1) if params.logprobs is not None else None
+        plain = not params.uses_penalties and request.num_output_tokens >= params.min_new_tokens
+        if params.greedy and plain:
+            # NOTE: the common case needs no per-row history: the target's argmax per row.
+            path, bonus = accept_greedy(tree, logits.argmax(dim=-1).tolist())
+        else:
+            views = [
+                _RowView(
+                    params,
+                    request.token_ids + tree.path_tokens(r - 1) if r else request.token_ids,
+                    request.num_prompt_tokens,
+                )
+                for r in range(len(tree) + 1)
+            ]
+            logits = logits.clone()
+            self.engine.sampler.process_logits(logits, views)
+            if params.greedy:
+                path, bonus = accept_greedy(tree, logits.argmax(dim=-1).tolist())
+            else:
+                probs = lambda r: filtered_probs(logits[r : r + 1], [params])[0]  # noqa: E731
+                path, bonus = accept_sampling(tree, probs, generator_at(request))
+        draft.path, draft.bonus = path, bonus
+        return _emitted(tree, path, bonus, raw, params)
+
+    # ---- after the step ----------------------------------------------------------------
+
+    def catch_up(
+        self, batch: ScheduledBatch, output: ForwardOutput, drafts: dict[int, Draft]
+    ) -> None:
+        items = []
+        for i, (request, count) in enumerate(
+            zip(batch.requests, batch.num_new_tokens, strict=True)
+        ):
+            if i in drafts or (request.finished and not request.hold_pages):
+                continue  # a finished request's pages are already freed
+            start = output.batch.num_computed[i]
+            next_tokens = request.token_ids[start + 1 : start + count + 1]
+            features = None if output.features is None else output.features[output.rows(i)]
+            items.append(ExtendItem(request, start, next_tokens, features))
+        for i, draft in drafts.items():
+            if not batch.requests[i].finished:
+                items.append(self._commit(batch.requests[i], draft, output, i))
+        if not items:
+            return
+        states = self.algorithm.extend(items)
+        if len(states) != len(items):
+            raise RuntimeError(f"{self.algorithm.name}.extend returned {len(states)} states")
+        for item, state in zip(items, states, strict=True):
+            request = item.request
+            done = request.num_computed_tokens == request.num_tokens - 1
+            request.draft_state = state if done else None
+            if done:
+                self.engine.scheduler.trim_pages(request, request.num_tokens)
+
+    def _commit(
+        self, request: Request, draft: TreeDraft, output: ForwardOutput, index: int
+    ) -> ExtendItem:
+        """Keep the accepted nodes' KV and count them computed; the draft's catch-up item."""
+        n, path, tree = draft.start, draft.path, draft.tree
+        if not tree.is_chain and path:
+            self._move_kv(request, n, path, tree)
+        request.num_computed_tokens = n + 1 + len(path)
+        features = None
+        if output.features is not None:
+            row = output.rows(index).start
+            picked = [row] + [row + 1 + node for node in path]
+            features = output.features.index_select(
+                0, torch.tensor(picked, device=output.features.device)
+            )
+        next_tokens = [tree.tokens[node] for node in path] + [draft.bonus]
+        return ExtendItem(request, n, next_tokens, features)
+
+    def _move_kv(self, request: Request, n: int, path: list[int], tree: DraftTree) -> None:
+        """Accepted tree nodes' KV from their verification slots (n + 1 + node) to the slots
+        of their positions (n + depth)."""
+        kv_pool = self.engine.kv_pool
+        size = kv_pool.page_size
+        pages = request.pages
+
+        def slot(index: int) -> int:
+            return pages[index // size] * size + index % size
+
+        moves = [(n + 1 + node, n + tree.depths[node]) for node in path]
+        moves = [(src, dst) for src, dst in moves if src != dst]
+        if not moves:
+            return
+        device = kv_pool.storage.device
+        src = torch.tensor([slot(s) for s, _ in moves], device=device)
+        dst = torch.tensor([slot(d) for _, d in moves], device=device)
+        storage = kv_pool.storage
+        flat = storage.view(2, storage.shape[1], -1, *storage.shape[4:])
+        flat.index_copy_(2, dst, flat.index_select(2, src))
+
+
+def _emitted(tree: DraftTree, path: list[int], bonus: int, raw, params) -> list[Emitted]:
+    """The accepted nodes' tokens and the bonus, each with its raw logprob (and top logprobs)
+    from its row when asked."""
+    tokens = [tree.tokens[i] for i in path] + [bonus]
+    rows = [0] + [i + 1 for i in path]
+    emitted = []
+    for token, r in zip(tokens, rows, strict=True):
+        logprob = top = None
+        if raw is not None:
+            logprob = float(raw[r, token])
+            if params.logprobs:
+                values, ids = raw[r].topk(params.logprobs)
+                top = dict(zip(ids.tolist(), values.tolist(), strict=True))
+        emitted.append((token, logprob, top))
+    return emitted
