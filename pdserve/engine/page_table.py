@@ -4,14 +4,13 @@ Building each step's page table from the requests' page lists costs host time in
 to the whole batch's context (every page id of every sequence, every step). Here a request
 owns a row of one persistent device tensor while it runs, and a step writes only the page ids
 that changed since the request's last step (a new page every `page_size` tokens), all in one
-host-to-device copy. Kernels find sequence i's pages in row `rows[i]`.
+host-to-device copy (the scheduler marks where a request's pages changed:
+`Request.pages_changed_from`). Kernels find sequence i's pages in row `rows[i]`.
 
 The tensor is allocated once and never moves: CUDA graphs read it by address.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -21,16 +20,6 @@ from pdserve.engine.request import Request, RequestStatus
 class PageTableFullError(RuntimeError):
     """More requests in one step than the table has rows, or a request with more pages than a
     row holds: the scheduler's limits were not kept."""
-
-
-@dataclass
-class _Row:
-    """A request's row: its first `synced` pages are in it, as of preemption `epoch` (a
-    preemption frees every page, so the row is rewritten from the start)."""
-
-    index: int
-    synced: int
-    epoch: int
 
 
 class DevicePageTable:
@@ -52,25 +41,24 @@ class DevicePageTable:
         rows = []
         for request in requests:
             row = request.page_table_row
-            if row is None or self._owners.get(row.index) is not request:
-                row = request.page_table_row = _Row(self._take(request), 0, 0)
-                row.epoch = request.num_preemptions
-            elif row.epoch != request.num_preemptions:
-                row.synced, row.epoch = 0, request.num_preemptions
+            synced = request.pages_changed_from
+            if row is None or self._owners.get(row) is not request:
+                row = request.page_table_row = self._take(request)
+                synced = 0
             count = len(request.pages)
-            if count > row.synced:
+            if count > synced:
                 if count > self.max_pages:
                     raise PageTableFullError(
                         f"request {request.request_id} holds {count} pages; a page-table row "
                         f"holds {self.max_pages}"
                     )
-                start = row.index * self.max_pages
-                positions.extend(range(start + row.synced, start + count))
-                page_ids.extend(request.pages[row.synced :])
+                start = row * self.max_pages
+                positions.extend(range(start + synced, start + count))
+                page_ids.extend(request.pages[synced:])
             # NOTE: after a trim the row keeps stale ids past `count`; kernels never read past
             # a sequence's KV length, and the next pages overwrite them.
-            row.synced = count
-            rows.append(row.index)
+            request.pages_changed_from = count
+            rows.append(row)
         if positions:
             writes = torch.tensor([positions, page_ids], dtype=torch.int64)
             writes = writes.to(self.device, non_blocking=True)

@@ -37,6 +37,9 @@ class Request:
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     pages: list[int] = field(default_factory=list)
+    # pages[pages_changed_from:] may differ from what the device page table last wrote: the
+    # scheduler lowers it when it frees pages, the page table raises it when it writes them.
+    pages_changed_from: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     # The stop token id or stop string that ended the request, as vLLM reports it.

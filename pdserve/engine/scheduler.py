@@ -169,8 +169,10 @@ class Scheduler:
         if len(request.pages) > keep:
             self.allocator.free(request.pages[keep:])
             del request.pages[keep:]
+            request.pages_changed_from = min(request.pages_changed_from, keep)
 
     def _release_pages(self, request: Request) -> None:
         if request.pages:
             self.allocator.free(request.pages)
             request.pages = []
+            request.pages_changed_from = 0

@@ -1,13 +1,23 @@
-"""The device page table: rows follow requests, only changed page ids are written."""
+"""The device page table: rows follow requests, only changed page ids are written. Pages
+change through the scheduler (it marks where), as in the engine."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pdserve.engine.page_allocator import PageAllocator
 from pdserve.engine.page_table import DevicePageTable, PageTableFullError
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+
+
+def scheduler(page_size: int = 1) -> Scheduler:
+    config = SchedulerConfig(
+        page_size=page_size, max_running_requests=4, prefill_token_budget=64, split_prompts=True
+    )
+    return Scheduler(config, PageAllocator(32))
 
 
 def running(name: str, pages: list[int]) -> Request:
@@ -37,23 +47,32 @@ def test_rows_hold_each_requests_pages_and_only_new_pages_are_written():
 
 def test_a_preempted_request_is_rewritten_from_its_first_page():
     table = DevicePageTable(num_rows=2, max_pages=4, device=torch.device("cpu"))
-    a = running("a", [1, 2])
+    sched = scheduler()
+    a = running("a", sched.allocator.allocate(2))
+    sched.running.append(a)
     (row,) = table.rows([a])
-    a.pages = [6, 4, 3]  # preempted, then readmitted with fresh pages
-    a.num_preemptions += 1
+    sched._preempt(a)
+    a.status = RequestStatus.RUNNING  # readmitted with fresh pages, before a step saw it
+    a.pages.extend([6, 4, 3])
     assert table.rows([a]) == [row]
     assert row_pages(table, row, 3) == [6, 4, 3]
 
 
-def test_a_trimmed_request_gets_its_next_pages_where_the_trimmed_ones_were():
+@pytest.mark.parametrize("seen_between", [True, False])
+def test_a_trimmed_request_gets_its_next_pages_where_the_trimmed_ones_were(seen_between):
+    """Speculative KV rejected: pages trimmed, then the request grows again, to as many pages
+    as before, with or without a step that read the table in between."""
     table = DevicePageTable(num_rows=1, max_pages=4, device=torch.device("cpu"))
-    a = running("a", [1, 2, 3])
+    sched = scheduler()
+    a = running("a", sched.allocator.allocate(3))
+    first = a.pages[0]
     (row,) = table.rows([a])
-    del a.pages[1:]  # rejected speculative KV
+    sched.trim_pages(a, 1)
+    if seen_between:
+        table.rows([a])
+    a.pages += [28, 29]
     table.rows([a])
-    a.pages += [8, 9]
-    table.rows([a])
-    assert row_pages(table, row, 3) == [1, 8, 9]
+    assert row_pages(table, row, 3) == [first, 28, 29]
 
 
 def test_rows_of_requests_that_stopped_running_are_reused():
