@@ -120,6 +120,8 @@ class Scheduler:
         """Give `request` pages for `count` more tokens, preempting the newest running
         requests not yet scheduled this step. False if the request had to preempt itself."""
         needed = self._pages_for(request, count)
+        if needed == 0:
+            return True  # NOTE: most decode steps: the current page has room
         while not self.allocator.can_allocate(needed):
             victim = self._pick_victim(scheduled)
             self._preempt(victim)
