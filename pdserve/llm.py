@@ -78,14 +78,14 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished():
             for output in self.engine.step():
-                detokenizer = detokenizers.get(output.request_id)
-                if detokenizer is None:
-                    continue  # a request queued on the engine by someone else
-                detokenizer.take_output(output.new_token_ids, finished=output.finished)
-                if output.finished:
-                    output.text = detokenizers.pop(output.request_id).text
-                    final[output.request_id] = output
-                    bar.update(1)
+                if not output.finished or output.request_id not in detokenizers:
+                    continue  # not done yet, or queued on the engine by someone else
+                # NOTE: text is made once a request finishes, off the per-step path.
+                detokenizer = detokenizers.pop(output.request_id)
+                detokenizer.take_output(output.token_ids, finished=True)
+                output.text = detokenizer.text
+                final[output.request_id] = output
+                bar.update(1)
         bar.close()
         results = [final[i] for i in ids]
         for prompt, output in zip(prompts, results, strict=True):

@@ -225,6 +225,7 @@ class RequestDetokenizer:
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
         self._min_new_tokens = params.min_new_tokens
+        self._has_stop = bool(params.stop)
         self._num_tokens = 0
 
     @property
@@ -237,6 +238,12 @@ class RequestDetokenizer:
 
     def append(self, token_ids: Sequence[int]) -> None:
         """Feed generated ids (the request's next ones, in order)."""
+        if not self._has_stop:
+            # NOTE: without stop strings the text does not depend on how ids are batched:
+            # one decode for all of them.
+            self._num_tokens += len(token_ids)
+            self._detokenizer.append(token_ids, check_stop=False)
+            return
         for token_id in token_ids:
             self._num_tokens += 1
             self._detokenizer.append(
