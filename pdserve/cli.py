@@ -39,6 +39,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--disable-cuda-graph", action="store_true", help="run every decode step eagerly"
     )
     g.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="schedule each step after the previous one's tokens are back (no overlap)",
+    )
+    g.add_argument(
         "--kv-cache-memory",
         type=int,
         default=None,
@@ -151,6 +156,7 @@ def engine_config_from_args(args: argparse.Namespace):
         attention_backend=args.attention_backend,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_cuda_graph=args.disable_cuda_graph,
+        disable_overlap_schedule=args.disable_overlap_schedule,
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_running_requests=args.max_running_requests,

@@ -28,6 +28,8 @@ class EngineConfig:
     "torch"; chosen once at start-up for the target and any draft model.
     cuda_graph_max_bs: the largest decode batch replayed from a captured CUDA graph (larger
     batches run eagerly); disable_cuda_graph: run every step eagerly.
+    disable_overlap_schedule: on CUDA, each step is prepared while the GPU runs the previous
+    one (its tokens reported a step later) unless this is set.
     """
 
     model_path: str
@@ -44,6 +46,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     cuda_graph_max_bs: int = 256
     disable_cuda_graph: bool = False
+    disable_overlap_schedule: bool = False
     cpu_kv_cache_cap: int = 1 << 30
     speculative: SpecSettings | None = None
 

@@ -30,6 +30,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.models import CausalLM
+from pdserve.engine.overlap import resolve_placeholders
 from pdserve.engine.page_table import DevicePageTable
 
 logger = logging.getLogger(__name__)
@@ -127,13 +128,17 @@ class DecodeGraphRunner:
         return next(b for b in self.buckets if b >= batch_size)
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
+    def run(self, batch: ForwardBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states `[len(batch), hidden]` of a decode batch (`can_run`), its KV
-        written to the cache. A view of a static buffer: the next run overwrites it."""
+        written to the cache. A view of a static buffer: the next run overwrites it.
+        `previous_tokens`: what the batch's placeholder ids stand for (overlap.py)."""
         bs = len(batch)
         bucket = self.bucket_for(bs)
         self._fill(batch, bucket)
         self._inputs.copy_(self._host, non_blocking=True)
+        if previous_tokens is not None:
+            ids = self._inputs[_IDS]
+            ids.copy_(resolve_placeholders(ids, previous_tokens))
         graph = self._graphs.get(bucket)
         if graph is not None:
             graph.replay()

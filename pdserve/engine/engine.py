@@ -32,6 +32,7 @@ from pdserve.engine.loader import build_kv_pool, load_model, resolve_device, res
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.overlap import InFlightStep, is_placeholder, placeholder
 from pdserve.engine.page_allocator import PageAllocator, pages_needed
 from pdserve.engine.page_table import DevicePageTable
 from pdserve.engine.request import FinishReason, Request
@@ -114,6 +115,11 @@ class Engine:
         self.last_batch_tokens = 0  # tokens computed by the latest step (for step statistics)
         # The batch the latest step scheduled (None while scheduling): what `fail_step` ends.
         self.current_batch: ScheduledBatch | None = None
+        # Overlap scheduling (overlap.py): on CUDA, without a speculator, unless disabled. On
+        # CPU there is nothing to overlap (tests turn it on to check the bookkeeping).
+        self.overlap = speculator is None and not config.disable_overlap_schedule
+        self.overlap &= self.device.type == "cuda"
+        self.in_flight: InFlightStep | None = None  # launched, not landed yet
         logger.info(
             "engine ready: %s on %s (%s, %s attention), %d KV pages of %d tokens, max_model_len %d",
             self.model_config.architecture,
@@ -293,22 +299,78 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self.in_flight is not None
 
     # ---- the step ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, then sample (or verify the speculator's drafts) and
-        post-process. Returns an output for every request that produced tokens this step (and
-        for every request that finished)."""
+        post-process. Returns an output for every request that produced tokens (and for every
+        request that finished): this step's, or with overlap scheduling the previous step's."""
+        if self._overlaps():
+            return self._step_overlapped()
+        landed = self._land(self.in_flight)
         batch = self._schedule()
         if not batch:
-            return []
+            return landed
+        return landed + self._step_now(batch)
+
+    def _step_now(self, batch: ScheduledBatch) -> list[RequestOutput]:
         drafts = self.speculator.propose(batch) if self.speculator else {}
         output = self.runner.forward(self._forward_batch(batch, drafts), self.capture)
         outputs = self._sample(batch, output, drafts) + self._verify(batch, output, drafts)
         if self.speculator:
             self.speculator.catch_up(batch, output, drafts)
+        return outputs
+
+    def _overlaps(self) -> bool:
+        """Whether this step may overlap: every live request's tokens can be sampled on the
+        device and reported a step late (no logprobs or penalties, no KV held for a
+        transfer)."""
+        return self.overlap and all(
+            r.sampling_params.logprobs is None
+            and not r.sampling_params.uses_penalties
+            and not r.hold_pages
+            for r in self.requests.values()
+        )
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Launch this step, then land the previous one while the GPU runs this one."""
+        previous = self.in_flight
+        self.in_flight = None
+        batch = self._schedule()
+        launched = None
+        if batch:
+            sampling = [i for i in range(len(batch)) if batch.samples(i)]
+            requests = [batch.requests[i] for i in sampling]
+            output = self.runner.forward(
+                self._forward_batch(batch, {}),
+                previous_tokens=previous.tokens if previous is not None else None,
+            )
+            tokens = self.runner.sample_on_device(output, sampling, requests)
+            launched = InFlightStep(requests, tokens)
+            for request, count in zip(batch.requests, batch.num_new_tokens, strict=True):
+                request.num_computed_tokens += count
+        outputs = self._land(previous)
+        if launched is not None:
+            # NOTE: after landing: a request that stopped there has no token to come.
+            for index, request in enumerate(launched.requests):
+                if not request.finished:
+                    request.token_ids.append(placeholder(index))
+            self.in_flight = launched
+        return outputs
+
+    def _land(self, step: InFlightStep | None) -> list[RequestOutput]:
+        """Append an overlapped step's tokens in place of their placeholders; report them."""
+        if step is None:
+            return []
+        self.in_flight = None
+        outputs = []
+        for request, token in zip(step.requests, step.token_ids(), strict=True):
+            if request.finished:
+                continue  # aborted, or stopped on the token before: this one is dropped
+            request.token_ids.pop()  # its placeholder
+            outputs.append(self._accept_token(request, token, None, None))
         return outputs
 
     def _schedule(self) -> ScheduledBatch:
@@ -347,6 +409,12 @@ class Engine:
         request that finished inside the failed step lost its output, so it is failed too."""
         batch = self.current_batch
         touched = list(batch.requests) if batch is not None else list(self.scheduler.running)
+        if self.in_flight is not None:
+            touched += [r for r in self.in_flight.requests if r not in touched]
+            for request in self.in_flight.requests:
+                if request.token_ids and is_placeholder(request.token_ids[-1]):
+                    request.token_ids.pop()
+            self.in_flight = None
         self.current_batch = None
         outputs = []
         for request in touched:

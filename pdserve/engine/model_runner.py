@@ -14,6 +14,7 @@ from pdserve.engine.decode_graphs import DecodeGraphRunner
 from pdserve.engine.forward_batch import Capture, ForwardBatch, ForwardOutput
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.models import CausalLM
+from pdserve.engine.overlap import resolve_placeholders
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SampleResult
 
@@ -34,13 +35,19 @@ class ModelRunner:
         self.decode_graphs = decode_graphs
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, capture: Capture = Capture.NONE) -> ForwardOutput:
+    def forward(
+        self,
+        batch: ForwardBatch,
+        capture: Capture = Capture.NONE,
+        previous_tokens: torch.Tensor | None = None,
+    ) -> ForwardOutput:
         """The one forward pass, for plain steps, prefill chunks and speculative verification:
         every sequence's new tokens at once, KV written into their pages, and the features
-        `capture` asks for. Plain decode batches replay a CUDA graph (`decode_graphs`)."""
+        `capture` asks for. Plain decode batches replay a CUDA graph (`decode_graphs`).
+        `previous_tokens`: the device tokens that placeholder ids stand for (overlap.py)."""
         graphs = self.decode_graphs
         if graphs is not None and capture.kind != "layers" and graphs.can_run(batch):
-            hidden = graphs.run(batch)
+            hidden = graphs.run(batch, previous_tokens)
             # NOTE: the graph's output buffer is overwritten by the next replay; a draft may
             # keep the features past this step.
             features = hidden.clone() if capture.kind == "final" else None
@@ -56,6 +63,8 @@ class ModelRunner:
         )
         ids = torch.tensor(batch.flat_token_ids(), dtype=torch.int64)
         ids = ids.to(self.device, non_blocking=True)
+        if previous_tokens is not None:
+            ids = resolve_placeholders(ids, previous_tokens)
         if capture.kind == "layers":
             hidden, features = self.model.forward_capture(
                 ids, ctx.positions, self.kv_pool, ctx, capture.layer_ids
@@ -71,11 +80,21 @@ class ModelRunner:
     ) -> SampleResult:
         """A token for each of `seqs` (indices into the pass's batch; `requests` are theirs),
         sampled from its last row."""
+        return self.sampler(self._logits_of_last_rows(output, seqs), requests)
+
+    def _logits_of_last_rows(self, output: ForwardOutput, seqs: list[int]) -> torch.Tensor:
         if len(seqs) == output.hidden.shape[0]:
             hidden = output.hidden  # every row samples (a decode step): no gather
         else:
             hidden = output.hidden[[output.last_row(i) for i in seqs]]
-        return self.sampler(self.model.compute_logits(hidden), requests)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def sample_on_device(
+        self, output: ForwardOutput, seqs: list[int], requests: list[Request]
+    ) -> torch.Tensor:
+        """`sample`'s tokens, left on the device (no logprobs: what overlapped steps take)."""
+        return self.sampler.sample(self._logits_of_last_rows(output, seqs), requests)
 
     @torch.inference_mode()
     def logits(self, output: ForwardOutput, seqs: list[int]) -> list[torch.Tensor]:

@@ -66,15 +66,7 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
-        self.process_logits(logits, requests)
-
-        tokens = logits.argmax(dim=-1)
-        sample_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if sample_rows:
-            probs = filtered_probs(logits[sample_rows], [params[i] for i in sample_rows])
-            tokens[sample_rows] = self._draw(probs, [requests[i] for i in sample_rows])
-
-        token_ids = tokens.tolist()
+        token_ids = self.sample(logits, requests).tolist()
         logprobs: list[float | None] = [None] * len(requests)
         top: list[dict[int, float] | None] = [None] * len(requests)
         if raw_logprobs is not None:
@@ -87,6 +79,18 @@ class Sampler:
                     values, ids = raw_logprobs[j].topk(n)
                     top[row] = dict(zip(ids.tolist(), values.tolist(), strict=True))
         return SampleResult(token_ids, logprobs, top)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The tokens alone, on the logits' device. `logits` is modified in place."""
+        self.process_logits(logits, requests)
+        tokens = logits.argmax(dim=-1)
+        params = [r.sampling_params for r in requests]
+        sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sample_rows:
+            probs = filtered_probs(logits[sample_rows], [params[i] for i in sample_rows])
+            tokens[sample_rows] = self._draw(probs, [requests[i] for i in sample_rows])
+        return tokens
 
     def process_logits(self, logits: torch.Tensor, requests) -> None:
         """In place: stop tokens suppressed before min_new_tokens, then penalties. `requests`

@@ -36,10 +36,11 @@ def test_buckets_are_powers_of_two_then_steps_of_eight():
     assert batch_buckets(42) == [1, 2, 4, 8, 16, 24, 32, 40, 42]
 
 
-def run(model_dir: str, *, graphs: bool, pages: int, device=DEVICE, dtype="float32"):
+def run(model_dir: str, *, graphs: bool, pages: int, device=DEVICE, dtype="float32", overlap=False):
     """Requests arriving in three waves, one of them seeded, over `pages` KV pages (few
     pages: requests are preempted and recomputed). -> tokens per request, the engine, every
-    step's new-token counts and the number of preemptions."""
+    step's new-token counts and the number of preemptions. `overlap`: overlap scheduling
+    on (a GPU engine has it on by default; here it is set either way)."""
     page_bytes = KVPool.bytes_per_page(
         **_pool_shape(model_dir), page_size=PAGE_SIZE, dtype=getattr(torch, dtype)
     )
@@ -56,6 +57,7 @@ def run(model_dir: str, *, graphs: bool, pages: int, device=DEVICE, dtype="float
             disable_cuda_graph=not graphs,
         )
     )
+    engine.overlap = overlap
     prompts = random_prompts([n for n, _ in SHAPES], engine.model_config.vocab_size, seed=5)
     waves = [range(0, 3), range(3, 9), range(9, 10)]
     outputs, steps, requests = {}, [], []
