@@ -154,11 +154,13 @@ def time_pdserve_batch(engine, batch: int, args, generator, request_ids) -> Batc
         request_id = next(request_ids)
         engine.add_request(request_id, prompt, params)
         requests.append(engine.requests[request_id])
-    while any(r.num_output_tokens == 0 for r in requests):
+    # NOTE: with overlap scheduling a sampled token is a placeholder (negative) until the
+    # next step lands it.
+    while any(r.num_output_tokens == 0 or r.output_token_ids[0] < 0 for r in requests):
         engine.step()
     sync()
     first_token = time.perf_counter()
-    if any(r.num_output_tokens != 1 for r in requests):
+    if any(len([t for t in r.output_token_ids if t >= 0]) != 1 for r in requests):
         raise RuntimeError(
             f"batch {batch}: some sequences decoded before the last prompt finished prefill; "
             "the timed steps would not all decode the full batch"
@@ -169,14 +171,17 @@ def time_pdserve_batch(engine, batch: int, args, generator, request_ids) -> Batc
         decode_steps += 1
     sync()
     end = time.perf_counter()
-    if decode_steps != args.new_tokens - 1 or any(
+    # Overlap scheduling adds up to one step: the one that lands the last tokens (it also ran
+    # a decode whose tokens are dropped, the requests having reached their length).
+    lag = 1 if engine.overlap else 0
+    if decode_steps - lag != args.new_tokens - 1 or any(
         r.num_output_tokens != args.new_tokens for r in requests
     ):
         raise RuntimeError(
             f"batch {batch}: {decode_steps} decode steps for {args.new_tokens - 1} tokens per "
             "sequence; the batch did not decode together (preempted for lack of KV pages?)"
         )
-    return BatchTiming(first_token - start, end - first_token, decode_steps)
+    return BatchTiming(first_token - start, end - first_token, args.new_tokens - 1)
 
 
 # ---- transformers -------------------------------------------------------------------------
