@@ -336,8 +336,9 @@ class Engine:
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """Launch this step, then land the previous one while the GPU runs this one."""
+        # NOTE: `in_flight` stays set until it lands: if this step raises first, `fail_step`
+        # still finds its requests (and their placeholders).
         previous = self.in_flight
-        self.in_flight = None
         batch = self._schedule()
         launched = None
         if batch:

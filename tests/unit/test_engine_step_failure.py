@@ -32,11 +32,11 @@ def break_next_steps(monkeypatch, engine, count: int) -> None:
     forward = engine.runner.forward
     left = [count]
 
-    def failing_forward(batch, capture):
+    def failing_forward(batch, *args, **kwargs):
         if left[0]:
             left[0] -= 1
             raise RuntimeError("device lost\nsecond line of detail")
-        return forward(batch, capture)
+        return forward(batch, *args, **kwargs)
 
     monkeypatch.setattr(engine.runner, "forward", failing_forward)
 
@@ -82,3 +82,30 @@ def test_consecutive_failures_end_the_loop(engine, loop, monkeypatch):
         loop._step()
     engine.abort_request("last")
     assert engine.allocator.num_used == 0
+
+
+def test_a_failed_overlapped_step_fails_the_step_in_flight_too(tiny_model_dirs, monkeypatch):
+    """Overlap scheduling: the step that raises had not landed the one before it; both
+    steps' requests fail, with no placeholder token left in their outputs."""
+    engine = LLM(tiny_model_dirs("llama"), device="cpu", max_model_len=128).engine
+    engine.overlap = True
+    engine.add_request("a", [5, 6, 7], params())
+    engine.add_request("b", [8, 9, 10, 11], params())
+    engine.step()  # prefill launched
+    engine.step()  # a decode step launched, the first tokens landed
+    assert engine.in_flight is not None
+    break_next_steps(monkeypatch, engine, 1)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    outputs = engine.fail_step("the engine failed")
+    assert sorted(o.request_id for o in outputs) == ["a", "b"]
+    for output in outputs:
+        assert output.finished and output.error_kind == "internal"
+        assert output.token_ids and all(t >= 0 for t in output.token_ids)
+    assert engine.in_flight is None and not engine.has_unfinished()
+    assert engine.allocator.num_used == 0
+    engine.add_request("c", [5, 6, 7], params(3))
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+    assert len(tokens) == 3
