@@ -120,6 +120,8 @@ class Engine:
         self.overlap = speculator is None and not config.disable_overlap_schedule
         self.overlap &= self.device.type == "cuda"
         self.in_flight: InFlightStep | None = None  # launched, not landed yet
+        # Live requests whose tokens the host needs at once (`_overlaps`).
+        self._host_bound: set[str] = set()
         logger.info(
             "engine ready: %s on %s (%s, %s attention), %d KV pages of %d tokens, max_model_len %d",
             self.model_config.architecture,
@@ -182,6 +184,8 @@ class Engine:
         token_ids = self.validate_prompt(prompt)
         request = self._new_request(request_id, token_ids, params)
         request.hold_pages = hold_pages
+        if hold_pages:
+            self._host_bound.add(request_id)
         self.scheduler.add(request)
         return request
 
@@ -205,6 +209,8 @@ class Engine:
             # for clients is made outside the engine from the ids it reports (detokenizer.py).
             request.detokenizer = RequestDetokenizer(self.tokenizer, token_ids, params)
         self.requests[request_id] = request
+        if params.logprobs is not None or params.uses_penalties:
+            self._host_bound.add(request_id)
         return request
 
     # ---- disaggregation hooks -----------------------------------------------------------
@@ -291,7 +297,7 @@ class Engine:
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a queued or running request and free its pages now. False if unknown."""
-        request = self.requests.pop(request_id, None)
+        request = self._forget(request_id)
         if request is None:
             return False
         self.scheduler.finish(request, FinishReason.ABORT)
@@ -323,16 +329,16 @@ class Engine:
             self.speculator.catch_up(batch, output, drafts)
         return outputs
 
+    def _forget(self, request_id: str) -> Request | None:
+        """Drop a request from the live ones (it finished or was aborted)."""
+        self._host_bound.discard(request_id)
+        return self.requests.pop(request_id, None)
+
     def _overlaps(self) -> bool:
         """Whether this step may overlap: every live request's tokens can be sampled on the
         device and reported a step late (no logprobs or penalties, no KV held for a
         transfer)."""
-        return self.overlap and all(
-            r.sampling_params.logprobs is None
-            and not r.sampling_params.uses_penalties
-            and not r.hold_pages
-            for r in self.requests.values()
-        )
+        return self.overlap and not self._host_bound
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """Launch this step, then land the previous one while the GPU runs this one."""
@@ -421,7 +427,7 @@ class Engine:
         for request in touched:
             if not request.finished:
                 self.scheduler.finish(request, FinishReason.ABORT)
-                self.requests.pop(request.request_id, None)
+                self._forget(request.request_id)
                 request.detokenizer = None
             elif request.request_id in self.held:
                 self.release_held(request.request_id)
@@ -493,7 +499,7 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(request, reason, keep_pages=request.hold_pages)
             request.detokenizer = None
-            self.requests.pop(request.request_id, None)
+            self._forget(request.request_id)
             if request.hold_pages:
                 self.held[request.request_id] = request
 

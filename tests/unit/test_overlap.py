@@ -110,4 +110,5 @@ def test_logprobs_and_penalties_step_without_overlap(tiny_model_dirs):
         outputs = drain(e)
         tokens[overlap] = {k: v[-1].token_ids for k, v in outputs.items()}
         assert len(outputs["logprobs"][-1].logprobs) == 8
+        assert e._overlaps() == overlap, "overlap stays off after the request that needed it"
     assert tokens[True] == tokens[False]
