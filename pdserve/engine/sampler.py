@@ -159,8 +159,8 @@ def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
         sorted_logits.masked_fill_(mass_before >= p[:, None], float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -170,10 +170,10 @@ def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
 def _with_mass(probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Rows without a usable distribution (NaN, or all mass filtered out: every token was
     banned before min_new_tokens) become a point mass on their logits' argmax."""
+    # NOTE: without a host sync (no `if empty.any()`): an overlapped step samples while the
+    # GPU still runs the step before. Rows with mass come out unchanged.
     empty = ~(probs.sum(dim=-1) > 0) | probs.isnan().any(dim=-1)
-    if not bool(empty.any()):
-        return probs
-    probs = probs.nan_to_num(nan=0.0)
-    choice = logits[empty].argmax(dim=-1)
-    probs[empty] = torch.nn.functional.one_hot(choice, probs.shape[-1]).to(probs.dtype)
-    return probs
+    probs = probs.nan_to_num(nan=0.0).masked_fill_(empty[:, None], 0.0)
+    choice = logits.argmax(dim=-1, keepdim=True)
+    kept = probs.gather(1, choice)
+    return probs.scatter_(1, choice, torch.where(empty[:, None], 1.0, kept))
