@@ -354,8 +354,9 @@ class Engine:
                 self._forward_batch(batch, {}),
                 previous_tokens=previous.tokens if previous is not None else None,
             )
-            tokens = self.runner.sample_on_device(output, sampling, requests)
-            launched = InFlightStep(requests, tokens)
+            if sampling:  # NOTE: a step of prompt chunks alone has nothing to land
+                tokens = self.runner.sample_on_device(output, sampling, requests)
+                launched = InFlightStep(requests, tokens)
             for request, count in zip(batch.requests, batch.num_new_tokens, strict=True):
                 request.num_computed_tokens += count
         outputs = self._land(previous)

@@ -112,3 +112,31 @@ def test_logprobs_and_penalties_step_without_overlap(tiny_model_dirs):
         assert len(outputs["logprobs"][-1].logprobs) == 8
         assert e._overlaps() == overlap, "overlap stays off after the request that needed it"
     assert tokens[True] == tokens[False]
+
+
+def test_chunked_prompts_beside_overlapped_decoding(tiny_model_dirs):
+    """Steps whose chunks sample nothing, and prompts admitted while others decode."""
+    model = tiny_model_dirs("qwen3")
+    prompts = random_prompts((9, 13, 2, 6), 1000, seed=8)
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    tokens = {}
+    for overlap in (False, True):
+        e = Engine(
+            EngineConfig(model_path=model, device="cpu", page_size=4, chunked_prefill_size=4)
+        )
+        e.overlap = overlap
+        e.add_request("0", prompts[0], params)
+        e.add_request("1", prompts[1], params)
+        outputs = {}
+        for step in range(40):
+            if step == 3:
+                e.add_request("2", prompts[2], params)
+                e.add_request("3", prompts[3], params)
+            for output in e.step():
+                outputs[output.request_id] = output.token_ids
+            if step > 3 and not e.has_unfinished():
+                break
+        tokens[overlap] = outputs
+        assert e.allocator.num_used == 0
+    assert tokens[True] == tokens[False]
+    assert all(len(t) == 6 for t in tokens[True].values())
