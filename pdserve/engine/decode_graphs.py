@@ -116,6 +116,10 @@ class DecodeGraphRunner:
         self._hidden = torch.zeros((self.max_bs, hidden_size), dtype=dtype, device=device)
         self._contexts = {bs: self._context(bs) for bs in self.buckets}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Recorded after each copy out of the pinned buffer: the next step (prepared while
+        # this one may still be queued, with overlap scheduling) waits for it before
+        # overwriting the buffer.
+        self._copied = torch.cuda.Event() if pin else None
         # Steps per bucket, replayed from a graph and run eagerly (statistics, tests).
         self.replays: Counter[int] = Counter()
         self.eager_runs: Counter[int] = Counter()
@@ -134,8 +138,12 @@ class DecodeGraphRunner:
         `previous_tokens`: what the batch's placeholder ids stand for (overlap.py)."""
         bs = len(batch)
         bucket = self.bucket_for(bs)
+        if self._copied is not None:
+            self._copied.synchronize()
         self._fill(batch, bucket)
         self._inputs.copy_(self._host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         if previous_tokens is not None:
             ids = self._inputs[_IDS]
             ids.copy_(resolve_placeholders(ids, previous_tokens))
