@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 
@@ -80,13 +79,6 @@ def batch_buckets(max_bs: int) -> list[int]:
     if sizes[-1] != max_bs:
         sizes.append(max_bs)
     return sizes
-
-
-@dataclass
-class CaptureReport:
-    num_graphs: int
-    seconds: float
-    pool_bytes: int
 
 
 class DecodeGraphRunner:
@@ -207,7 +199,7 @@ class DecodeGraphRunner:
         )
 
     @torch.inference_mode()
-    def capture(self) -> CaptureReport:
+    def capture(self) -> None:
         """Record a graph per bucket (largest first, all in one memory pool)."""
         started = time.perf_counter()
         torch.cuda.synchronize(self.device)
@@ -230,17 +222,11 @@ class DecodeGraphRunner:
             pool = graph.pool()
             self._graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
-        report = CaptureReport(
-            num_graphs=len(self._graphs),
-            seconds=time.perf_counter() - started,
-            pool_bytes=torch.cuda.memory_reserved(self.device) - before,
-        )
         logger.info(
             "captured %d CUDA graphs (decode batches %d..%d) in %.1f s, %.0f MiB",
-            report.num_graphs,
+            len(self._graphs),
             self.buckets[0],
             self.max_bs,
-            report.seconds,
-            report.pool_bytes / 2**20,
+            time.perf_counter() - started,
+            (torch.cuda.memory_reserved(self.device) - before) / 2**20,
         )
-        return report
