@@ -373,6 +373,7 @@ def run_extend_case(args, shape, length, configs, timer, device, ceilings) -> di
                 v_cache,
                 out,
                 ctx.page_table,
+                ctx.seq_table_rows,
                 ctx.prefill_index,
                 ctx.seq_query_starts,
                 ctx.seq_query_lens,

@@ -1,16 +1,24 @@
-"""Decode steps replayed from CUDA graphs.
+"""Decode steps replayed from CUDA graphs: plain decoding, and speculative verification.
 
 A decode step launches a few hundred small kernels; launched one by one from Python, the host
 takes several times longer than the GPU needs to run them. A CUDA graph records the whole
 forward once per batch-size bucket and replays it with one launch.
 
+A runner serves batches whose every sequence computes at most `tokens_per_seq` new tokens:
+one for plain decoding; for speculative verification, the last committed token and the
+drafted ones (`num_draft_tokens`, whatever the tree). Sequence i's tokens take rows
+`i * tokens_per_seq ...`; rows past its own count are padding.
+
 A graph reads its inputs from fixed addresses, so every step writes them into static buffers:
-token ids, positions, cache slots, page-table rows and KV lengths are packed in one pinned
-host buffer and copied to the device in one transfer; page ids come from the persistent
-`DevicePageTable`. A batch runs in the smallest bucket that holds it; the padding rows have
-slot -1 (nothing stored) and KV length 0 (nothing read), and their outputs are ignored.
-The graph's output is the final hidden states; logits are computed outside it for the real
-rows only.
+token ids, positions and cache slots per row, page-table rows, KV lengths, new-token counts
+and masks per sequence, all packed in one pinned host buffer and copied to the device in one
+transfer; page ids come from the persistent `DevicePageTable`. A batch runs in the smallest
+bucket that holds it; padding rows have slot -1 (nothing stored), padding sequences no new
+tokens and no KV (nothing read), and their outputs are ignored. With several tokens per
+sequence every sequence attends through the extend kernel: a tree draft with its mask over
+its new tokens (`Draft.mask`), a chain causally. The graph's outputs are the final hidden
+states and the features the engine's `Capture` keeps; logits are computed outside it, for the
+rows that need them.
 
 Without CUDA (tests under the Triton interpreter) the same padded static inputs run eagerly,
 so everything but the capture itself is exercised on CPU.
@@ -22,11 +30,12 @@ import logging
 import time
 from collections import Counter
 
+import numpy as np
 import torch
 
 from pdserve.engine.attention import AttentionBackend, AttentionContext
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.forward_batch import Capture, ForwardBatch
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.models import CausalLM
 from pdserve.engine.overlap import resolve_placeholders
@@ -34,17 +43,14 @@ from pdserve.engine.page_table import DevicePageTable
 
 logger = logging.getLogger(__name__)
 
-# Rows of the static input buffer.
-_IDS, _POSITIONS, _SLOTS, _TABLE_ROWS, _KV_LENS = range(5)
-# A padding row's values, in the same order: token 0 at position 0, stored nowhere, no KV.
-_PADDING = (0, 0, -1, 0, 0)
-
 
 def graph_batch_size(
     config: EngineConfig, backend: AttentionBackend, device: torch.device | None = None
 ) -> int:
     """The largest decode batch run over static inputs, 0 for none (graphs disabled, or a
-    backend that cannot be captured). With `device`, 0 also where nothing is captured (CPU)."""
+    backend that cannot be captured). With `device`, 0 also where nothing is captured (CPU).
+    A runner of several tokens per sequence holds as many tokens in all (KV sizing counts
+    the activations of this many)."""
     if config.disable_cuda_graph or not backend.graph_capturable:
         return 0
     if device is not None and device.type != "cuda":
@@ -59,15 +65,24 @@ def build_decode_graphs(
     kv_pool: KVPool,
     page_table: DevicePageTable,
     device: torch.device,
+    *,
+    capture: Capture = Capture.NONE,
+    tokens_per_seq: int = 1,
+    share_pool_with: DecodeGraphRunner | None = None,
 ) -> DecodeGraphRunner | None:
-    """The engine's decode graph runner, captured on CUDA; without CUDA (the Triton
-    interpreter) it runs the same static inputs eagerly. None where graphs are off."""
-    max_bs = graph_batch_size(config, backend)
-    if not max_bs:
+    """A decode graph runner for `tokens_per_seq` new tokens per sequence, captured on CUDA
+    (in the memory pool of `share_pool_with`: the engine never replays two graphs at once);
+    without CUDA (the Triton interpreter) it runs the same static inputs eagerly. None where
+    graphs are off."""
+    max_tokens = graph_batch_size(config, backend)
+    if not max_tokens:
         return None
-    runner = DecodeGraphRunner(model, kv_pool, page_table, max_bs, device)
+    max_bs = max(1, max_tokens // tokens_per_seq)
+    runner = DecodeGraphRunner(
+        model, kv_pool, page_table, max_bs, device, capture=capture, tokens_per_seq=tokens_per_seq
+    )
     if device.type == "cuda":
-        runner.capture()
+        runner.capture(pool=share_pool_with.pool if share_pool_with is not None else None)
     return runner
 
 
@@ -81,9 +96,33 @@ def batch_buckets(max_bs: int) -> list[int]:
     return sizes
 
 
+class _StaticInputs:
+    """Every input of a step as views of one flat int64 buffer: per row (`rows` of them)
+    token ids, positions and slots; per sequence (`seqs`) page-table rows, KV lengths,
+    new-token counts and mask offsets; then the masks, `tokens_per_seq ** 2` per sequence."""
+
+    ROW_FIELDS = ("ids", "positions", "slots")
+    SEQ_FIELDS = ("table_rows", "kv_lens", "query_lens", "mask_offsets")
+
+    def __init__(self, seqs: int, tokens_per_seq: int, buffer: torch.Tensor | None = None):
+        rows = seqs * tokens_per_seq
+        sizes = {name: rows for name in self.ROW_FIELDS}
+        sizes |= {name: seqs for name in self.SEQ_FIELDS}
+        sizes["masks"] = seqs * tokens_per_seq**2 if tokens_per_seq > 1 else 0
+        self.size = sum(sizes.values())
+        self.buffer = buffer
+        self.views: dict[str, torch.Tensor] = {}
+        start = 0
+        for name, size in sizes.items():
+            if buffer is not None:
+                self.views[name] = buffer[start : start + size]
+            start += size
+
+
 class DecodeGraphRunner:
-    """Runs decode batches (one new token per request) of up to `max_bs` requests over static
-    inputs: replayed from graphs once `capture()` has run, eagerly before (or without CUDA)."""
+    """Runs decode batches (up to `tokens_per_seq` new tokens per sequence, `max_bs`
+    sequences) over static inputs: replayed from graphs once `capture()` has run, eagerly
+    before (or without CUDA). Keeps what `capture` asks for beside the final hidden states."""
 
     def __init__(
         self,
@@ -92,22 +131,41 @@ class DecodeGraphRunner:
         page_table: DevicePageTable,
         max_bs: int,
         device: torch.device,
+        *,
+        capture: Capture = Capture.NONE,
+        tokens_per_seq: int = 1,
     ):
+        if tokens_per_seq < 1:
+            raise ValueError(f"tokens_per_seq must be at least 1, got {tokens_per_seq}")
         self.model = model
         self.kv_pool = kv_pool
         self.page_table = page_table
         self.device = device
+        self.capture_kind = capture
+        self.tokens_per_seq = tokens_per_seq
         self.buckets = batch_buckets(max_bs)
         self.max_bs = self.buckets[-1]
         pin = device.type == "cuda"
-        self._host = torch.zeros((len(_PADDING), self.max_bs), dtype=torch.int64, pin_memory=pin)
-        self._host_rows = self._host.numpy()
-        self._inputs = torch.zeros_like(self._host, device=device)
-        hidden_size = model.config.hidden_size
+        layout = _StaticInputs(self.max_bs, tokens_per_seq)
+        self._host = _StaticInputs(
+            self.max_bs,
+            tokens_per_seq,
+            torch.zeros(layout.size, dtype=torch.int64, pin_memory=pin),
+        )
+        self._host_views = {name: view.numpy() for name, view in self._host.views.items()}
+        self._inputs = _StaticInputs(
+            self.max_bs, tokens_per_seq, torch.zeros(layout.size, dtype=torch.int64, device=device)
+        )
+        rows = self.max_bs * tokens_per_seq
         dtype = model.lm_head.weight.dtype
-        self._hidden = torch.zeros((self.max_bs, hidden_size), dtype=dtype, device=device)
+        self._hidden = torch.zeros((rows, model.config.hidden_size), dtype=dtype, device=device)
+        self._features = None
+        if capture.kind == "layers":
+            width = model.config.hidden_size * len(capture.layer_ids)
+            self._features = torch.zeros((rows, width), dtype=dtype, device=device)
         self._contexts = {bs: self._context(bs) for bs in self.buckets}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None  # the graphs' memory pool, once captured
         # Recorded after each copy out of the pinned buffer: the next step (prepared while
         # this one may still be queued, with overlap scheduling) waits for it before
         # overwriting the buffer.
@@ -117,27 +175,46 @@ class DecodeGraphRunner:
         self.eager_runs: Counter[int] = Counter()
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """A plain decode batch of known requests that a bucket holds."""
-        return batch.is_decode and len(batch) <= self.max_bs and None not in batch.requests
+        """A batch of known requests that a bucket holds, each computing at most
+        `tokens_per_seq` tokens (one, plain and causal, without several); a mask must cover
+        just the sequence's new tokens."""
+        if len(batch) > self.max_bs or None in batch.requests or not len(batch):
+            return False
+        if self.tokens_per_seq == 1:
+            return batch.is_decode
+        return all(len(t) <= self.tokens_per_seq for t in batch.token_ids) and all(
+            mask.shape[1] == mask.shape[0] for mask in batch.masks.values()
+        )
 
     def bucket_for(self, batch_size: int) -> int:
         return next(b for b in self.buckets if b >= batch_size)
 
+    def query_starts(self, batch_size: int) -> list[int]:
+        """Where each sequence's rows start in the outputs."""
+        return list(range(0, batch_size * self.tokens_per_seq, self.tokens_per_seq))
+
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states `[len(batch), hidden]` of a decode batch (`can_run`), its KV
-        written to the cache. A view of a static buffer: the next run overwrites it.
-        `previous_tokens`: what the batch's placeholder ids stand for (overlap.py)."""
+    def run(
+        self, batch: ForwardBatch, previous_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final hidden states `[len(batch) * tokens_per_seq, hidden]` of a batch (`can_run`),
+        its KV written to the cache, and the kept features (None without a capture, the
+        hidden states themselves for `Capture.final()`). Views of static buffers: the next
+        run overwrites them. `previous_tokens`: what the batch's placeholder ids stand for
+        (overlap.py)."""
         bs = len(batch)
         bucket = self.bucket_for(bs)
         if self._copied is not None:
             self._copied.synchronize()
-        self._fill(batch, bucket)
-        self._inputs.copy_(self._host, non_blocking=True)
+        if self.tokens_per_seq == 1:
+            self._fill_decode(batch, bucket)
+        else:
+            self._fill(batch, bucket)
+        self._inputs.buffer.copy_(self._host.buffer, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         if previous_tokens is not None:
-            ids = self._inputs[_IDS]
+            ids = self._inputs.views["ids"]
             ids.copy_(resolve_placeholders(ids, previous_tokens))
         graph = self._graphs.get(bucket)
         if graph is not None:
@@ -146,69 +223,149 @@ class DecodeGraphRunner:
         else:
             self._forward(bucket)
             self.eager_runs[bucket] += 1
-        return self._hidden[:bs]
+        rows = bs * self.tokens_per_seq
+        hidden = self._hidden[:rows]
+        if self.capture_kind.kind == "final":
+            return hidden, hidden
+        return hidden, None if self._features is None else self._features[:rows]
 
-    def _fill(self, batch: ForwardBatch, bucket: int) -> None:
+    def _fill_decode(self, batch: ForwardBatch, bucket: int) -> None:
+        """One token per sequence (the hot path at large batches: no per-row loop)."""
         size = self.kv_pool.page_size
         positions = batch.num_computed
-        slots = [
+        bs = len(batch)
+        host = self._host_views
+        host["ids"][:bs] = [tokens[0] for tokens in batch.token_ids]
+        host["positions"][:bs] = positions
+        host["slots"][:bs] = [
             pages[n // size] * size + n % size
             for pages, n in zip(batch.pages, positions, strict=True)
         ]
+        host["table_rows"][:bs] = self.page_table.rows(batch.requests)
+        host["kv_lens"][:bs] = [n + 1 for n in positions]
+        self._pad(bs, bucket)
+
+    def _fill(self, batch: ForwardBatch, bucket: int) -> None:
+        """Up to `tokens_per_seq` tokens per sequence, padded to that many rows each."""
+        size = self.kv_pool.page_size
+        per_seq = self.tokens_per_seq
+        host = self._host_views
+        ids, positions, slots = host["ids"], host["positions"], host["slots"]
+        masks, mask_offsets = host["masks"], host["mask_offsets"]
         bs = len(batch)
-        host = self._host_rows
-        host[_IDS, :bs] = [tokens[0] for tokens in batch.token_ids]
-        host[_POSITIONS, :bs] = positions
-        host[_SLOTS, :bs] = slots
-        host[_TABLE_ROWS, :bs] = self.page_table.rows(batch.requests)
-        host[_KV_LENS, :bs] = [n + 1 for n in positions]
-        for field, value in enumerate(_PADDING):
-            host[field, bs:bucket] = value
+        for i, (pages, start, tokens) in enumerate(
+            zip(batch.pages, batch.num_computed, batch.token_ids, strict=True)
+        ):
+            count, row = len(tokens), i * per_seq
+            ids[row : row + count] = tokens
+            explicit = batch.positions[i]
+            positions[row : row + count] = (
+                explicit if explicit is not None else range(start, start + count)
+            )
+            slots[row : row + count] = [
+                pages[n // size] * size + n % size for n in range(start, start + count)
+            ]
+            ids[row + count : row + per_seq] = 0
+            positions[row + count : row + per_seq] = 0
+            slots[row + count : row + per_seq] = -1
+            host["kv_lens"][i] = start + count
+            host["query_lens"][i] = count
+            mask = batch.masks.get(i)
+            if mask is None:
+                mask_offsets[i] = -1
+            else:
+                offset = i * per_seq * per_seq
+                mask_offsets[i] = offset
+                masks[offset : offset + count * count] = np.asarray(mask).reshape(-1)
+        host["table_rows"][:bs] = self.page_table.rows(batch.requests)
+        self._pad(bs, bucket)
+
+    def _pad(self, bs: int, bucket: int) -> None:
+        """Padding sequences: token 0 at position 0, stored nowhere, no new tokens, no KV."""
+        host = self._host_views
+        rows = slice(bs * self.tokens_per_seq, bucket * self.tokens_per_seq)
+        host["ids"][rows] = 0
+        host["positions"][rows] = 0
+        host["slots"][rows] = -1
+        for name in ("table_rows", "kv_lens", "query_lens"):
+            host[name][bs:bucket] = 0
+        host["mask_offsets"][bs:bucket] = -1
 
     def _forward(self, bucket: int) -> None:
         ctx = self._contexts[bucket]
-        hidden = self.model(self._inputs[_IDS, :bucket], ctx.positions, self.kv_pool, ctx)
-        self._hidden[:bucket].copy_(hidden)
+        rows = bucket * self.tokens_per_seq
+        ids = self._inputs.views["ids"][:rows]
+        if self._features is not None:
+            hidden, features = self.model.forward_capture(
+                ids, ctx.positions, self.kv_pool, ctx, self.capture_kind.layer_ids
+            )
+            self._features[:rows].copy_(features)
+        else:
+            hidden = self.model(ids, ctx.positions, self.kv_pool, ctx)
+        self._hidden[:rows].copy_(hidden)
 
     def _context(self, bs: int) -> AttentionContext:
-        """Attention metadata of a `bs`-row decode batch, as views of the static inputs."""
+        """Attention metadata of a `bs`-sequence batch, as views of the static inputs."""
         device = self.device
-        rows = torch.arange(bs, dtype=torch.int64, device=device)
+        per_seq = self.tokens_per_seq
+        inputs = self._inputs.views
+        seqs = torch.arange(bs, dtype=torch.int64, device=device)
         nothing = torch.zeros(0, dtype=torch.int64, device=device)
-        kv_lens = self._inputs[_KV_LENS, :bs]
-        return AttentionContext(
+        kv_lens = inputs["kv_lens"][:bs]
+        table_rows = inputs["table_rows"][:bs]
+        common = dict(
             page_size=self.kv_pool.page_size,
-            positions=self._inputs[_POSITIONS, :bs],
-            slot_mapping=self._inputs[_SLOTS, :bs],
+            positions=inputs["positions"][: bs * per_seq],
+            slot_mapping=inputs["slots"][: bs * per_seq],
             # NOTE: host-side lengths are not known when a graph replays; only the torch
             # reference reads them, and it never runs here (its backend is not capturable).
-            query_starts=list(range(bs)),
-            query_lens=[1] * bs,
+            query_starts=self.query_starts(bs),
+            query_lens=[per_seq] * bs,
             kv_lens=[],
             page_table=self.page_table.table,
-            seq_query_starts=rows,
-            seq_query_lens=torch.ones(bs, dtype=torch.int64, device=device),
+            seq_table_rows=table_rows,
+            seq_query_starts=seqs * per_seq,
             seq_kv_lens=kv_lens,
-            prefill_seqs=[],
-            prefill_index=nothing,
-            max_prefill_query_len=0,
-            decode_token_rows=rows,
-            decode_table_rows=self._inputs[_TABLE_ROWS, :bs],
-            decode_kv_lens=kv_lens,
+        )
+        if per_seq == 1:
+            return AttentionContext(
+                **common,
+                seq_query_lens=torch.ones(bs, dtype=torch.int64, device=device),
+                prefill_seqs=[],
+                prefill_index=nothing,
+                max_prefill_query_len=0,
+                decode_token_rows=seqs,
+                decode_table_rows=table_rows,
+                decode_kv_lens=kv_lens,
+                max_decode_kv_len=0,
+            )
+        query_lens = inputs["query_lens"][:bs]
+        return AttentionContext(
+            **common,
+            seq_query_lens=query_lens,
+            prefill_seqs=list(range(bs)),
+            prefill_index=seqs,
+            max_prefill_query_len=per_seq,
+            decode_token_rows=nothing,
+            decode_table_rows=nothing,
+            decode_kv_lens=nothing,
             max_decode_kv_len=0,
+            mask_data=inputs["masks"],
+            mask_offsets=inputs["mask_offsets"][:bs],
+            mask_widths=query_lens,  # a mask covers its sequence's new tokens
+            rows_per_seq=per_seq,
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Record a graph per bucket (largest first, all in one memory pool)."""
+    def capture(self, pool=None) -> None:
+        """Record a graph per bucket (largest first, all in one memory pool: `pool`, or a
+        new one)."""
         started = time.perf_counter()
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_reserved(self.device)
-        for field, value in enumerate(_PADDING):
-            self._host_rows[field, :] = value
-        self._inputs.copy_(self._host)
+        self._pad(0, self.max_bs)
+        self._inputs.buffer.copy_(self._host.buffer)
         stream = torch.cuda.Stream(self.device)
-        pool = None
         for bucket in reversed(self.buckets):
             # NOTE: one eager run first, on the capture stream: Triton compiles its kernels
             # and cuBLAS picks its algorithms outside the capture.
@@ -221,12 +378,14 @@ class DecodeGraphRunner:
                 self._forward(bucket)
             pool = graph.pool()
             self._graphs[bucket] = graph
+        self.pool = pool
         torch.cuda.synchronize(self.device)
         logger.info(
-            "captured %d CUDA graphs (decode batches %d..%d) in %.1f s, %.0f MiB",
+            "captured %d CUDA graphs (batches %d..%d, %d tokens per sequence) in %.1f s, %.0f MiB",
             len(self._graphs),
             self.buckets[0],
             self.max_bs,
+            self.tokens_per_seq,
             time.perf_counter() - started,
             (torch.cuda.memory_reserved(self.device) - before) / 2**20,
         )

@@ -103,11 +103,20 @@ class Engine:
         self.page_table = DevicePageTable(
             config.max_running_requests, self.max_pages_per_request, self.device
         )
-        decode_graphs = build_decode_graphs(
-            config, self.attention_backend, self.model, self.kv_pool, self.page_table, self.device
-        )
+        graph_args = (self.attention_backend, self.model, self.kv_pool, self.page_table)
+        decode_graphs = build_decode_graphs(config, *graph_args, self.device, capture=self.capture)
+        verify_graphs = None
+        if speculator is not None:
+            verify_graphs = build_decode_graphs(
+                config,
+                *graph_args,
+                self.device,
+                capture=self.capture,
+                tokens_per_seq=speculator.verify_tokens(),
+                share_pool_with=decode_graphs,
+            )
         self.runner = ModelRunner(
-            self.model, self.kv_pool, self.sampler, self.device, decode_graphs
+            self.model, self.kv_pool, self.sampler, self.device, decode_graphs, verify_graphs
         )
         self.requests: dict[str, Request] = {}
         # Finished requests whose pages are kept for a KV transfer (see `hold_pages`).

@@ -6,7 +6,8 @@ Every pass of the target goes through `ModelRunner.forward` with a `ForwardBatch
 speculative verification. A sequence's new tokens are given explicitly, so a verification
 pass (the last committed token, then the proposed ones) is one more sequence; tree proposals
 add explicit positions (a node's position is its depth) and a mask (a node sees the cached
-prefix, its ancestors and itself). Bookkeeping only: the tensor work is the runner's.
+prefix, its ancestors and itself: the mask covers the new tokens, the prefix is visible).
+Bookkeeping only: the tensor work is the runner's.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class ForwardBatch:
     """The sequences of one forward pass. Sequence i owns `pages[i]`, has `num_computed[i]`
     tokens of KV already and computes `token_ids[i]` now, into the next slots. Their positions
     are the slots' unless `positions[i]` says otherwise; they attend causally unless `masks[i]`
-    ([new tokens, num_computed + new tokens] bool) says which slots each may see.
+    ([new tokens, width] bool) says which of the last `width` slots each may see (every slot
+    before those is visible).
     `requests[i]` is the request whose sequence it is (None in tests that build passes by
     hand); the device page table keeps a row per request."""
 
@@ -88,10 +90,12 @@ class ForwardBatch:
         if positions is not None and len(positions) != count:
             raise ValueError(f"{len(positions)} positions for {count} tokens")
         if mask is not None:
-            if tuple(mask.shape) != (count, num_computed + count):
+            rows, width = mask.shape
+            if rows != count or not count <= width <= num_computed + count:
                 raise ValueError(
                     f"mask of shape {tuple(mask.shape)} for {count} new tokens after "
-                    f"{num_computed} cached ones; expected {(count, num_computed + count)}"
+                    f"{num_computed} cached ones; expected ({count}, width) with "
+                    f"{count} <= width <= {num_computed + count}"
                 )
             self.masks[len(self)] = mask
         self.pages.append(pages)

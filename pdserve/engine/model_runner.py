@@ -27,12 +27,16 @@ class ModelRunner:
         sampler: Sampler,
         device: torch.device,
         decode_graphs: DecodeGraphRunner | None = None,
+        verify_graphs: DecodeGraphRunner | None = None,
     ):
+        """`decode_graphs` replays plain decode batches; `verify_graphs` (speculative
+        decoding) batches of up to its `tokens_per_seq` tokens per sequence."""
         self.model = model
         self.kv_pool = kv_pool
         self.sampler = sampler
         self.device = device
         self.decode_graphs = decode_graphs
+        self.verify_graphs = verify_graphs
 
     @torch.inference_mode()
     def forward(
@@ -43,15 +47,16 @@ class ModelRunner:
     ) -> ForwardOutput:
         """The one forward pass, for plain steps, prefill chunks and speculative verification:
         every sequence's new tokens at once, KV written into their pages, and the features
-        `capture` asks for. Plain decode batches replay a CUDA graph (`decode_graphs`).
-        `previous_tokens`: the device tokens that placeholder ids stand for (overlap.py)."""
-        graphs = self.decode_graphs
-        if graphs is not None and capture.kind != "layers" and graphs.can_run(batch):
-            hidden = graphs.run(batch, previous_tokens)
-            # NOTE: the graph's output buffer is overwritten by the next replay; a draft may
-            # keep the features past this step.
-            features = hidden.clone() if capture.kind == "final" else None
-            return ForwardOutput(batch, list(range(len(batch))), hidden, features)
+        `capture` asks for. Decode and verification batches replay a CUDA graph, whose
+        runner keeps the engine's capture. `previous_tokens`: the device tokens that
+        placeholder ids stand for (overlap.py)."""
+        for graphs in (self.decode_graphs, self.verify_graphs):
+            if graphs is not None and graphs.capture_kind == capture and graphs.can_run(batch):
+                hidden, features = graphs.run(batch, previous_tokens)
+                # NOTE: the graph's output buffers are overwritten by the next replay; a draft
+                # may keep the features past this step.
+                features = None if features is None else features.clone()
+                return ForwardOutput(batch, graphs.query_starts(len(batch)), hidden, features)
         ctx = AttentionContext.build(
             page_size=self.kv_pool.page_size,
             pages=batch.pages,

@@ -32,7 +32,8 @@ class Draft:
     """One request's proposal as its verification pass computes it: `token_ids` are the last
     committed token and then the proposed ones. A chain needs nothing more (consecutive
     positions, causal); a tree gives each token's `positions` and a `mask`
-    ([len(token_ids), num_computed + len(token_ids)]: the slots each token may see)."""
+    ([len(token_ids), len(token_ids)]: which new tokens each may see; all see the cache).
+    """
 
     token_ids: list[int]
     positions: list[int] | None = None
@@ -41,7 +42,8 @@ class Draft:
 
 class Speculator(Protocol):
     """The engine's side of speculative decoding. Start-up calls, in order: `load`,
-    `draft_page_bytes`, `build_pools`, `lookahead_slots`, `target_capture`; then each step
+    `draft_page_bytes`, `build_pools`, `lookahead_slots`, `target_capture`, `verify_tokens`;
+    then each step
     `propose`, `verify` (per draft) and `catch_up`."""
 
     def load(self, engine: Engine) -> None:
@@ -61,6 +63,10 @@ class Speculator(Protocol):
 
     def target_capture(self) -> Capture:
         """Target features the draft reads, kept by every forward pass."""
+
+    def verify_tokens(self) -> int:
+        """The most tokens a verification computes per request, the last committed one
+        included (what a verification's CUDA graph is captured for)."""
 
     def propose(self, batch: ScheduledBatch) -> dict[int, Draft]:
         """Drafts for the requests of `batch` ready to speculate, by index in the batch."""

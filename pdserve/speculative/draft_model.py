@@ -188,7 +188,7 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
         for step in range(1, self.settings.num_steps):
             masks = {}
             for b in range(batch):
-                masks[b] = _feed_mask(nodes[b], fed[b], frontier[b], prefix[b], self.device)
+                masks[b] = _feed_mask(nodes[b], fed[b], frontier[b])
             starts = [prefix[b] + len(fed[b]) for b in range(batch)]
             depth_position = [[prefix[b] + step - 1] * topk for b in range(batch)]
             for b in range(batch):
@@ -265,15 +265,14 @@ class _Nodes:
         return DraftTree([self.tokens[i] for i in chosen], parents)
 
 
-def _feed_mask(nodes: _Nodes, fed: list[int], frontier: list[int], prefix: int, device):
-    """[K, prefix + fed + K]: the cached prefix, fed ancestors, and the node itself."""
-    width = prefix + len(fed) + len(frontier)
-    mask = torch.zeros(len(frontier), width, dtype=torch.bool)
-    mask[:, :prefix] = True
-    slot_of = {node: prefix + i for i, node in enumerate([*fed, *frontier])}
+def _feed_mask(nodes: _Nodes, fed: list[int], frontier: list[int]) -> torch.Tensor:
+    """[K, fed + K] over the keys after the cached prefix (which every node sees): the fed
+    ancestors, and the node itself."""
+    mask = torch.zeros(len(frontier), len(fed) + len(frontier), dtype=torch.bool)
+    slot_of = {node: i for i, node in enumerate([*fed, *frontier])}
     for row, node in enumerate(frontier):
         for ancestor in nodes.ancestors_and_self(node):
             if ancestor in slot_of:
                 mask[row, slot_of[ancestor]] = True
-    mask[range(len(frontier)), [prefix + len(fed) + i for i in range(len(frontier))]] = True
+    mask[range(len(frontier)), [len(fed) + i for i in range(len(frontier))]] = True
     return mask

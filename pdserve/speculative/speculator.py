@@ -109,6 +109,9 @@ class AlgorithmSpeculator:
             )
         return capture
 
+    def verify_tokens(self) -> int:
+        return self.settings.num_draft_tokens
+
     # ---- proposing ---------------------------------------------------------------------
 
     def propose(self, batch: ScheduledBatch) -> dict[int, Draft]:
@@ -152,14 +155,13 @@ class AlgorithmSpeculator:
     def _draft(request: Request, tree: DraftTree) -> TreeDraft:
         """The verification input: the last committed token (the root, at position n), then
         the tree's nodes at n + depth, each seeing the cached prefix, its ancestors and
-        itself. A chain is consecutive and causal: no positions or mask needed."""
+        itself (the mask covers the new tokens: all of them see the cache). A chain is
+        consecutive and causal: no positions or mask needed."""
         n = request.num_computed_tokens
         token_ids = [request.token_ids[-1], *tree.tokens]
         if tree.is_chain:
             return TreeDraft(token_ids=token_ids, tree=tree, start=n)
-        mask = torch.zeros(len(tree) + 1, n + len(tree) + 1, dtype=torch.bool)
-        mask[:, :n] = True
-        mask[:, n:] = torch.tensor(tree.attention_mask())
+        mask = torch.tensor(tree.attention_mask(), dtype=torch.bool)
         positions = [n, *(n + d for d in tree.depths)]
         return TreeDraft(token_ids=token_ids, positions=positions, mask=mask, tree=tree, start=n)
 

@@ -209,26 +209,35 @@ def run_extend(
     starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).to(dtype)
     q = q.to(DEVICE)
-    masks = {}
+    masks, full_masks = {}, {}
     for i in masked:
-        # A tree-like mask: the cached prefix, itself, and a random subset of the new tokens.
+        # A tree-like mask over the last `width` keys (the keys before are visible): itself,
+        # and a random subset of the others it covers.
         query_len, kv_len = query_lens[i], kv_lens[i]
-        mask = torch.rand(query_len, kv_len, generator=generator) < 0.5
-        mask[:, : kv_len - query_len] = True
-        mask[torch.arange(query_len), kv_len - query_len + torch.arange(query_len)] = True
+        width = int(torch.randint(query_len, kv_len + 1, (1,), generator=generator))
+        mask = torch.rand(query_len, width, generator=generator) < 0.5
+        mask[torch.arange(query_len), width - query_len + torch.arange(query_len)] = True
         masks[i] = mask
-    offsets, flat, start = [-1] * len(query_lens), [], 0
+        full_masks[i] = torch.ones(query_len, kv_len, dtype=torch.bool)
+        full_masks[i][:, kv_len - width :] = mask
+    offsets, widths, flat, start = [-1] * len(query_lens), [0] * len(query_lens), [], 0
     for i in sorted(masks):
         offsets[i], start = start, start + masks[i].numel()
+        widths[i] = masks[i].shape[1]
         flat.append(masks[i].reshape(-1))
     out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
+    # The sequences' pages sit in shuffled rows of a larger table (a persistent page table).
+    table_rows = torch.randperm(len(kv_lens) + 3, generator=generator)[: len(kv_lens)]
+    table = torch.zeros(len(kv_lens) + 3, case.page_table.shape[1], dtype=torch.int64)
+    table[table_rows] = case.page_table.cpu()
     paged_extend_attention(
         q,
         case.k_cache,
         case.v_cache,
         out,
-        case.page_table,
+        table.to(DEVICE),
+        table_rows.to(DEVICE),
         torch.arange(len(query_lens)).flip(0).to(DEVICE),
         torch.tensor(starts, device=DEVICE),
         torch.tensor(query_lens, device=DEVICE),
@@ -238,6 +247,7 @@ def run_extend(
         sliding_window=window,
         mask_data=torch.cat(flat).to(DEVICE) if flat else None,
         mask_offsets=torch.tensor(offsets, device=DEVICE) if flat else None,
+        mask_widths=torch.tensor(widths, device=DEVICE) if flat else None,
     )
     assert not out.isnan().any(), "an output element was never written"
     want = torch.cat(
@@ -248,7 +258,7 @@ def run_extend(
                 i,
                 scale=scale,
                 sliding_window=window,
-                mask=masks.get(i),
+                mask=full_masks.get(i),
             )
             for i, (start, n) in enumerate(zip(starts, query_lens, strict=True))
         ]
@@ -288,10 +298,11 @@ def test_extend_sliding_window():
 
 
 def test_extend_tree_masks_beside_causal_sequences():
+    # The last masked sequence has whole blocks of keys before its mask (they skip it).
     error = run_extend(
-        [5, 40, 7],
-        [21, 40, 30],
-        masked=[0, 2],
+        [5, 40, 7, 6],
+        [21, 40, 30, 150],
+        masked=[0, 2, 3],
         seed=11,
     )
     assert error < tolerance(torch.float32)

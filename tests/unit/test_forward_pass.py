@@ -126,9 +126,12 @@ def test_a_batch_refuses_inputs_that_cannot_describe_a_sequence():
         batch.add([0], 0, [])
     with pytest.raises(ValueError, match="2 positions for 1 tokens"):
         batch.add([0], 0, [5], positions=[0, 1])
-    with pytest.raises(ValueError, match=r"expected \(1, 4\)"):
-        batch.add([0], 3, [5], mask=torch.ones(1, 3, dtype=torch.bool))
+    for shape in [(1, 5), (2, 4)]:  # wider than the sequence's keys; a row per new token
+        with pytest.raises(ValueError, match=r"expected \(1, width\) with 1 <= width <= 4"):
+            batch.add([0], 3, [5], mask=torch.ones(*shape, dtype=torch.bool))
     assert len(batch) == 0
+    batch.add([0], 3, [5], mask=torch.ones(1, 1, dtype=torch.bool))  # its own key only
+    assert len(batch) == 1
 
 
 def test_capture_kinds():

@@ -44,9 +44,8 @@ def mixed_step(generator):
         count = -(-(computed + new) // page_size)
         pages.append(order[:count])
         order = order[count:]
+    # A tree over the last 4 keys (the 12 cached ones are visible).
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-    mask = torch.ones(4, 16, dtype=torch.bool)
-    mask[:, 12:] = tree
     positions = [list(range(c, c + q)) for c, q in zip(num_computed, query_lens, strict=True)]
     positions[3] = [12, 13, 13, 14]  # tree nodes sit at their depth
     return AttentionContext.build(
@@ -56,7 +55,7 @@ def mixed_step(generator):
         query_lens=query_lens,
         device=DEVICE,
         positions=positions,
-        masks={3: mask},
+        masks={3: tree},
     )
 
 
@@ -66,7 +65,7 @@ def test_a_mixed_step_matches_the_reference(window):
     ctx = mixed_step(generator)
     if window is not None:
         # The engine refuses speculation with sliding windows: no masks then.
-        ctx.masks = ctx.mask_data = ctx.mask_offsets = None
+        ctx.masks = ctx.mask_data = ctx.mask_offsets = ctx.mask_widths = None
     heads, kv_heads, head_dim = 8, 2, 32
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     with torch.device(DEVICE):

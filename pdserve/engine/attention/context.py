@@ -11,8 +11,9 @@ Sequences split into two groups, each run by one batched call of a backend:
 
 Speculative decoding adds two things: explicit positions (a tree node's position is its depth,
 while its KV goes to the next free slot) and per-sequence masks (a tree node sees the cached
-prefix, its ancestors and itself). New tokens always occupy consecutive slots after the
-`num_computed` cached ones.
+prefix, its ancestors and itself). A mask covers a sequence's last keys only (`[new tokens,
+width]`); the keys before them are visible to every new token. New tokens always occupy
+consecutive slots after the `num_computed` cached ones.
 
 Every integer tensor travels to the device in one copy (`_pack`): a step's metadata is a few
 kilobytes, and each separate copy costs host time that a decode step cannot spare.
@@ -33,8 +34,10 @@ class AttentionContext:
     query_starts: list[int]
     query_lens: list[int]
     kv_lens: list[int]
-    page_table: torch.Tensor  # [B, max_pages] page ids (padding rows/cols are 0)
-    # The same per-sequence numbers on the device, for kernels.
+    page_table: torch.Tensor  # [rows, max_pages] page ids (padding rows/cols are 0)
+    # The same per-sequence numbers on the device, for kernels; sequence i's pages are row
+    # `seq_table_rows[i]` of `page_table` (i itself, unless the table is persistent).
+    seq_table_rows: torch.Tensor  # [B]
     seq_query_starts: torch.Tensor  # [B]
     seq_query_lens: torch.Tensor  # [B]
     seq_kv_lens: torch.Tensor  # [B]
@@ -47,13 +50,19 @@ class AttentionContext:
     decode_table_rows: torch.Tensor  # [D]
     decode_kv_lens: torch.Tensor  # [D]
     max_decode_kv_len: int
-    # Sequence index -> [query_len, kv_len] bool: which cached slots each new token may see
-    # (replaces the causal mask). Such sequences run on the extend path.
+    # Sequence index -> [query_len, width] bool: which of its last `width` keys each new token
+    # may see (replaces the causal mask; every key before them is visible). Such sequences
+    # run on the extend path.
     masks: dict[int, torch.Tensor] | None = None
     # The same masks flattened row-major into one tensor; `mask_offsets[i]` is where sequence
-    # i's mask starts in it, -1 for a causal sequence. None when no sequence has a mask.
+    # i's mask starts in it, -1 for a causal sequence, and `mask_widths[i]` its width. None
+    # when no sequence has a mask.
     mask_data: torch.Tensor | None = None
     mask_offsets: torch.Tensor | None = None  # [B]
+    mask_widths: torch.Tensor | None = None  # [B]
+    # Sequences padded to this many rows each (a CUDA graph of several tokens per sequence;
+    # padding rows are written, never read); 0: rows are packed.
+    rows_per_seq: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -96,14 +105,16 @@ class AttentionContext:
             storage = torch.tensor([p for seq in positions for p in seq], dtype=torch.int64)
         decode = [i for i, q in enumerate(query_lens) if q == 1 and i not in masks]
         prefill = [i for i, q in enumerate(query_lens) if q > 1 or i in masks]
-        mask_offsets, offset = [-1] * num_seqs, 0
+        mask_offsets, mask_widths, offset = [-1] * num_seqs, [0] * num_seqs, 0
         for i in sorted(masks):
             mask_offsets[i], offset = offset, offset + masks[i].numel()
+            mask_widths[i] = masks[i].shape[1]
         on_device = _pack(
             {
                 "positions": storage,
                 "slots": slots,
                 "table": table,
+                "table_rows": list(range(num_seqs)),
                 "decode_table_rows": decode,
                 "query_starts": query_starts,
                 "query_lens": query_lens,
@@ -112,6 +123,7 @@ class AttentionContext:
                 "decode_rows": [query_starts[i] for i in decode],
                 "decode_kv": [kv_lens[i] for i in decode],
                 "mask_offsets": mask_offsets,
+                "mask_widths": mask_widths,
             },
             device,
         )
@@ -132,6 +144,7 @@ class AttentionContext:
             query_lens=list(query_lens),
             kv_lens=kv_lens,
             page_table=on_device["table"],
+            seq_table_rows=on_device["table_rows"],
             seq_query_starts=on_device["query_starts"],
             seq_query_lens=on_device["query_lens"],
             seq_kv_lens=on_device["kv_lens"],
@@ -145,6 +158,7 @@ class AttentionContext:
             masks=device_masks or None,
             mask_data=mask_data,
             mask_offsets=on_device["mask_offsets"] if masks else None,
+            mask_widths=on_device["mask_widths"] if masks else None,
         )
 
 

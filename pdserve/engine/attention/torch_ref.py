@@ -73,8 +73,12 @@ def _prefill_one(q, k_cache, v_cache, ctx, seq, scale, sliding_window):
     keys = k_cache[pages].flatten(0, 1)[:kv_len].transpose(0, 1)  # [kv_heads, kv_len, head_dim]
     values = v_cache[pages].flatten(0, 1)[:kv_len].transpose(0, 1)
     if ctx.masks is not None and seq in ctx.masks:
-        # NOTE: an explicit (tree) mask; the engine refuses speculation with sliding windows.
-        mask = ctx.masks[seq].repeat(group, 1)
+        # NOTE: an explicit (tree) mask over the last keys; the engine refuses speculation
+        # with sliding windows.
+        tail = ctx.masks[seq]
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
+        mask[:, kv_len - tail.shape[1] :] = tail
+        mask = mask.repeat(group, 1)
     else:
         key_pos = torch.arange(kv_len, device=q.device)
         mask = _allowed_keys(key_pos[kv_len - q_len :], key_pos, sliding_window).repeat(group, 1)

@@ -54,6 +54,7 @@ class TritonBackend(AttentionBackend):
             v_cache,
             out,
             ctx.page_table,
+            ctx.seq_table_rows,
             ctx.prefill_index,
             ctx.seq_query_starts,
             ctx.seq_query_lens,
@@ -63,6 +64,8 @@ class TritonBackend(AttentionBackend):
             sliding_window=sliding_window,
             mask_data=ctx.mask_data,
             mask_offsets=ctx.mask_offsets,
+            mask_widths=ctx.mask_widths,
+            rows_per_seq=ctx.rows_per_seq,
         )
         num_decode = ctx.decode_token_rows.shape[0]
         paged_decode_attention(

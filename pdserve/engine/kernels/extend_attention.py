@@ -4,12 +4,16 @@ A sequence with `q` new tokens and `kv` tokens of KV after this step (the new on
 written to the cache) attends its new tokens over the cached prefix and, causally, over
 each other: new token r sits at cache index `kv - q + r` and sees keys at indices up to its
 own. A sliding window also hides keys at or before `index - window`. A sequence with an
-explicit mask (speculative tree verification) sees exactly the keys its `[q, kv]` mask allows.
+explicit mask (speculative trees) sees every key before the last `w` and, of those last `w`
+(its new tokens, and for a draft tree step the ancestors drafted before), the ones its
+`[q, w]` mask allows.
 
 One program per (sequence, query head, block of new tokens); K/V blocks are read through the
-page table (flash attention with an online softmax, float32 accumulation). Programs past a
-sequence's last new token do nothing; the grid's third size is the longest run of new
-tokens in the step, which is host data: prefill steps are not captured in CUDA graphs.
+page table (flash attention with an online softmax, float32 accumulation), whose row for a
+sequence is `table_rows[seq]`. Programs past a sequence's last new token do nothing; the
+grid's third size is the longest run of new tokens the launch allows, which is host data: a
+CUDA graph fixes it (speculative verification, a fixed number of tokens per sequence), a
+prefill step does not.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ def _attend_keys(
     window,
     mask_ptr,
     mask_offset,
+    mask_width,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
@@ -88,12 +93,15 @@ def _attend_keys(
                 # NOTE: a causal sequence's mask rows count as none (a scalar condition in a
                 # load mask is refused by the interpreter).
                 mask_rows = tl.where(mask_offset >= 0, query_len, 0)
+                tail = kv_len - mask_width  # the first key the mask covers
+                in_tail = key_ok & (keys >= tail)
                 explicit = tl.load(
-                    mask_ptr + mask_offset + rows[:, None] * kv_len + keys[None, :],
-                    mask=(rows[:, None] < mask_rows) & key_ok[None, :],
+                    mask_ptr + mask_offset + rows[:, None] * mask_width + (keys - tail)[None, :],
+                    mask=(rows[:, None] < mask_rows) & in_tail[None, :],
                     other=0,
                 )
-                allowed = tl.where(mask_offset >= 0, (explicit != 0) & key_ok[None, :], allowed)
+                seen = (explicit != 0) | (key_ok & (keys < tail))[None, :]
+                allowed = tl.where(mask_offset >= 0, seen, allowed)
             scores = tl.where(allowed, scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, 1))
         # NOTE: a row that has seen no key yet (all -inf so far) keeps a finite reference so
@@ -114,12 +122,14 @@ def _extend_kernel(
     v_cache_ptr,
     out_ptr,
     page_table_ptr,
+    table_rows_ptr,
     seq_index_ptr,
     query_starts_ptr,
     query_lens_ptr,
     kv_lens_ptr,
     mask_ptr,
     mask_offsets_ptr,
+    mask_widths_ptr,
     stride_q_token,
     stride_q_head,
     stride_k_slot,
@@ -137,6 +147,7 @@ def _extend_kernel(
     DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ROWS_PER_SEQ: tl.constexpr,
     SLIDING: tl.constexpr,
     HAS_MASKS: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -172,23 +183,28 @@ def _extend_kernel(
     # A program past the sequence's last new token has no rows and runs no block.
     lo = 0
     hi = tl.minimum(kv_len, prefix + first_row + BLOCK_M)
+    # Keys before this one are visible to every row: causally, those up to the first row's
+    # index; with a mask, those before the keys it covers.
+    seen_by_all = prefix + first_row + 1
     mask_offset = -1
+    mask_width = 0
     if HAS_MASKS:
         mask_offset = tl.load(mask_offsets_ptr + seq)
+        mask_width = tl.load(mask_widths_ptr + seq)
         hi = tl.where(mask_offset >= 0, kv_len, hi)
+        seen_by_all = tl.where(mask_offset >= 0, kv_len - mask_width, seen_by_all)
     if SLIDING:
         lo = tl.maximum(prefix + first_row - window + 1, 0) // BLOCK_N * BLOCK_N
     hi = tl.where(first_row < query_len, hi, lo)
-    # Without windows or explicit masks, whole blocks of keys at or before the first row's
-    # index are visible to every row: they skip the mask.
+    # Without windows, whole blocks of keys seen by every row skip the mask.
     unmasked_end = lo
-    if not SLIDING and not HAS_MASKS:
-        unmasked_end = tl.minimum((prefix + first_row + 1) // BLOCK_N * BLOCK_N, hi)
+    if not SLIDING:
+        unmasked_end = tl.minimum(seen_by_all // BLOCK_N * BLOCK_N, hi)
 
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     best = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
-    table_row_ptr = page_table_ptr + seq * stride_table
+    table_row_ptr = page_table_ptr + tl.load(table_rows_ptr + seq) * stride_table
     for masked in tl.static_range(2):
         acc, best, total = _attend_keys(
             acc,
@@ -214,6 +230,7 @@ def _extend_kernel(
             window,
             mask_ptr,
             mask_offset,
+            mask_width,
             PAGE_SIZE=PAGE_SIZE,
             BLOCK_N=BLOCK_N,
             MASKED=masked == 1,
@@ -225,10 +242,13 @@ def _extend_kernel(
 
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     out_rows = out_ptr + tokens_of_rows[:, None] * stride_out_token + head * stride_out_head
+    # NOTE: padded sequences (ROWS_PER_SEQ rows each) also write their padding rows, so that
+    # no row of the output is left uninitialized; those rows are finite and ignored.
+    stored = rows < ROWS_PER_SEQ if ROWS_PER_SEQ > 0 else row_ok
     tl.store(
         out_rows + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & dim_ok[None, :],
+        mask=stored[:, None] & dim_ok[None, :],
     )
 
 
@@ -254,6 +274,7 @@ def paged_extend_attention(
     v_cache: torch.Tensor,
     out: torch.Tensor,
     page_table: torch.Tensor,
+    table_rows: torch.Tensor,
     seq_index: torch.Tensor,
     query_starts: torch.Tensor,
     query_lens: torch.Tensor,
@@ -264,14 +285,20 @@ def paged_extend_attention(
     sliding_window: int | None,
     mask_data: torch.Tensor | None = None,
     mask_offsets: torch.Tensor | None = None,
+    mask_widths: torch.Tensor | None = None,
+    rows_per_seq: int = 0,
 ) -> None:
     """Attend the new tokens of sequences `seq_index` (`[P]` indices into the per-sequence
-    tensors `page_table [B, max_pages]`, `query_starts`, `query_lens`, `kv_lens [B]`) and
-    write the results into their rows of `out`.
+    tensors `table_rows` (rows of `page_table [rows, max_pages]`), `query_starts`,
+    `query_lens`, `kv_lens [B]`) and write the results into their rows of `out`.
+    `max_query_len` bounds every sequence's `query_lens`.
 
     q, out: [T, heads, head_dim]; k_cache, v_cache: [num_pages, page_size, kv_heads,
-    head_dim]. mask_data: flat bool masks, sequence i's `[query_len, kv_len]` mask starting at
-    `mask_offsets[i]` (-1: causal).
+    head_dim]. mask_data: flat bool masks, sequence i's `[query_len, mask_widths[i]]` mask
+    (over its last `mask_widths[i]` keys; the keys before are visible) starting at
+    `mask_offsets[i]` (-1: causal). rows_per_seq: sequence i owns rows
+    `query_starts[i]` + [0, rows_per_seq) of q and out, its new tokens first and padding
+    after (which gets finite values); 0: rows are packed, only new tokens' rows are written.
     """
     num_seqs = seq_index.shape[0]
     if num_seqs == 0:
@@ -285,19 +312,21 @@ def paged_extend_attention(
 
     def launch(blocks: tuple[int, int, int, int]) -> None:
         block_m, block_n, warps, stages = blocks
-        grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
+        grid = (num_seqs, num_heads, triton.cdiv(max(max_query_len, rows_per_seq), block_m))
         _extend_kernel[grid](
             q,
             k_slots,
             v_slots,
             out,
             page_table,
+            table_rows,
             seq_index,
             query_starts,
             query_lens,
             kv_lens,
             mask_data if has_masks else q,
             mask_offsets if has_masks else seq_index,
+            mask_widths if has_masks else seq_index,
             q.stride(0),
             q.stride(1),
             k_slots.stride(0),
@@ -315,6 +344,7 @@ def paged_extend_attention(
             DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
             BLOCK_M=block_m,
             BLOCK_N=block_n,
+            ROWS_PER_SEQ=rows_per_seq,
             SLIDING=sliding_window is not None,
             HAS_MASKS=has_masks,
             UPCAST=upcast,
