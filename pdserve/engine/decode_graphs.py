@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -309,11 +310,21 @@ class DecodeGraphRunner:
         device = self.device
         per_seq = self.tokens_per_seq
         inputs = self._inputs.views
-        seqs = torch.arange(bs, dtype=torch.int64, device=device)
-        nothing = torch.zeros(0, dtype=torch.int64, device=device)
         kv_lens = inputs["kv_lens"][:bs]
         table_rows = inputs["table_rows"][:bs]
-        common = dict(
+        if per_seq == 1:
+            return decode_context(
+                self.kv_pool.page_size,
+                self.page_table,
+                inputs["positions"][:bs],
+                inputs["slots"][:bs],
+                kv_lens,
+                table_rows,
+            )
+        seqs = torch.arange(bs, dtype=torch.int64, device=device)
+        nothing = torch.zeros(0, dtype=torch.int64, device=device)
+        query_lens = inputs["query_lens"][:bs]
+        return AttentionContext(
             page_size=self.kv_pool.page_size,
             positions=inputs["positions"][: bs * per_seq],
             slot_mapping=inputs["slots"][: bs * per_seq],
@@ -326,22 +337,6 @@ class DecodeGraphRunner:
             seq_table_rows=table_rows,
             seq_query_starts=seqs * per_seq,
             seq_kv_lens=kv_lens,
-        )
-        if per_seq == 1:
-            return AttentionContext(
-                **common,
-                seq_query_lens=torch.ones(bs, dtype=torch.int64, device=device),
-                prefill_seqs=[],
-                prefill_index=nothing,
-                max_prefill_query_len=0,
-                decode_token_rows=seqs,
-                decode_table_rows=table_rows,
-                decode_kv_lens=kv_lens,
-                max_decode_kv_len=0,
-            )
-        query_lens = inputs["query_lens"][:bs]
-        return AttentionContext(
-            **common,
             seq_query_lens=query_lens,
             prefill_seqs=list(range(bs)),
             prefill_index=seqs,
@@ -361,25 +356,10 @@ class DecodeGraphRunner:
         """Record a graph per bucket (largest first, all in one memory pool: `pool`, or a
         new one)."""
         started = time.perf_counter()
-        torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_reserved(self.device)
         self._pad(0, self.max_bs)
         self._inputs.buffer.copy_(self._host.buffer)
-        stream = torch.cuda.Stream(self.device)
-        for bucket in reversed(self.buckets):
-            # NOTE: one eager run first, on the capture stream: Triton compiles its kernels
-            # and cuBLAS picks its algorithms outside the capture.
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._forward(bucket)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._forward(bucket)
-            pool = graph.pool()
-            self._graphs[bucket] = graph
-        self.pool = pool
-        torch.cuda.synchronize(self.device)
+        self._graphs, self.pool = capture_graphs(self.buckets, self._forward, self.device, pool)
         logger.info(
             "captured %d CUDA graphs (batches %d..%d, %d tokens per sequence) in %.1f s, %.0f MiB",
             len(self._graphs),
@@ -389,3 +369,66 @@ class DecodeGraphRunner:
             time.perf_counter() - started,
             (torch.cuda.memory_reserved(self.device) - before) / 2**20,
         )
+
+
+def decode_context(
+    page_size: int,
+    page_table: DevicePageTable,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    kv_lens: torch.Tensor,
+    table_rows: torch.Tensor,
+) -> AttentionContext:
+    """Metadata of a decode batch (one token per sequence, in row order) over static device
+    tensors, for a graph to capture."""
+    device = positions.device
+    bs = positions.shape[0]
+    rows = torch.arange(bs, dtype=torch.int64, device=device)
+    nothing = torch.zeros(0, dtype=torch.int64, device=device)
+    return AttentionContext(
+        page_size=page_size,
+        positions=positions,
+        slot_mapping=slots,
+        # NOTE: host-side lengths are not known when a graph replays; only the torch reference
+        # reads them, and it never runs here (its backend is not capturable).
+        query_starts=list(range(bs)),
+        query_lens=[1] * bs,
+        kv_lens=[],
+        page_table=page_table.table,
+        seq_table_rows=table_rows,
+        seq_query_starts=rows,
+        seq_query_lens=torch.ones(bs, dtype=torch.int64, device=device),
+        seq_kv_lens=kv_lens,
+        prefill_seqs=[],
+        prefill_index=nothing,
+        max_prefill_query_len=0,
+        decode_token_rows=rows,
+        decode_table_rows=table_rows,
+        decode_kv_lens=kv_lens,
+        max_decode_kv_len=0,
+    )
+
+
+def capture_graphs(
+    buckets: list[int], forward: Callable[[int], None], device: torch.device, pool=None
+) -> tuple[dict[int, torch.cuda.CUDAGraph], object]:
+    """A graph of `forward(bucket)` per bucket, largest first, all in one memory pool
+    (`pool`, or a new one) -> the graphs and the pool. `forward` must read and write static
+    buffers only."""
+    torch.cuda.synchronize(device)
+    stream = torch.cuda.Stream(device)
+    graphs = {}
+    for bucket in sorted(buckets, reverse=True):
+        # NOTE: one eager run first, on the capture stream: Triton compiles its kernels and
+        # cuBLAS picks its algorithms outside the capture.
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            forward(bucket)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            forward(bucket)
+        pool = graph.pool()
+        graphs[bucket] = graph
+    torch.cuda.synchronize(device)
+    return graphs, pool

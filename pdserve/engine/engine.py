@@ -115,6 +115,10 @@ class Engine:
                 tokens_per_seq=speculator.verify_tokens(),
                 share_pool_with=decode_graphs,
             )
+            speculator.build_graphs(
+                self.page_table,
+                graph_batch_size(config, self.attention_backend) if decode_graphs else 0,
+            )
         self.runner = ModelRunner(
             self.model, self.kv_pool, self.sampler, self.device, decode_graphs, verify_graphs
         )

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from pdserve.engine.forward_batch import Capture, ForwardOutput
+from pdserve.engine.page_table import DevicePageTable
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledBatch
 
@@ -42,8 +43,8 @@ class Draft:
 
 class Speculator(Protocol):
     """The engine's side of speculative decoding. Start-up calls, in order: `load`,
-    `draft_page_bytes`, `build_pools`, `lookahead_slots`, `target_capture`, `verify_tokens`;
-    then each step
+    `draft_page_bytes`, `build_pools`, `lookahead_slots`, `target_capture`, `verify_tokens`,
+    `build_graphs`; then each step
     `propose`, `verify` (per draft) and `catch_up`."""
 
     def load(self, engine: Engine) -> None:
@@ -54,6 +55,10 @@ class Speculator(Protocol):
 
     def build_pools(self, num_pages: int) -> None:
         """Allocate the draft's KV pools, `num_pages` pages sharing the target's page ids."""
+
+    def build_graphs(self, page_table: DevicePageTable, max_tokens: int) -> None:
+        """Capture the draft's CUDA graphs for batches of up to `max_tokens` tokens over the
+        engine's page table; with `max_tokens` 0 (graphs off), none."""
 
     def lookahead_slots(self) -> int:
         """KV slots past a request's last committed token one step may write."""

@@ -7,8 +7,9 @@ rank that has not loaded the draft sizes them the same way. Two hidden widths ex
 never confused: the draft's recurrent width (what crosses prefill -> decode, sized here) and
 the target's capture width (extend phase: `ExtendItem.features`, the algorithm's own business).
 
-The engine's speculator (`speculator.py`) drives an algorithm through four calls: `load` (draft
+The engine's speculator (`speculator.py`) drives an algorithm through these calls: `load` (draft
 models, before the KV pools are sized), `build_pools` (draft KV sharing the target's page ids),
+`build_graphs` (CUDA graphs of its draft steps, optional),
 `extend` (after the target computed tokens: catch the draft up, return each request's next
 `DraftState`) and `propose` (a `DraftTree` per request). Algorithms without a draft model
 (NGRAM, most plugins) implement only `propose` and the disaggregation hook.
@@ -137,6 +138,12 @@ class SpeculativeAlgorithm(abc.ABC):
 
     def draft_pools(self) -> list:
         return []
+
+    def build_graphs(self, page_table, max_tokens: int) -> None:
+        """Capture the draft's CUDA graphs for batches of up to `max_tokens` tokens, over the
+        engine's persistent `page_table` (0: none, graphs are off or there is no GPU; run
+        the same static inputs eagerly on CPU where the engine does). Default: none."""
+        return None
 
     def extend(self, items: list[ExtendItem]) -> list[DraftState]:
         """Catch the draft up on target tokens computed this step; the next draft input of

@@ -25,6 +25,7 @@ import torch
 from pdserve.engine.attention import AttentionContext
 from pdserve.engine.kv_pool import KVPool
 from pdserve.speculative.algorithm import SpeculativeAlgorithm
+from pdserve.speculative.draft_graphs import ChainDraftGraphs
 from pdserve.speculative.state import DraftState, ExtendItem
 from pdserve.speculative.tree import ROOT, DraftTree
 
@@ -58,6 +59,7 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
         self.device, self.dtype = engine.device, engine.dtype
         self.net = self.load_net(engine)
         self.pool: KVPool | None = None
+        self.chain_graphs: ChainDraftGraphs | None = None
 
     @abc.abstractmethod
     def load_net(self, engine) -> DraftNet: ...
@@ -84,6 +86,24 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
 
     def draft_pools(self) -> list[KVPool]:
         return [self.pool]
+
+    def build_graphs(self, page_table, max_tokens: int) -> None:
+        """Chains draft from static inputs (`ChainDraftGraphs`): replayed graphs on CUDA."""
+        self.chain_graphs = None
+        if not max_tokens or not self.settings.is_chain or self.settings.num_steps < 2:
+            return
+        carries = self.capabilities.carries_hidden
+        self.chain_graphs = ChainDraftGraphs(
+            self.net,
+            self.pool,
+            page_table,
+            max_tokens,
+            self.settings.num_steps,
+            self.config.hidden_size if carries else None,
+            self.device,
+        )
+        if self.device.type == "cuda":
+            self.chain_graphs.capture()
 
     # ---- catching up -----------------------------------------------------------------
 
@@ -154,6 +174,10 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
         return self._propose_tree(requests, tokens, scores, hidden, prefix)
 
     def _propose_chain(self, requests, token, hidden, prefix) -> list[DraftTree]:
+        graphs = self.chain_graphs
+        if graphs is not None and graphs.can_run(len(requests)):
+            drafted = torch.cat([token[:, None], graphs.run(requests, token, hidden, prefix)], 1)
+            return [DraftTree.chain(row) for row in drafted.tolist()]
         drafted = [token]
         for step in range(1, self.settings.num_steps):
             at = [p + step - 1 for p in prefix]

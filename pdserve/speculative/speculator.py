@@ -93,6 +93,9 @@ class AlgorithmSpeculator:
     def build_pools(self, num_pages: int) -> None:
         self.algorithm.build_pools(num_pages)
 
+    def build_graphs(self, page_table, max_tokens: int) -> None:
+        self.algorithm.build_graphs(page_table, max_tokens)
+
     def lookahead_slots(self) -> int:
         return self.algorithm.lookahead_slots()
 
