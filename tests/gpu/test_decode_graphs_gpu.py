@@ -23,7 +23,7 @@ def test_graphs_replay_the_static_inputs_eager_tokens_bit_for_bit(
     graphs = engine.runner.decode_graphs
     assert set(graphs.replays) == set(batch_buckets(MAX_BS))
     assert not graphs.eager_runs
-    monkeypatch.setattr(DecodeGraphRunner, "capture", lambda self: None)
+    monkeypatch.setattr(DecodeGraphRunner, "capture", lambda self, pool=None: None)
     eager, engine, _, _ = run(model, graphs=True, pages=pages, device="cuda", dtype="bfloat16")
     assert not engine.runner.decode_graphs.replays
     assert tokens == eager
