@@ -79,9 +79,25 @@ def build_decode_graphs(
     if not max_tokens:
         return None
     max_bs = max(1, max_tokens // tokens_per_seq)
+    width = model.config.hidden_size
+
+    def forward(ids, positions, ctx):
+        if capture.kind == "layers":
+            return model.forward_capture(ids, positions, kv_pool, ctx, capture.layer_ids)
+        return model(ids, positions, kv_pool, ctx), None
+
     runner = DecodeGraphRunner(
-        model, kv_pool, page_table, max_bs, device, capture=capture, tokens_per_seq=tokens_per_seq
+        forward,
+        kv_pool.page_size,
+        page_table,
+        max_bs,
+        device,
+        hidden_size=width,
+        dtype=model.lm_head.weight.dtype,
+        feature_width=width * len(capture.layer_ids),
+        tokens_per_seq=tokens_per_seq,
     )
+    runner.capture_kind = capture
     if device.type == "cuda":
         runner.capture(pool=share_pool_with.pool if share_pool_with is not None else None)
     return runner
@@ -120,29 +136,39 @@ class _StaticInputs:
             start += size
 
 
+# A forward pass a runner records: (token ids, positions, attention context) of its static
+# rows -> final hidden states and kept features (None: none kept).
+StepForward = Callable[
+    [torch.Tensor, torch.Tensor, AttentionContext], tuple[torch.Tensor, torch.Tensor | None]
+]
+
+
 class DecodeGraphRunner:
-    """Runs decode batches (up to `tokens_per_seq` new tokens per sequence, `max_bs`
-    sequences) over static inputs: replayed from graphs once `capture()` has run, eagerly
-    before (or without CUDA). Keeps what `capture` asks for beside the final hidden states."""
+    """Runs `forward` over decode batches (up to `tokens_per_seq` new tokens per sequence,
+    `max_bs` sequences) from static inputs: replayed from graphs once `capture()` has run,
+    eagerly before (or without CUDA). Its outputs: hidden states `hidden_size` wide and,
+    with `feature_width`, features that wide."""
 
     def __init__(
         self,
-        model: CausalLM,
-        kv_pool: KVPool,
+        forward: StepForward,
+        page_size: int,
         page_table: DevicePageTable,
         max_bs: int,
         device: torch.device,
         *,
-        capture: Capture = Capture.NONE,
+        hidden_size: int,
+        dtype: torch.dtype,
+        feature_width: int = 0,
         tokens_per_seq: int = 1,
     ):
         if tokens_per_seq < 1:
             raise ValueError(f"tokens_per_seq must be at least 1, got {tokens_per_seq}")
-        self.model = model
-        self.kv_pool = kv_pool
+        self.forward = forward
+        self.page_size = page_size
         self.page_table = page_table
         self.device = device
-        self.capture_kind = capture
+        self.capture_kind = Capture.NONE  # the target features its forward keeps
         self.tokens_per_seq = tokens_per_seq
         self.buckets = batch_buckets(max_bs)
         self.max_bs = self.buckets[-1]
@@ -158,12 +184,10 @@ class DecodeGraphRunner:
             self.max_bs, tokens_per_seq, torch.zeros(layout.size, dtype=torch.int64, device=device)
         )
         rows = self.max_bs * tokens_per_seq
-        dtype = model.lm_head.weight.dtype
-        self._hidden = torch.zeros((rows, model.config.hidden_size), dtype=dtype, device=device)
+        self._hidden = torch.zeros((rows, hidden_size), dtype=dtype, device=device)
         self._features = None
-        if capture.kind == "layers":
-            width = model.config.hidden_size * len(capture.layer_ids)
-            self._features = torch.zeros((rows, width), dtype=dtype, device=device)
+        if feature_width:
+            self._features = torch.zeros((rows, feature_width), dtype=dtype, device=device)
         self._contexts = {bs: self._context(bs) for bs in self.buckets}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None  # the graphs' memory pool, once captured
@@ -199,10 +223,9 @@ class DecodeGraphRunner:
         self, batch: ForwardBatch, previous_tokens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final hidden states `[len(batch) * tokens_per_seq, hidden]` of a batch (`can_run`),
-        its KV written to the cache, and the kept features (None without a capture, the
-        hidden states themselves for `Capture.final()`). Views of static buffers: the next
-        run overwrites them. `previous_tokens`: what the batch's placeholder ids stand for
-        (overlap.py)."""
+        its KV written to the cache, and the kept features (None without). Views of static
+        buffers: the next run overwrites them. `previous_tokens`: what the batch's
+        placeholder ids stand for (overlap.py)."""
         bs = len(batch)
         bucket = self.bucket_for(bs)
         if self._copied is not None:
@@ -225,14 +248,11 @@ class DecodeGraphRunner:
             self._forward(bucket)
             self.eager_runs[bucket] += 1
         rows = bs * self.tokens_per_seq
-        hidden = self._hidden[:rows]
-        if self.capture_kind.kind == "final":
-            return hidden, hidden
-        return hidden, None if self._features is None else self._features[:rows]
+        return self._hidden[:rows], None if self._features is None else self._features[:rows]
 
     def _fill_decode(self, batch: ForwardBatch, bucket: int) -> None:
         """One token per sequence (the hot path at large batches: no per-row loop)."""
-        size = self.kv_pool.page_size
+        size = self.page_size
         positions = batch.num_computed
         bs = len(batch)
         host = self._host_views
@@ -248,7 +268,7 @@ class DecodeGraphRunner:
 
     def _fill(self, batch: ForwardBatch, bucket: int) -> None:
         """Up to `tokens_per_seq` tokens per sequence, padded to that many rows each."""
-        size = self.kv_pool.page_size
+        size = self.page_size
         per_seq = self.tokens_per_seq
         host = self._host_views
         ids, positions, slots = host["ids"], host["positions"], host["slots"]
@@ -295,15 +315,10 @@ class DecodeGraphRunner:
     def _forward(self, bucket: int) -> None:
         ctx = self._contexts[bucket]
         rows = bucket * self.tokens_per_seq
-        ids = self._inputs.views["ids"][:rows]
-        if self._features is not None:
-            hidden, features = self.model.forward_capture(
-                ids, ctx.positions, self.kv_pool, ctx, self.capture_kind.layer_ids
-            )
-            self._features[:rows].copy_(features)
-        else:
-            hidden = self.model(ids, ctx.positions, self.kv_pool, ctx)
+        hidden, features = self.forward(self._inputs.views["ids"][:rows], ctx.positions, ctx)
         self._hidden[:rows].copy_(hidden)
+        if self._features is not None:
+            self._features[:rows].copy_(features)
 
     def _context(self, bs: int) -> AttentionContext:
         """Attention metadata of a `bs`-sequence batch, as views of the static inputs."""
@@ -314,7 +329,7 @@ class DecodeGraphRunner:
         table_rows = inputs["table_rows"][:bs]
         if per_seq == 1:
             return decode_context(
-                self.kv_pool.page_size,
+                self.page_size,
                 self.page_table,
                 inputs["positions"][:bs],
                 inputs["slots"][:bs],
@@ -325,7 +340,7 @@ class DecodeGraphRunner:
         nothing = torch.zeros(0, dtype=torch.int64, device=device)
         query_lens = inputs["query_lens"][:bs]
         return AttentionContext(
-            page_size=self.kv_pool.page_size,
+            page_size=self.page_size,
             positions=inputs["positions"][: bs * per_seq],
             slot_mapping=inputs["slots"][: bs * per_seq],
             # NOTE: host-side lengths are not known when a graph replays; only the torch

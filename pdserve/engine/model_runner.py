@@ -55,6 +55,8 @@ class ModelRunner:
                 hidden, features = graphs.run(batch, previous_tokens)
                 # NOTE: the graph's output buffers are overwritten by the next replay; a draft
                 # may keep the features past this step.
+                if capture.kind == "final":
+                    features = hidden
                 features = None if features is None else features.clone()
                 return ForwardOutput(batch, graphs.query_starts(len(batch)), hidden, features)
         ctx = AttentionContext.build(

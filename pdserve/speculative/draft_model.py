@@ -23,6 +23,8 @@ import heapq
 import torch
 
 from pdserve.engine.attention import AttentionContext
+from pdserve.engine.decode_graphs import DecodeGraphRunner
+from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.kv_pool import KVPool
 from pdserve.speculative.algorithm import SpeculativeAlgorithm
 from pdserve.speculative.draft_graphs import ChainDraftGraphs
@@ -46,6 +48,10 @@ class DraftNet(abc.ABC):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
 
+    def feature_width(self) -> int:
+        """Width of the target features `forward` reads when `from_target` (0: none)."""
+        return 0
+
 
 class DraftModelAlgorithm(SpeculativeAlgorithm):
     """Shared by the built-in draft-model algorithms; a subclass loads its `DraftNet`."""
@@ -60,6 +66,7 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
         self.net = self.load_net(engine)
         self.pool: KVPool | None = None
         self.chain_graphs: ChainDraftGraphs | None = None
+        self.catch_up_graphs: DecodeGraphRunner | None = None
 
     @abc.abstractmethod
     def load_net(self, engine) -> DraftNet: ...
@@ -88,22 +95,53 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
         return [self.pool]
 
     def build_graphs(self, page_table, max_tokens: int) -> None:
-        """Chains draft from static inputs (`ChainDraftGraphs`): replayed graphs on CUDA."""
-        self.chain_graphs = None
-        if not max_tokens or not self.settings.is_chain or self.settings.num_steps < 2:
+        """Draft from static inputs: chains' draft steps (`ChainDraftGraphs`) and catch-ups
+        of at most `num_draft_tokens` tokens per request (after a verification), replayed
+        from CUDA graphs on a GPU."""
+        self.chain_graphs = self.catch_up_graphs = None
+        if not max_tokens:
             return
         carries = self.capabilities.carries_hidden
-        self.chain_graphs = ChainDraftGraphs(
-            self.net,
-            self.pool,
-            page_table,
-            max_tokens,
-            self.settings.num_steps,
-            self.config.hidden_size if carries else None,
-            self.device,
+        cuda = self.device.type == "cuda"
+        if self.settings.is_chain and self.settings.num_steps >= 2:
+            self.chain_graphs = ChainDraftGraphs(
+                self.net,
+                self.pool,
+                page_table,
+                max_tokens,
+                self.settings.num_steps,
+                self.config.hidden_size if carries else None,
+                self.device,
+            )
+            if cuda:
+                self.chain_graphs.capture()
+        per_seq = self.settings.num_draft_tokens
+        rows = max(1, max_tokens // per_seq) * per_seq
+        width = self.net.feature_width()
+        dtype = next(self.net.model.parameters()).dtype
+        self._catch_up_features = (
+            torch.zeros((rows, width), dtype=dtype, device=self.device) if width else None
         )
-        if self.device.type == "cuda":
-            self.chain_graphs.capture()
+
+        def forward(ids, positions, ctx):
+            features = self._catch_up_features
+            features = None if features is None else features[: ids.shape[0]]
+            return self.net.forward(ids, positions, features, True, self.pool, ctx), None
+
+        self.catch_up_graphs = DecodeGraphRunner(
+            forward,
+            self.pool.page_size,
+            page_table,
+            rows // per_seq,
+            self.device,
+            hidden_size=self.config.hidden_size,
+            dtype=dtype,
+            tokens_per_seq=per_seq,
+        )
+        if cuda:
+            self.catch_up_graphs.capture(
+                pool=self.chain_graphs.graph_pool if self.chain_graphs else None
+            )
 
     # ---- catching up -----------------------------------------------------------------
 
@@ -111,32 +149,47 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
     def extend(self, items: list[ExtendItem]) -> list[DraftState]:
         if not items:
             return []
-        ids, positions, starts, lens, features = [], [], [], [], []
+        batch = ForwardBatch()
+        features = []
         for item in items:
             tokens, first = self.extend_tokens(item)
-            ids.extend(tokens)
-            positions.append(list(range(first, first + len(tokens))))
-            starts.append(first)
-            lens.append(len(tokens))
+            batch.add(item.request.pages, first, tokens, request=item.request)
             if item.features is not None:
                 features.append(item.features)
+        graphs = self.catch_up_graphs
+        if graphs is not None and graphs.can_run(batch):
+            return self._states(self._catch_up_from_graph(graphs, batch, features))
         ctx = AttentionContext.build(
             page_size=self.pool.page_size,
-            pages=[item.request.pages for item in items],
-            num_computed=starts,
-            query_lens=lens,
+            pages=batch.pages,
+            num_computed=batch.num_computed,
+            query_lens=batch.query_lens,
             device=self.device,
         )
         hidden = self.net.forward(
-            torch.tensor(ids, device=self.device),
+            torch.tensor(batch.flat_token_ids(), device=self.device),
             ctx.positions,
             torch.cat(features) if features else None,
             True,
             self.pool,
             ctx,
         )
-        last = [s + n - 1 for s, n in zip(ctx.query_starts, lens, strict=True)]
+        last = [s + n - 1 for s, n in zip(ctx.query_starts, batch.query_lens, strict=True)]
         return self._states(hidden[last])
+
+    def _catch_up_from_graph(
+        self, graphs: DecodeGraphRunner, batch: ForwardBatch, features: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """The hidden state at each sequence's last token, from the catch-up graphs (the
+        target features copied into their padded rows first)."""
+        per_seq = graphs.tokens_per_seq
+        rows = [i * per_seq + r for i, n in enumerate(batch.query_lens) for r in range(n)]
+        index = torch.tensor(rows, device=self.device)
+        if self._catch_up_features is not None:
+            self._catch_up_features.index_copy_(0, index, torch.cat(features))
+        hidden, _ = graphs.run(batch)
+        last = [i * per_seq + n - 1 for i, n in enumerate(batch.query_lens)]
+        return hidden[last]
 
     def extend_tokens(self, item: ExtendItem) -> tuple[list[int], int]:
         """The draft's tokens for an extend and the position of the first."""

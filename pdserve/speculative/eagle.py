@@ -32,6 +32,9 @@ class _EagleNet(DraftNet):
     def to_target_ids(self, draft_ids):
         return self.model.to_target_ids(draft_ids)
 
+    def feature_width(self):
+        return self.model.config.capture_width
+
 
 class Eagle(DraftModelAlgorithm):
     name: ClassVar[str] = "EAGLE"

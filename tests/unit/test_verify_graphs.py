@@ -5,7 +5,8 @@ Without CUDA nothing is captured: the runner runs its padded static inputs eager
 Triton interpreter), which is everything a graph replays except the capture itself; on a GPU
 the same cases replay graphs. A chain drafted by a copy of the target is accepted whole, so
 its last drafts are cut short by the token limit (padding rows inside a sequence), and its
-draft steps run over static inputs as well (`ChainDraftGraphs`); a tree
+draft steps run over static inputs as well (`ChainDraftGraphs`), as does every draft's
+catch-up on the verified tokens; a tree
 verifies under its mask; n-gram proposals vary in length, and an empty one is a plain decode
 step. Four requests with different limits shrink the batch through the buckets and past them.
 """
