@@ -11,7 +11,7 @@ import torch
 
 from pdserve.engine.attention import AttentionContext
 from pdserve.engine.decode_graphs import DecodeGraphRunner
-from pdserve.engine.forward_batch import Capture, ForwardBatch, ForwardOutput
+from pdserve.engine.forward_batch import Capture, ForwardBatch, ForwardOutput, device_ints
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.models import CausalLM
 from pdserve.engine.overlap import resolve_placeholders
@@ -93,7 +93,8 @@ class ModelRunner:
         if len(seqs) == output.hidden.shape[0]:
             hidden = output.hidden  # every row samples (a decode step): no gather
         else:
-            hidden = output.hidden[[output.last_row(i) for i in seqs]]
+            rows = device_ints([output.last_row(i) for i in seqs], self.device)
+            hidden = output.hidden.index_select(0, rows)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -107,5 +108,6 @@ class ModelRunner:
     def logits(self, output: ForwardOutput, seqs: list[int]) -> list[torch.Tensor]:
         """Every row's logits for each of `seqs` (a verification reads them all)."""
         rows = [row for i in seqs for row in range(output.rows(i).start, output.rows(i).stop)]
-        logits = self.model.compute_logits(output.hidden[rows])
+        hidden = output.hidden.index_select(0, device_ints(rows, self.device))
+        logits = self.model.compute_logits(hidden)
         return list(logits.split([len(output.batch.token_ids[i]) for i in seqs]))

@@ -24,7 +24,7 @@ import torch
 
 from pdserve.engine.attention import AttentionContext
 from pdserve.engine.decode_graphs import DecodeGraphRunner
-from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.forward_batch import ForwardBatch, device_ints
 from pdserve.engine.kv_pool import KVPool
 from pdserve.speculative.algorithm import SpeculativeAlgorithm
 from pdserve.speculative.draft_graphs import ChainDraftGraphs
@@ -167,7 +167,7 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
             device=self.device,
         )
         hidden = self.net.forward(
-            torch.tensor(batch.flat_token_ids(), device=self.device),
+            device_ints(batch.flat_token_ids(), self.device),
             ctx.positions,
             torch.cat(features) if features else None,
             True,
@@ -175,7 +175,7 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
             ctx,
         )
         last = [s + n - 1 for s, n in zip(ctx.query_starts, batch.query_lens, strict=True)]
-        return self._states(hidden[last])
+        return self._states(hidden.index_select(0, device_ints(last, self.device)))
 
     def _catch_up_from_graph(
         self, graphs: DecodeGraphRunner, batch: ForwardBatch, features: list[torch.Tensor]
@@ -184,12 +184,12 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
         target features copied into their padded rows first)."""
         per_seq = graphs.tokens_per_seq
         rows = [i * per_seq + r for i, n in enumerate(batch.query_lens) for r in range(n)]
-        index = torch.tensor(rows, device=self.device)
         if self._catch_up_features is not None:
+            index = device_ints(rows, self.device)
             self._catch_up_features.index_copy_(0, index, torch.cat(features))
         hidden, _ = graphs.run(batch)
         last = [i * per_seq + n - 1 for i, n in enumerate(batch.query_lens)]
-        return hidden[last]
+        return hidden.index_select(0, device_ints(last, self.device))
 
     def extend_tokens(self, item: ExtendItem) -> tuple[list[int], int]:
         """The draft's tokens for an extend and the position of the first."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.forward_batch import Capture, ForwardOutput
+from pdserve.engine.forward_batch import Capture, ForwardOutput, device_ints
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import filtered_probs, generator_at
 from pdserve.engine.scheduler import ScheduledBatch
@@ -240,9 +240,7 @@ class AlgorithmSpeculator:
         if output.features is not None:
             row = output.rows(index).start
             picked = [row] + [row + 1 + node for node in path]
-            features = output.features.index_select(
-                0, torch.tensor(picked, device=output.features.device)
-            )
+            features = output.features.index_select(0, device_ints(picked, output.features.device))
         next_tokens = [tree.tokens[node] for node in path] + [draft.bonus]
         return ExtendItem(request, n, next_tokens, features)
 
@@ -261,8 +259,8 @@ class AlgorithmSpeculator:
         if not moves:
             return
         device = kv_pool.storage.device
-        src = torch.tensor([slot(s) for s, _ in moves], device=device)
-        dst = torch.tensor([slot(d) for _, d in moves], device=device)
+        src = device_ints([slot(s) for s, _ in moves], device)
+        dst = device_ints([slot(d) for _, d in moves], device)
         storage = kv_pool.storage
         flat = storage.view(2, storage.shape[1], -1, *storage.shape[4:])
         flat.index_copy_(2, dst, flat.index_select(2, src))
