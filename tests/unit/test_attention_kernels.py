@@ -390,3 +390,48 @@ def test_extend_falls_back_to_small_blocks_where_shared_memory_is_short(monkeypa
         assert error < tolerance(torch.bfloat16)
     # The measured choice is tried once; later launches go straight to the small blocks.
     assert tried == [128, 32, 32]
+
+
+def test_extend_over_padded_rows_writes_every_row():
+    """A verification graph's layout: each sequence owns `rows_per_seq` rows, its new tokens
+    first; padding rows (and a padding sequence with no tokens) get finite values."""
+    generator = torch.Generator().manual_seed(21)
+    query_lens, kv_lens, rows_per_seq = [3, 5, 0], [9, 5, 0], 5
+    case = paged_case(
+        [9, 5, 1],
+        page_size=4,
+        kv_heads=2,
+        head_dim=32,
+        dtype=torch.float32,
+        device=DEVICE,
+        generator=generator,
+    )
+    q = torch.randn(3 * rows_per_seq, 8, 32, generator=generator).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # over its 3 tokens
+    paged_extend_attention(
+        q,
+        case.k_cache,
+        case.v_cache,
+        out,
+        case.page_table,
+        torch.arange(3).to(DEVICE),
+        torch.arange(3).to(DEVICE),
+        torch.tensor([0, rows_per_seq, 2 * rows_per_seq], device=DEVICE),
+        torch.tensor(query_lens, device=DEVICE),
+        torch.tensor(kv_lens, device=DEVICE),
+        rows_per_seq,
+        scale=32**-0.5,
+        sliding_window=None,
+        mask_data=mask.reshape(-1).to(DEVICE),
+        mask_offsets=torch.tensor([0, -1, -1], device=DEVICE),
+        mask_widths=torch.tensor([3, 0, 0], device=DEVICE),
+        rows_per_seq=rows_per_seq,
+    )
+    assert out.isfinite().all(), "a padding row was left unwritten"
+    full = torch.ones(3, 9, dtype=torch.bool)
+    full[:, 6:] = mask
+    first = reference_attention(q[:3], case, 0, scale=32**-0.5, mask=full)
+    second = reference_attention(q[5:10], case, 1, scale=32**-0.5)
+    assert relative_error(out[:3], first) < tolerance(torch.float32)
+    assert relative_error(out[5:10], second) < tolerance(torch.float32)
