@@ -136,6 +136,59 @@ class _StaticInputs:
             start += size
 
 
+class BucketGraphs:
+    """CUDA graphs per batch-size bucket over static buffers, shared by every runner: the
+    bucket of a batch, the one copy of its inputs into the static buffers, replaying (or,
+    before capture and without CUDA, running `_forward` eagerly), and capture. A subclass
+    implements `_forward(bucket)`, which reads and writes its static buffers only."""
+
+    def __init__(self, max_bs: int, device: torch.device):
+        self.device = device
+        self.buckets = batch_buckets(max_bs)
+        self.max_bs = self.buckets[-1]
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None  # the graphs' memory pool, once captured
+        # Recorded after each copy out of the pinned input buffer: the next step (prepared
+        # while this one may still be queued, with overlap scheduling) waits for it before
+        # overwriting the buffer.
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        # Runs per bucket, replayed from a graph and run eagerly (statistics, tests).
+        self.replays: Counter[int] = Counter()
+        self.eager_runs: Counter[int] = Counter()
+
+    def bucket_for(self, batch_size: int) -> int:
+        return next(b for b in self.buckets if b >= batch_size)
+
+    def _forward(self, bucket: int) -> None:
+        raise NotImplementedError
+
+    def _wait_for_inputs(self) -> None:
+        """Before overwriting the pinned input buffer: its previous copy has left it."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def _upload(self, host: torch.Tensor, inputs: torch.Tensor) -> None:
+        """The filled pinned buffer into the static device inputs, in one copy."""
+        inputs.copy_(host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def _launch(self, bucket: int) -> None:
+        graph = self._graphs.get(bucket)
+        if graph is not None:
+            graph.replay()
+            self.replays[bucket] += 1
+        else:
+            self._forward(bucket)
+            self.eager_runs[bucket] += 1
+
+    def _capture(self, pool=None) -> float:
+        """Record every bucket's graph (in `pool`, or a new one) -> the seconds it took."""
+        started = time.perf_counter()
+        self._graphs, self.pool = capture_graphs(self.buckets, self._forward, self.device, pool)
+        return time.perf_counter() - started
+
+
 # A forward pass a runner records: (token ids, positions, attention context) of its static
 # rows -> final hidden states and kept features (None: none kept).
 StepForward = Callable[
@@ -143,7 +196,7 @@ StepForward = Callable[
 ]
 
 
-class DecodeGraphRunner:
+class DecodeGraphRunner(BucketGraphs):
     """Runs `forward` over decode batches (up to `tokens_per_seq` new tokens per sequence,
     `max_bs` sequences) from static inputs: replayed from graphs once `capture()` has run,
     eagerly before (or without CUDA). Its outputs: hidden states `hidden_size` wide and,
@@ -164,14 +217,12 @@ class DecodeGraphRunner:
     ):
         if tokens_per_seq < 1:
             raise ValueError(f"tokens_per_seq must be at least 1, got {tokens_per_seq}")
+        super().__init__(max_bs, device)
         self.forward = forward
         self.page_size = page_size
         self.page_table = page_table
-        self.device = device
         self.capture_kind = Capture.NONE  # the target features its forward keeps
         self.tokens_per_seq = tokens_per_seq
-        self.buckets = batch_buckets(max_bs)
-        self.max_bs = self.buckets[-1]
         pin = device.type == "cuda"
         layout = _StaticInputs(self.max_bs, tokens_per_seq)
         self._host = _StaticInputs(
@@ -189,15 +240,6 @@ class DecodeGraphRunner:
         if feature_width:
             self._features = torch.zeros((rows, feature_width), dtype=dtype, device=device)
         self._contexts = {bs: self._context(bs) for bs in self.buckets}
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None  # the graphs' memory pool, once captured
-        # Recorded after each copy out of the pinned buffer: the next step (prepared while
-        # this one may still be queued, with overlap scheduling) waits for it before
-        # overwriting the buffer.
-        self._copied = torch.cuda.Event() if pin else None
-        # Steps per bucket, replayed from a graph and run eagerly (statistics, tests).
-        self.replays: Counter[int] = Counter()
-        self.eager_runs: Counter[int] = Counter()
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """A batch of known requests that a bucket holds, each computing at most
@@ -210,9 +252,6 @@ class DecodeGraphRunner:
         return all(len(t) <= self.tokens_per_seq for t in batch.token_ids) and all(
             mask.shape[1] == mask.shape[0] for mask in batch.masks.values()
         )
-
-    def bucket_for(self, batch_size: int) -> int:
-        return next(b for b in self.buckets if b >= batch_size)
 
     def query_starts(self, batch_size: int) -> list[int]:
         """Where each sequence's rows start in the outputs."""
@@ -228,25 +267,16 @@ class DecodeGraphRunner:
         placeholder ids stand for (overlap.py)."""
         bs = len(batch)
         bucket = self.bucket_for(bs)
-        if self._copied is not None:
-            self._copied.synchronize()
+        self._wait_for_inputs()
         if self.tokens_per_seq == 1:
             self._fill_decode(batch, bucket)
         else:
             self._fill(batch, bucket)
-        self._inputs.buffer.copy_(self._host.buffer, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self._upload(self._host.buffer, self._inputs.buffer)
         if previous_tokens is not None:
             ids = self._inputs.views["ids"]
             ids.copy_(resolve_placeholders(ids, previous_tokens))
-        graph = self._graphs.get(bucket)
-        if graph is not None:
-            graph.replay()
-            self.replays[bucket] += 1
-        else:
-            self._forward(bucket)
-            self.eager_runs[bucket] += 1
+        self._launch(bucket)
         rows = bs * self.tokens_per_seq
         return self._hidden[:rows], None if self._features is None else self._features[:rows]
 
@@ -370,18 +400,17 @@ class DecodeGraphRunner:
     def capture(self, pool=None) -> None:
         """Record a graph per bucket (largest first, all in one memory pool: `pool`, or a
         new one)."""
-        started = time.perf_counter()
         before = torch.cuda.memory_reserved(self.device)
         self._pad(0, self.max_bs)
         self._inputs.buffer.copy_(self._host.buffer)
-        self._graphs, self.pool = capture_graphs(self.buckets, self._forward, self.device, pool)
+        seconds = self._capture(pool)
         logger.info(
             "captured %d CUDA graphs (batches %d..%d, %d tokens per sequence) in %.1f s, %.0f MiB",
             len(self._graphs),
             self.buckets[0],
             self.max_bs,
             self.tokens_per_seq,
-            time.perf_counter() - started,
+            seconds,
             (torch.cuda.memory_reserved(self.device) - before) / 2**20,
         )
 

@@ -15,20 +15,18 @@ Without CUDA the same static inputs run eagerly (tests under the Triton interpre
 from __future__ import annotations
 
 import logging
-import time
-from collections import Counter
 
 import torch
 
 from pdserve.engine.attention import AttentionContext
-from pdserve.engine.decode_graphs import batch_buckets, capture_graphs, decode_context
+from pdserve.engine.decode_graphs import BucketGraphs, decode_context
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.page_table import DevicePageTable
 
 logger = logging.getLogger(__name__)
 
 
-class ChainDraftGraphs:
+class ChainDraftGraphs(BucketGraphs):
     """Runs the `num_steps - 1` draft steps of chain proposals for up to `max_bs` requests
     over static inputs: replayed from graphs once `capture()` has run, eagerly before (or
     without CUDA)."""
@@ -45,13 +43,11 @@ class ChainDraftGraphs:
     ):
         """`net`: the `DraftNet`; `hidden_size`: the recurrent hidden width it feeds itself
         (None: the draft carries no hidden state)."""
+        super().__init__(max_bs, device)
         self.net = net
-        self.pool = pool
+        self.kv_pool = pool
         self.page_table = page_table
-        self.device = device
         self.steps = num_steps - 1
-        self.buckets = batch_buckets(max_bs)
-        self.max_bs = self.buckets[-1]
         pin = device.type == "cuda"
         # Rows: per step positions, slots and KV lengths; then page-table rows.
         shape = (3 * self.steps + 1, self.max_bs)
@@ -67,10 +63,6 @@ class ChainDraftGraphs:
         self._contexts = {
             bs: [self._context(bs, s) for s in range(self.steps)] for bs in self.buckets
         }
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._copied = torch.cuda.Event() if pin else None
-        self.replays: Counter[int] = Counter()
-        self.eager_runs: Counter[int] = Counter()
 
     def can_run(self, num_requests: int) -> bool:
         return 0 < num_requests <= self.max_bs
@@ -83,27 +75,18 @@ class ChainDraftGraphs:
         b's step s feeds its previous token at position `prefix[b] + s`. A view of a static
         buffer: the next run overwrites it."""
         bs = len(requests)
-        bucket = next(b for b in self.buckets if b >= bs)
-        if self._copied is not None:
-            self._copied.synchronize()
+        bucket = self.bucket_for(bs)
+        self._wait_for_inputs()
         self._fill(requests, prefix, bs, bucket)
-        self._inputs.copy_(self._host, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self._upload(self._host, self._inputs)
         self._token[:bs].copy_(first)
         if self._hidden is not None:
             self._hidden[:bs].copy_(hidden)
-        graph = self._graphs.get(bucket)
-        if graph is not None:
-            graph.replay()
-            self.replays[bucket] += 1
-        else:
-            self._forward(bucket)
-            self.eager_runs[bucket] += 1
+        self._launch(bucket)
         return self._drafted[:bs]
 
     def _fill(self, requests: list, prefix: list[int], bs: int, bucket: int) -> None:
-        size = self.pool.page_size
+        size = self.kv_pool.page_size
         host, steps = self._host_rows, self.steps
         for s in range(steps):
             at = [p + s for p in prefix]
@@ -125,7 +108,7 @@ class ChainDraftGraphs:
         token = self._token[:bucket]
         hidden = None if self._hidden is None else self._hidden[:bucket]
         for s, ctx in enumerate(self._contexts[bucket]):
-            out = net.forward(token, ctx.positions, hidden, False, self.pool, ctx)
+            out = net.forward(token, ctx.positions, hidden, False, self.kv_pool, ctx)
             token = net.to_target_ids(net.logits(out).argmax(dim=-1))
             hidden = out
             self._drafted[:bucket, s].copy_(token)
@@ -135,7 +118,7 @@ class ChainDraftGraphs:
         inputs."""
         steps = self.steps
         return decode_context(
-            self.pool.page_size,
+            self.kv_pool.page_size,
             self.page_table,
             self._inputs[step, :bs],
             self._inputs[steps + step, :bs],
@@ -145,17 +128,14 @@ class ChainDraftGraphs:
 
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
-        started = time.perf_counter()
         self._pad(0, self.max_bs)
         self._inputs.copy_(self._host)
-        self._graphs, self.graph_pool = capture_graphs(
-            self.buckets, self._forward, self.device, pool
-        )
+        seconds = self._capture(pool)
         logger.info(
             "captured %d CUDA graphs of %d draft steps (batches %d..%d) in %.1f s",
             len(self._graphs),
             self.steps,
             self.buckets[0],
             self.max_bs,
-            time.perf_counter() - started,
+            seconds,
         )

@@ -139,9 +139,7 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
             tokens_per_seq=per_seq,
         )
         if cuda:
-            self.catch_up_graphs.capture(
-                pool=self.chain_graphs.graph_pool if self.chain_graphs else None
-            )
+            self.catch_up_graphs.capture(pool=self.chain_graphs.pool if self.chain_graphs else None)
 
     # ---- catching up -----------------------------------------------------------------
 

@@ -23,6 +23,14 @@ from pdserve.engine.kernels.rope_store import rope_and_store
 from pdserve.engine.models.layers import RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Small float32 caches of 4-token pages, 2 KV heads of 32 dims.
+SMALL_PAGES = {
+    "page_size": 4,
+    "kv_heads": 2,
+    "head_dim": 32,
+    "dtype": torch.float32,
+    "device": DEVICE,
+}
 
 
 def run_decode(
@@ -89,15 +97,7 @@ def run_decode(
 def test_decode_padding_rows_give_zeros(splits):
     """A CUDA graph's padding rows (kv_len 0) must not read the cache or produce NaN."""
     generator = torch.Generator().manual_seed(splits)
-    case = paged_case(
-        [5, 9],
-        page_size=4,
-        kv_heads=2,
-        head_dim=32,
-        dtype=torch.float32,
-        device=DEVICE,
-        generator=generator,
-    )
+    case = paged_case([5, 9], generator=generator, **SMALL_PAGES)
     q = torch.randn(4, 4, 32, generator=generator).to(DEVICE)
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(
@@ -397,15 +397,7 @@ def test_extend_over_padded_rows_writes_every_row():
     first; padding rows (and a padding sequence with no tokens) get finite values."""
     generator = torch.Generator().manual_seed(21)
     query_lens, kv_lens, rows_per_seq = [3, 5, 0], [9, 5, 0], 5
-    case = paged_case(
-        [9, 5, 1],
-        page_size=4,
-        kv_heads=2,
-        head_dim=32,
-        dtype=torch.float32,
-        device=DEVICE,
-        generator=generator,
-    )
+    case = paged_case([9, 5, 1], generator=generator, **SMALL_PAGES)
     q = torch.randn(3 * rows_per_seq, 8, 32, generator=generator).to(DEVICE)
     out = torch.full_like(q, float("nan"))
     mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # over its 3 tokens
