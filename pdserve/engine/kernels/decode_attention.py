@@ -31,7 +31,12 @@ def num_splits_for(batch: int, num_kv_heads: int, num_sms: int) -> int:
     return max(1, min(MAX_SPLITS, wanted))
 
 
-@triton.jit
+# NOTE: the split count is a runtime argument, not a constant: each distinct constant would
+# compile the kernel anew, and a mixed step's decode batch (any size) would then compile at
+# serve time, long after the CUDA graphs' warm-up. Only whether there are several splits is
+# a constant. The page table's width (a step's longest sequence, eagerly) is not
+# specialized on either.
+@triton.jit(do_not_specialize=["num_splits", "stride_table"])
 def _decode_chunk_kernel(
     q_ptr,
     k_cache_ptr,
@@ -54,13 +59,14 @@ def _decode_chunk_kernel(
     stride_out_head,
     scale,
     window,
+    num_splits,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     SLIDING: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -77,7 +83,7 @@ def _decode_chunk_kernel(
     start = 0
     if SLIDING:
         start = tl.maximum(kv_len - window, 0)
-    chunk = tl.cdiv(tl.cdiv(kv_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(kv_len - start, num_splits), BLOCK_N) * BLOCK_N
     lo = start + split * chunk
     hi = tl.minimum(lo + chunk, kv_len)
 
@@ -131,22 +137,22 @@ def _decode_chunk_kernel(
     safe_total = tl.where(total > 0, total, 1.0)
     out = acc / safe_total[:, None]
     out_mask = head_ok[:, None] & dim_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(
             out_ptr + row * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=out_mask,
         )
     else:
-        # part_out: [D, heads, NUM_SPLITS, HEAD_DIM] fp32; part_lse: [D, heads, NUM_SPLITS]
+        # part_out: [D, heads, num_splits, HEAD_DIM] fp32; part_lse: [D, heads, num_splits]
         num_heads = tl.num_programs(1) * GROUP
-        part_rows = (seq * num_heads + heads) * NUM_SPLITS + split
+        part_rows = (seq * num_heads + heads) * num_splits + split
         tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
         lse = tl.where(total > 0, best + tl.log(safe_total), float("-inf"))
         tl.store(part_lse_ptr + part_rows, lse, mask=head_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_chunks_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -154,9 +160,9 @@ def _merge_chunks_kernel(
     out_ptr,
     stride_out_token,
     stride_out_head,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -164,8 +170,8 @@ def _merge_chunks_kernel(
     row = tl.load(rows_ptr + seq)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, DIM_PAD)
-    split_ok = splits < NUM_SPLITS
-    part_rows = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    split_ok = splits < num_splits
+    part_rows = (seq * tl.num_programs(1) + head) * num_splits + splits
     lse = tl.load(part_lse_ptr + part_rows, mask=split_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # every chunk empty: weights of 0
@@ -247,13 +253,14 @@ def paged_decode_attention(
         out.stride(1),
         scale,
         sliding_window or 0,
+        num_splits,
         PAGE_SIZE=page_size,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad,
         BLOCK_N=64,
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         SLIDING=sliding_window is not None,
         UPCAST=upcast,
         PRECISION=precision,
@@ -268,8 +275,8 @@ def paged_decode_attention(
             out,
             out.stride(0),
             out.stride(1),
+            num_splits,
             HEAD_DIM=head_dim,
             DIM_PAD=dim_pad,
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            SPLITS_PAD=MAX_SPLITS,
         )

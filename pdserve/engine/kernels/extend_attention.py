@@ -115,7 +115,9 @@ def _attend_keys(
     return acc, best, total
 
 
-@triton.jit
+# NOTE: the page table's width (a step's longest sequence) is not specialized on: a new
+# value would compile the kernel anew at serve time.
+@triton.jit(do_not_specialize=["stride_table"])
 def _extend_kernel(
     q_ptr,
     k_cache_ptr,
