@@ -126,14 +126,14 @@ class _StaticInputs:
         sizes = {name: rows for name in self.ROW_FIELDS}
         sizes |= {name: seqs for name in self.SEQ_FIELDS}
         sizes["masks"] = seqs * tokens_per_seq**2 if tokens_per_seq > 1 else 0
-        self.size = sum(sizes.values())
+        self.size = sum(size + size % 2 for size in sizes.values())
         self.buffer = buffer
         self.views: dict[str, torch.Tensor] = {}
         start = 0
         for name, size in sizes.items():
             if buffer is not None:
                 self.views[name] = buffer[start : start + size]
-            start += size
+            start += size + size % 2  # every view 16 bytes aligned (see context._pack)
 
 
 class BucketGraphs:

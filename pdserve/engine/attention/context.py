@@ -165,14 +165,24 @@ class AttentionContext:
 def _pack(
     parts: dict[str, torch.Tensor | list[int]], device: torch.device
 ) -> dict[str, torch.Tensor]:
-    """Copy int64 tensors and lists to `device` in one transfer; views keep their shapes."""
+    """Copy int64 tensors and lists to `device` in one transfer; views keep their shapes.
+
+    Every view starts 16 bytes aligned: Triton compiles a kernel per alignment of its pointer
+    arguments, so views at odd offsets would compile new variants at serve time as the
+    step's sizes change."""
     tensors = {
         name: (part if isinstance(part, torch.Tensor) else torch.tensor(part, dtype=torch.int64))
         for name, part in parts.items()
     }
-    flat = torch.cat([t.reshape(-1) for t in tensors.values()]).to(device, non_blocking=True)
-    out, start = {}, 0
+    starts, size = {}, 0
     for name, t in tensors.items():
-        out[name] = flat[start : start + t.numel()].view(t.shape)
-        start += t.numel()
-    return out
+        starts[name] = size
+        size += t.numel() + t.numel() % 2  # int64: two per 16 bytes
+    flat = torch.zeros(size, dtype=torch.int64)
+    for name, t in tensors.items():
+        flat[starts[name] : starts[name] + t.numel()] = t.reshape(-1)
+    flat = flat.to(device, non_blocking=True)
+    return {
+        name: flat[starts[name] : starts[name] + t.numel()].view(t.shape)
+        for name, t in tensors.items()
+    }
