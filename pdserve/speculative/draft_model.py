@@ -248,7 +248,7 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
     def _propose_tree(self, requests, tokens, scores, hidden, prefix) -> list[DraftTree]:
         batch, topk = tokens.shape
         nodes = [_Nodes() for _ in requests]
-        token_rows, score_rows = tokens.tolist(), scores.tolist()
+        token_rows, score_rows = _to_host(tokens, scores)
         frontier = []  # per request: the node ids being fed this step
         for b in range(batch):
             frontier.append(
@@ -286,8 +286,7 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
             child_ids = self.net.to_target_ids(child_ids).view(batch, topk * topk)
             child_scores = (scores[:, :, None] + child_lp.view(batch, topk, topk)).view(batch, -1)
             best = child_scores.topk(topk, dim=-1).indices  # [B, K] into the K*K children
-            ids_rows, score_rows = child_ids.tolist(), child_scores.tolist()
-            best_rows = best.tolist()
+            ids_rows, score_rows, best_rows = _to_host(child_ids, child_scores, best)
             new_frontier = []
             for b in range(batch):
                 children = [
@@ -303,6 +302,21 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
                 hidden = out.view(batch, topk, -1).gather(1, parents)
         size = self.settings.num_draft_tokens - 1
         return [n.best_tree(size) for n in nodes]
+
+
+def _to_host(*rows: torch.Tensor) -> list[list[list[int | float]]]:
+    """`[B, n]` tensors as nested lists, in one copy (one wait for the GPU, not one per
+    tensor): float64 holds token ids and float32 scores exactly."""
+    widths = [r.shape[1] for r in rows]
+    packed = torch.cat([r.double() for r in rows], dim=1).tolist()
+    out, start = [], 0
+    for r, width in zip(rows, widths, strict=True):
+        part = [row[start : start + width] for row in packed]
+        if not r.dtype.is_floating_point:
+            part = [[int(v) for v in row] for row in part]
+        out.append(part)
+        start += width
+    return out
 
 
 class _Nodes:
