@@ -540,14 +540,14 @@ class Engine:
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
+            # NOTE: the request's own lists, not copies (a copy per step is O(n^2)); they keep
+            # growing while the request runs.
             token_ids=request.output_token_ids,
             new_token_ids=new_tokens,
             finished=request.finished,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             stop_reason=request.stop_reason,
             error=request.error,
-            # NOTE: the request's own lists, not copies (a copy per step is O(n^2)); they keep
-            # growing while the request runs.
             logprobs=request.logprobs if want_logprobs else None,
             top_logprobs=request.top_logprobs if want_top else None,
             new_logprobs=(

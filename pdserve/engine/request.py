@@ -35,6 +35,10 @@ class Request:
     max_total_tokens: int
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)
+    # The output tokens appended so far (`append_token`), kept beside `token_ids` so a step's
+    # output can hand over the list itself: a copy per step would cost O(n^2) over a request.
+    # Unlike `token_ids` it never holds an overlap placeholder.
+    output_token_ids: list[int] = field(init=False, default_factory=list)
     num_computed_tokens: int = 0
     pages: list[int] = field(default_factory=list)
     # pages[pages_changed_from:] may differ from what the device page table last wrote: the
@@ -73,10 +77,6 @@ class Request:
         return len(self.token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
@@ -86,3 +86,4 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)

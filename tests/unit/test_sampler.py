@@ -19,7 +19,8 @@ def requests_for(params: SamplingParams, count: int, output=()):
     reqs = []
     for i in range(count):
         request = Request(f"r{i}", [5, 6, 7], params, 100)
-        request.token_ids.extend(output)
+        for token in output:
+            request.append_token(token)
         reqs.append(request)
     return reqs
 

@@ -97,7 +97,8 @@ def _requests(params: SamplingParams, count: int, output=()) -> list[Request]:
     requests = []
     for i in range(count):
         request = Request(f"r{i}", [5, 6, 7, 5], params, 1000)
-        request.token_ids.extend(output)
+        for token in output:
+            request.append_token(token)
         requests.append(request)
     return requests
 
