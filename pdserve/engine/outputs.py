@@ -9,8 +9,9 @@ from dataclasses import dataclass
 class RequestOutput:
     """A request's state after a step: cumulative tokens, plus those new since the previous
     output (for streaming). The cumulative lists (`token_ids`, `logprobs`, `top_logprobs`)
-    are the request's own and keep growing while it runs: copy them to keep a snapshot. `finish_reason` is "stop", "length" or "abort" once `finished`;
-    `stop_reason` is the stop token id or stop string that matched, if any.
+    are the request's own and keep growing while it runs: copy them to keep a snapshot.
+    `finish_reason` is "stop", "length" or "abort" once `finished`; `stop_reason` is the stop
+    token id or stop string that matched, if any.
 
     Token-level: `Engine.step()` leaves `text` None. Text is made from the ids by a
     `RequestDetokenizer` outside the engine (detokenizer.py): `LLM.generate` fills `text` of
