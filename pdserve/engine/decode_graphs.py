@@ -121,19 +121,20 @@ class _StaticInputs:
     ROW_FIELDS = ("ids", "positions", "slots")
     SEQ_FIELDS = ("table_rows", "kv_lens", "query_lens", "mask_offsets")
 
-    def __init__(self, seqs: int, tokens_per_seq: int, buffer: torch.Tensor | None = None):
+    def __init__(self, seqs: int, tokens_per_seq: int, **tensor_options):
+        """`tensor_options`: where the buffer lives (`device=...` or `pin_memory=True`)."""
         rows = seqs * tokens_per_seq
         sizes = {name: rows for name in self.ROW_FIELDS}
         sizes |= {name: seqs for name in self.SEQ_FIELDS}
         sizes["masks"] = seqs * tokens_per_seq**2 if tokens_per_seq > 1 else 0
-        self.size = sum(size + size % 2 for size in sizes.values())
-        self.buffer = buffer
+        # NOTE: every view starts 16 bytes aligned (see attention.context._pack).
+        total = sum(size + size % 2 for size in sizes.values())
+        self.buffer = torch.zeros(total, dtype=torch.int64, **tensor_options)
         self.views: dict[str, torch.Tensor] = {}
         start = 0
         for name, size in sizes.items():
-            if buffer is not None:
-                self.views[name] = buffer[start : start + size]
-            start += size + size % 2  # every view 16 bytes aligned (see context._pack)
+            self.views[name] = self.buffer[start : start + size]
+            start += size + size % 2
 
 
 class BucketGraphs:
@@ -223,17 +224,9 @@ class DecodeGraphRunner(BucketGraphs):
         self.page_table = page_table
         self.capture_kind = Capture.NONE  # the target features its forward keeps
         self.tokens_per_seq = tokens_per_seq
-        pin = device.type == "cuda"
-        layout = _StaticInputs(self.max_bs, tokens_per_seq)
-        self._host = _StaticInputs(
-            self.max_bs,
-            tokens_per_seq,
-            torch.zeros(layout.size, dtype=torch.int64, pin_memory=pin),
-        )
+        self._host = _StaticInputs(self.max_bs, tokens_per_seq, pin_memory=device.type == "cuda")
         self._host_views = {name: view.numpy() for name, view in self._host.views.items()}
-        self._inputs = _StaticInputs(
-            self.max_bs, tokens_per_seq, torch.zeros(layout.size, dtype=torch.int64, device=device)
-        )
+        self._inputs = _StaticInputs(self.max_bs, tokens_per_seq, device=device)
         rows = self.max_bs * tokens_per_seq
         self._hidden = torch.zeros((rows, hidden_size), dtype=dtype, device=device)
         self._features = None
