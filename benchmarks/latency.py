@@ -154,13 +154,13 @@ def time_pdserve_batch(engine, batch: int, args, generator, request_ids) -> Batc
         request_id = next(request_ids)
         engine.add_request(request_id, prompt, params)
         requests.append(engine.requests[request_id])
-    # NOTE: with overlap scheduling a sampled token is a placeholder (negative) until the
-    # next step lands it.
-    while any(r.num_output_tokens == 0 or r.output_token_ids[0] < 0 for r in requests):
+    # NOTE: with overlap scheduling a sampled token lands (joins `output_token_ids`) a step
+    # after it was sampled.
+    while any(not r.output_token_ids for r in requests):
         engine.step()
     sync()
     first_token = time.perf_counter()
-    if any(len([t for t in r.output_token_ids if t >= 0]) != 1 for r in requests):
+    if any(len(r.output_token_ids) != 1 for r in requests):
         raise RuntimeError(
             f"batch {batch}: some sequences decoded before the last prompt finished prefill; "
             "the timed steps would not all decode the full batch"
