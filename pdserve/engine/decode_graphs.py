@@ -96,8 +96,8 @@ def build_decode_graphs(
         dtype=model.lm_head.weight.dtype,
         feature_width=width * len(capture.layer_ids),
         tokens_per_seq=tokens_per_seq,
+        capture_kind=capture,
     )
-    runner.capture_kind = capture
     if device.type == "cuda":
         runner.capture(pool=share_pool_with.pool if share_pool_with is not None else None)
     return runner
@@ -215,6 +215,7 @@ class DecodeGraphRunner(BucketGraphs):
         dtype: torch.dtype,
         feature_width: int = 0,
         tokens_per_seq: int = 1,
+        capture_kind: Capture = Capture.NONE,
     ):
         if tokens_per_seq < 1:
             raise ValueError(f"tokens_per_seq must be at least 1, got {tokens_per_seq}")
@@ -222,7 +223,7 @@ class DecodeGraphRunner(BucketGraphs):
         self.forward = forward
         self.page_size = page_size
         self.page_table = page_table
-        self.capture_kind = Capture.NONE  # the target features its forward keeps
+        self.capture_kind = capture_kind  # the target features its forward keeps
         self.tokens_per_seq = tokens_per_seq
         self._host = _StaticInputs(self.max_bs, tokens_per_seq, pin_memory=device.type == "cuda")
         self._host_views = {name: view.numpy() for name, view in self._host.views.items()}

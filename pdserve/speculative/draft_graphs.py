@@ -39,10 +39,11 @@ class ChainDraftGraphs(BucketGraphs):
         max_bs: int,
         num_steps: int,
         hidden_size: int | None,
+        dtype: torch.dtype,
         device: torch.device,
     ):
         """`net`: the `DraftNet`; `hidden_size`: the recurrent hidden width it feeds itself
-        (None: the draft carries no hidden state)."""
+        (None: the draft carries no hidden state), in `dtype`."""
         super().__init__(max_bs, device)
         self.net = net
         self.kv_pool = pool
@@ -57,7 +58,6 @@ class ChainDraftGraphs(BucketGraphs):
         self._token = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self._hidden = None
         if hidden_size is not None:
-            dtype = next(net.model.parameters()).dtype
             self._hidden = torch.zeros((self.max_bs, hidden_size), dtype=dtype, device=device)
         self._drafted = torch.zeros((self.max_bs, self.steps), dtype=torch.int64, device=device)
         self._contexts = {

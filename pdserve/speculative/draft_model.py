@@ -111,6 +111,7 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
                 max_tokens,
                 self.settings.num_steps,
                 self.config.hidden_size if carries else None,
+                self.dtype,
                 self.device,
             )
             if cuda:
@@ -118,9 +119,8 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
         per_seq = self.settings.num_draft_tokens
         rows = max(1, max_tokens // per_seq) * per_seq
         width = self.net.feature_width()
-        dtype = next(self.net.model.parameters()).dtype
         self._catch_up_features = (
-            torch.zeros((rows, width), dtype=dtype, device=self.device) if width else None
+            torch.zeros((rows, width), dtype=self.dtype, device=self.device) if width else None
         )
 
         def forward(ids, positions, ctx):
@@ -135,7 +135,7 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
             rows // per_seq,
             self.device,
             hidden_size=self.config.hidden_size,
-            dtype=dtype,
+            dtype=self.dtype,
             tokens_per_seq=per_seq,
         )
         if cuda:
