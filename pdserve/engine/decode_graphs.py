@@ -253,12 +253,12 @@ class DecodeGraphRunner(BucketGraphs):
 
     @torch.inference_mode()
     def run(
-        self, batch: ForwardBatch, previous_tokens: torch.Tensor | None = None
+        self, batch: ForwardBatch, device_tokens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final hidden states `[len(batch) * tokens_per_seq, hidden]` of a batch (`can_run`),
         its KV written to the cache, and the kept features (None without). Views of static
-        buffers: the next run overwrites them. `previous_tokens`: what the batch's
-        placeholder ids stand for (overlap.py)."""
+        buffers: the next run overwrites them. `device_tokens`: what the batch's
+        placeholder ids stand for (`ModelRunner.forward`)."""
         bs = len(batch)
         bucket = self.bucket_for(bs)
         self._wait_for_inputs()
@@ -267,9 +267,9 @@ class DecodeGraphRunner(BucketGraphs):
         else:
             self._fill(batch, bucket)
         self._upload(self._host.buffer, self._inputs.buffer)
-        if previous_tokens is not None:
+        if device_tokens is not None:
             ids = self._inputs.views["ids"]
-            ids.copy_(resolve_placeholders(ids, previous_tokens))
+            ids.copy_(resolve_placeholders(ids, device_tokens))
         self._launch(bucket)
         rows = bs * self.tokens_per_seq
         return self._hidden[:rows], None if self._features is None else self._features[:rows]

@@ -39,7 +39,7 @@ from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from pdserve.engine.speculator import Draft, Emitted, Speculator
+from pdserve.engine.speculator import Draft, Emitted, Proposals, Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -335,8 +335,11 @@ class Engine:
         return landed + self._step_now(batch)
 
     def _step_now(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        drafts = self.speculator.propose(batch) if self.speculator else {}
-        output = self.runner.forward(self._forward_batch(batch, drafts), self.capture)
+        proposals = self.speculator.propose(batch) if self.speculator else Proposals({})
+        drafts = proposals.drafts
+        output = self.runner.forward(
+            self._forward_batch(batch, drafts), self.capture, proposals.device_tokens
+        )
         outputs = self._sample(batch, output, drafts) + self._verify(batch, output, drafts)
         if self.speculator:
             self.speculator.catch_up(batch, output, drafts)
@@ -365,7 +368,7 @@ class Engine:
             requests = [batch.requests[i] for i in sampling]
             output = self.runner.forward(
                 self._forward_batch(batch, {}),
-                previous_tokens=previous.tokens if previous is not None else None,
+                device_tokens=previous.tokens if previous is not None else None,
             )
             if sampling:  # NOTE: a step of prompt chunks alone has nothing to land
                 tokens = self.runner.sample_on_device(output, sampling, requests)
@@ -476,11 +479,10 @@ class Engine:
         if not drafts:
             return []
         seqs = list(drafts)
-        outputs = []
-        for i, logits in zip(seqs, self.runner.logits(output, seqs), strict=True):
-            request = batch.requests[i]
-            outputs.append(self._emit(request, self.speculator.verify(request, drafts[i], logits)))
-        return outputs
+        requests = [batch.requests[i] for i in seqs]
+        logits = self.runner.logits(output, seqs)
+        emitted = self.speculator.verify(requests, [drafts[i] for i in seqs], logits)
+        return [self._emit(r, tokens) for r, tokens in zip(requests, emitted, strict=True)]
 
     def _emit(self, request: Request, emitted: list[Emitted]) -> RequestOutput:
         """Append a verification's tokens, up to the one that finishes the request, and

@@ -43,16 +43,16 @@ class ModelRunner:
         self,
         batch: ForwardBatch,
         capture: Capture = Capture.NONE,
-        previous_tokens: torch.Tensor | None = None,
+        device_tokens: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """The one forward pass, for plain steps, prefill chunks and speculative verification:
         every sequence's new tokens at once, KV written into their pages, and the features
         `capture` asks for. Decode and verification batches replay a CUDA graph, whose
-        runner keeps the engine's capture. `previous_tokens`: the device tokens that
-        placeholder ids stand for (overlap.py)."""
+        runner keeps the engine's capture. `device_tokens`: what placeholder ids stand
+        for (tokens an overlapped step sampled, or proposals drafted on the device)."""
         for graphs in (self.decode_graphs, self.verify_graphs):
             if graphs is not None and graphs.capture_kind == capture and graphs.can_run(batch):
-                hidden, features = graphs.run(batch, previous_tokens)
+                hidden, features = graphs.run(batch, device_tokens)
                 # NOTE: the graph's output buffers are overwritten by the next replay; a draft
                 # may keep the features past this step.
                 if capture.kind == "final":
@@ -70,8 +70,8 @@ class ModelRunner:
         )
         ids = torch.tensor(batch.flat_token_ids(), dtype=torch.int64)
         ids = ids.to(self.device, non_blocking=True)
-        if previous_tokens is not None:
-            ids = resolve_placeholders(ids, previous_tokens)
+        if device_tokens is not None:
+            ids = resolve_placeholders(ids, device_tokens)
         if capture.kind == "layers":
             hidden, features = self.model.forward_capture(
                 ids, ctx.positions, self.kv_pool, ctx, capture.layer_ids
@@ -105,9 +105,10 @@ class ModelRunner:
         return self.sampler.sample(self._logits_of_last_rows(output, seqs), requests)
 
     @torch.inference_mode()
-    def logits(self, output: ForwardOutput, seqs: list[int]) -> list[torch.Tensor]:
-        """Every row's logits for each of `seqs` (a verification reads them all)."""
+    def logits(self, output: ForwardOutput, seqs: list[int]) -> torch.Tensor:
+        """Every row's logits of each of `seqs` in turn (a verification reads them all)."""
         rows = [row for i in seqs for row in range(output.rows(i).start, output.rows(i).stop)]
-        hidden = output.hidden.index_select(0, device_ints(rows, self.device))
-        logits = self.model.compute_logits(hidden)
-        return list(logits.split([len(output.batch.token_ids[i]) for i in seqs]))
+        hidden = output.hidden
+        if rows != list(range(hidden.shape[0])):  # NOTE: else every row, in order: no gather
+            hidden = hidden.index_select(0, device_ints(rows, self.device))
+        return self.model.compute_logits(hidden)

@@ -29,7 +29,8 @@ def is_placeholder(token: int) -> bool:
 
 
 def resolve_placeholders(ids: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-    """`ids` with every placeholder replaced by the previous step's token on the device."""
+    """`ids` with every placeholder replaced by the device token it stands for (the previous
+    step's; a speculator's proposals use the same scheme)."""
     if previous.numel() == 0:
         return ids
     index = (-1 - ids).clamp(min=0, max=previous.shape[0] - 1)

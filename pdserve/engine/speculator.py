@@ -7,6 +7,11 @@ token scheduled); one forward pass computes the other requests' chunks and every
 verification (`Draft`: the last committed token, then the proposals); requests without a draft
 sample as usual, requests with one keep what `verify` accepts; `catch_up` then keeps the
 accepted KV and brings the draft up to date with every token the target computed.
+
+Proposals drafted on the device may stay there until verification: their ids in `token_ids`
+are placeholders (`pdserve.engine.overlap.placeholder`) for `Proposals.device_tokens`, which
+the forward pass reads on the device. The host sees them first when `verify` copies them,
+with the target's choices, in one copy for the whole batch.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ Emitted = tuple[int, float | None, dict[int, float] | None]
 @dataclass(kw_only=True)
 class Draft:
     """One request's proposal as its verification pass computes it: `token_ids` are the last
-    committed token and then the proposed ones. A chain needs nothing more (consecutive
-    positions, causal); a tree gives each token's `positions` and a `mask`
-    ([len(token_ids), len(token_ids)]: which new tokens each may see; all see the cache).
+    committed token and then the proposed ones (or placeholders for them, see
+    `Proposals`). A chain needs nothing more (consecutive positions, causal); a tree gives
+    each token's `positions` and a `mask` ([len(token_ids), len(token_ids)]: which new
+    tokens each may see; all see the cache).
     """
 
     token_ids: list[int]
@@ -41,11 +47,20 @@ class Draft:
     mask: torch.Tensor | None = None
 
 
+@dataclass
+class Proposals:
+    """A step's drafts by index in the batch, and the device tokens their placeholder ids
+    stand for (None: every id is on the host)."""
+
+    drafts: dict[int, Draft]
+    device_tokens: torch.Tensor | None = None
+
+
 class Speculator(Protocol):
     """The engine's side of speculative decoding. Start-up calls, in order: `load`,
     `draft_page_bytes`, `build_pools`, `lookahead_slots`, `target_capture`, `verify_tokens`,
     `build_graphs`; then each step
-    `propose`, `verify` (per draft) and `catch_up`."""
+    `propose`, `verify` (the batch's drafts at once) and `catch_up`."""
 
     def load(self, engine: Engine) -> None:
         """Load draft models: after the target, before the KV pools are sized."""
@@ -73,12 +88,15 @@ class Speculator(Protocol):
         """The most tokens a verification computes per request, the last committed one
         included (what a verification's CUDA graph is captured for)."""
 
-    def propose(self, batch: ScheduledBatch) -> dict[int, Draft]:
+    def propose(self, batch: ScheduledBatch) -> Proposals:
         """Drafts for the requests of `batch` ready to speculate, by index in the batch."""
 
-    def verify(self, request: Request, draft: Draft, logits: torch.Tensor) -> list[Emitted]:
-        """The tokens to emit after a verification pass (`logits`: one row per draft token,
-        the last committed one's first): the accepted proposals, then one the target chose."""
+    def verify(
+        self, requests: list[Request], drafts: list[Draft], logits: torch.Tensor
+    ) -> list[list[Emitted]]:
+        """The tokens each request emits after its verification pass (`logits`: each draft's
+        rows in turn, one per token of its `token_ids`): the accepted proposals, then one the
+        target chose."""
 
     def catch_up(
         self, batch: ScheduledBatch, output: ForwardOutput, drafts: dict[int, Draft]

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
+
 from pdserve.engine.forward_batch import Capture
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.spec_settings import SpecSettings, SpeculativeConfigError
@@ -149,6 +151,14 @@ class SpeculativeAlgorithm(abc.ABC):
         """Catch the draft up on target tokens computed this step; the next draft input of
         each item's request (used once the request is fully computed)."""
         return [DraftState() for _ in items]
+
+    def propose_on_device(self, requests: list) -> torch.Tensor | None:
+        """Optional: greedy chains of `num_steps` tokens per request (`[B, num_steps]`
+        target ids) left on the device, so that the host need not wait for them before the
+        verification pass. None where this algorithm cannot (the engine calls `propose`).
+        Only called when every request may emit `num_steps` more tokens. The ids must be
+        in the target's vocabulary: nothing checks them before the pass. Default: None."""
+        return None
 
     @abc.abstractmethod
     def propose(self, requests: list) -> list[DraftTree]:

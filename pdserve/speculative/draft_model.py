@@ -123,10 +123,20 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
             torch.zeros((rows, width), dtype=self.dtype, device=self.device) if width else None
         )
 
+        topk = self.settings.eagle_topk
+        self._catch_up_topk_p = torch.zeros((rows, topk), device=self.device)
+        self._catch_up_topk_index = torch.zeros((rows, topk), dtype=torch.int64, device=self.device)
+
         def forward(ids, positions, ctx):
             features = self._catch_up_features
             features = None if features is None else features[: ids.shape[0]]
-            return self.net.forward(ids, positions, features, True, self.pool, ctx), None
+            hidden = self.net.forward(ids, positions, features, True, self.pool, ctx)
+            # NOTE: every row's next draft input, in the graph (a handful of kernels fewer to
+            # launch per step); the rows that end a sequence are picked after the replay.
+            topk_p, topk_index = self._next_topk(hidden)
+            self._catch_up_topk_p[: ids.shape[0]].copy_(topk_p)
+            self._catch_up_topk_index[: ids.shape[0]].copy_(topk_index)
+            return hidden, None
 
         self.catch_up_graphs = DecodeGraphRunner(
             forward,
@@ -156,7 +166,7 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
                 features.append(item.features)
         graphs = self.catch_up_graphs
         if graphs is not None and graphs.can_run(batch):
-            return self._states(self._catch_up_from_graph(graphs, batch, features))
+            return self._catch_up_from_graph(graphs, batch, features)
         ctx = AttentionContext.build(
             page_size=self.pool.page_size,
             pages=batch.pages,
@@ -173,36 +183,44 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
             ctx,
         )
         last = [s + n - 1 for s, n in zip(ctx.query_starts, batch.query_lens, strict=True)]
-        return self._states(hidden.index_select(0, device_ints(last, self.device)))
+        hidden = hidden.index_select(0, device_ints(last, self.device))
+        return self._states(*self._next_topk(hidden), hidden)
 
     def _catch_up_from_graph(
         self, graphs: DecodeGraphRunner, batch: ForwardBatch, features: list[torch.Tensor]
-    ) -> torch.Tensor:
-        """The hidden state at each sequence's last token, from the catch-up graphs (the
-        target features copied into their padded rows first)."""
+    ) -> list[DraftState]:
+        """The next draft inputs after each sequence's last token, from the catch-up graphs
+        (the target features copied into their padded rows first)."""
         per_seq = graphs.tokens_per_seq
-        rows = [i * per_seq + r for i, n in enumerate(batch.query_lens) for r in range(n)]
         if self._catch_up_features is not None:
+            rows = [i * per_seq + r for i, n in enumerate(batch.query_lens) for r in range(n)]
             index = device_ints(rows, self.device)
             self._catch_up_features.index_copy_(0, index, torch.cat(features))
         hidden, _ = graphs.run(batch)
         last = [i * per_seq + n - 1 for i, n in enumerate(batch.query_lens)]
-        return hidden.index_select(0, device_ints(last, self.device))
+        last = device_ints(last, self.device)
+        return self._states(
+            self._catch_up_topk_p.index_select(0, last),
+            self._catch_up_topk_index.index_select(0, last),
+            hidden.index_select(0, last),
+        )
 
     def extend_tokens(self, item: ExtendItem) -> tuple[list[int], int]:
         """The draft's tokens for an extend and the position of the first."""
         return list(item.next_tokens), item.start
 
-    def _states(self, hidden: torch.Tensor) -> list[DraftState]:
+    def _next_topk(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's top-k after each row: probabilities (float32) and target ids."""
         probs = self.net.logits(hidden).softmax(dim=-1)
         topk_p, topk_ids = probs.topk(self.settings.eagle_topk, dim=-1)
-        topk_index = self.net.to_target_ids(topk_ids)
+        return topk_p.float(), self.net.to_target_ids(topk_ids)
+
+    def _states(self, topk_p, topk_index, hidden) -> list[DraftState]:
+        """One draft state per row (rows copied out of any static buffer already)."""
         carries = self.capabilities.carries_hidden
         return [
             DraftState(
-                topk_p=topk_p[i].float(),
-                topk_index=topk_index[i],
-                hidden=hidden[i] if carries else None,
+                topk_p=topk_p[i], topk_index=topk_index[i], hidden=hidden[i] if carries else None
             )
             for i in range(hidden.shape[0])
         ]
@@ -213,22 +231,51 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
     def propose(self, requests: list) -> list[DraftTree]:
         if not requests:
             return []
+        if self.settings.is_chain:
+            drafted = self.propose_on_device(requests)
+            if drafted is None:
+                drafted = self._draft_chain_eagerly(requests)
+            return [DraftTree.chain(row) for row in drafted.tolist()]
         states = [r.draft_state for r in requests]
         tokens = torch.stack([s.topk_index for s in states])  # [B, K]
         scores = torch.stack([s.topk_p for s in states]).clamp_min(1e-30).log()
         hidden = (
             torch.stack([s.hidden for s in states]) if self.capabilities.carries_hidden else None
         )
-        prefix = [r.num_computed_tokens + self.offset for r in requests]
-        if self.settings.is_chain:
-            return self._propose_chain(requests, tokens[:, 0], hidden, prefix)
-        return self._propose_tree(requests, tokens, scores, hidden, prefix)
+        return self._propose_tree(requests, tokens, scores, hidden, self._prefix(requests))
 
-    def _propose_chain(self, requests, token, hidden, prefix) -> list[DraftTree]:
+    def _prefix(self, requests: list) -> list[int]:
+        """Where each request's draft KV ends: the first drafted token's position."""
+        return [r.num_computed_tokens + self.offset for r in requests]
+
+    def _chain_seed(self, requests: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each request's first drafted token (the seed's best) and the hidden state it
+        carries (None for drafts that carry none)."""
+        states = [r.draft_state for r in requests]
+        first = torch.stack([s.topk_index[0] for s in states])
+        carries = self.capabilities.carries_hidden
+        return first, torch.stack([s.hidden for s in states]) if carries else None
+
+    @torch.inference_mode()
+    def propose_on_device(self, requests: list) -> torch.Tensor | None:
+        """Chains from the chain graphs (or the seed alone, for one step), left on the
+        device; None for trees, or a batch the graphs do not hold."""
+        steps = self.settings.num_steps
+        if not self.settings.is_chain or not requests:
+            return None
         graphs = self.chain_graphs
-        if graphs is not None and graphs.can_run(len(requests)):
-            drafted = torch.cat([token[:, None], graphs.run(requests, token, hidden, prefix)], 1)
-            return [DraftTree.chain(row) for row in drafted.tolist()]
+        if steps > 1 and (graphs is None or not graphs.can_run(len(requests))):
+            return None
+        first, hidden = self._chain_seed(requests)
+        if steps == 1:
+            return first[:, None]
+        drafted = graphs.run(requests, first, hidden, self._prefix(requests))
+        return torch.cat([first[:, None], drafted], dim=1)
+
+    def _draft_chain_eagerly(self, requests: list) -> torch.Tensor:
+        """`propose_on_device`'s chains, one launch per kernel (no graphs)."""
+        token, hidden = self._chain_seed(requests)
+        prefix = self._prefix(requests)
         drafted = [token]
         for step in range(1, self.settings.num_steps):
             at = [p + step - 1 for p in prefix]
@@ -243,7 +290,7 @@ class DraftModelAlgorithm(SpeculativeAlgorithm):
             token = self.net.to_target_ids(self.net.logits(out).argmax(dim=-1))
             hidden = out
             drafted.append(token)
-        return [DraftTree.chain(row) for row in torch.stack(drafted, dim=1).tolist()]
+        return torch.stack(drafted, dim=1)
 
     def _propose_tree(self, requests, tokens, scores, hidden, prefix) -> list[DraftTree]:
         batch, topk = tokens.shape

@@ -2,7 +2,9 @@
 
 Each step, requests that are fully computed and have a draft input get a tree from the
 algorithm (checked, and cut to what the request may still emit); the engine verifies it in
-its forward pass, as the last committed token plus the tree. Verification (see `verify.py`)
+its forward pass, as the last committed token plus the tree. Chains an algorithm drafts on the
+device (`propose_on_device`) stay there until verification, which copies them to the host
+with the target's choices in one copy. Verification (see `verify.py`)
 is lossless: greedy output is exactly the target's, sampled output is distributed exactly as
 the target's. KV written for rejected tokens is dropped: an accepted tree node's KV moves to
 the slot of its position, and the pages past the accepted tokens go back to the allocator
@@ -18,10 +20,11 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.forward_batch import Capture, ForwardOutput, device_ints
+from pdserve.engine.overlap import placeholder
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import filtered_probs, generator_at
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.engine.speculator import Draft, Emitted
+from pdserve.engine.speculator import Draft, Emitted, Proposals
 from pdserve.protocol.spec_settings import SpecSettings
 from pdserve.speculative import registry
 from pdserve.speculative.algorithm import SpeculativeAlgorithm
@@ -42,10 +45,13 @@ def build_speculator(settings: SpecSettings | None) -> AlgorithmSpeculator | Non
 @dataclass(kw_only=True)
 class TreeDraft(Draft):
     """A draft tree in the verification pass: proposed after `start` committed tokens; after
-    `verify`, its accepted nodes (`path`, root to leaf) and the target's token after them."""
+    `verify`, its accepted nodes (`path`, root to leaf) and the target's token after them.
+    A chain drafted on the device is row `device_row` of the step's device tokens, and has
+    no `tree` until `verify` copies it."""
 
-    tree: DraftTree
+    tree: DraftTree | None
     start: int
+    device_row: int | None = None
     path: list[int] = field(default_factory=list)
     bonus: int = -1
 
@@ -73,6 +79,8 @@ class AlgorithmSpeculator:
     def __init__(self, algorithm: SpeculativeAlgorithm):
         self.algorithm = algorithm
         self.settings: SpecSettings = algorithm.settings
+        self._drafted: torch.Tensor | None = None  # this step's chains left on the device
+        self.steps_drafted_on_device = 0  # statistics, tests
 
     # ---- start-up ----------------------------------------------------------------------
 
@@ -117,7 +125,7 @@ class AlgorithmSpeculator:
 
     # ---- proposing ---------------------------------------------------------------------
 
-    def propose(self, batch: ScheduledBatch) -> dict[int, Draft]:
+    def propose(self, batch: ScheduledBatch) -> Proposals:
         # NOTE: a prompt whose last chunk is one token has a draft state already; its first
         # token still comes from the sampler, as every other first token does (verifying a
         # tree draws differently): a seeded request's tokens must not depend on where the
@@ -129,16 +137,45 @@ class AlgorithmSpeculator:
             )
             if request.draft_state is not None and count == 1 and request.num_output_tokens > 0
         ]
+        self._drafted = None
         if not ready:
-            return {}
+            return Proposals({})
         requests = [batch.requests[i] for i in ready]
+        drafted = self._propose_on_device(requests)
+        if drafted is not None:
+            self._drafted = drafted
+            self.steps_drafted_on_device += 1
+            return Proposals(
+                {
+                    i: self._device_draft(request, b, drafted.shape[1])
+                    for b, (i, request) in enumerate(zip(ready, requests, strict=True))
+                },
+                drafted.flatten(),
+            )
         trees = self.algorithm.propose(requests)
         if len(trees) != len(requests):
             raise RuntimeError(f"{self.algorithm.name}.propose returned {len(trees)} trees")
-        return {
-            i: self._draft(request, self._fit(request, tree))
-            for i, request, tree in zip(ready, requests, trees, strict=True)
-        }
+        return Proposals(
+            {
+                i: self._draft(request, self._fit(request, tree))
+                for i, request, tree in zip(ready, requests, trees, strict=True)
+            }
+        )
+
+    def _propose_on_device(self, requests: list[Request]) -> torch.Tensor | None:
+        """Chains left on the device (`[B, num_steps]`), where the algorithm drafts them
+        there and no request is near its token limit (a chain cut short is cut on the host);
+        else None."""
+        steps = self.settings.num_steps
+        if any(r.max_total_tokens - r.num_tokens - 1 < steps for r in requests):
+            return None
+        drafted = self.algorithm.propose_on_device(requests)
+        if drafted is not None and tuple(drafted.shape) != (len(requests), steps):
+            raise RuntimeError(
+                f"{self.algorithm.name}.propose_on_device returned shape {tuple(drafted.shape)}"
+                f" for {len(requests)} requests of {steps} steps"
+            )
+        return drafted
 
     def _fit(self, request: Request, tree: DraftTree) -> DraftTree:
         """Check a proposal, and cut it to what the request may still emit."""
@@ -168,9 +205,57 @@ class AlgorithmSpeculator:
         positions = [n, *(n + d for d in tree.depths)]
         return TreeDraft(token_ids=token_ids, positions=positions, mask=mask, tree=tree, start=n)
 
+    @staticmethod
+    def _device_draft(request: Request, row: int, length: int) -> TreeDraft:
+        """A chain drafted on the device, row `row` of the step's device tokens: its ids are
+        placeholders until `verify` copies them."""
+        token_ids = [request.token_ids[-1], *(placeholder(row * length + s) for s in range(length))]
+        return TreeDraft(
+            token_ids=token_ids, tree=None, start=request.num_computed_tokens, device_row=row
+        )
+
     # ---- verifying ---------------------------------------------------------------------
 
-    def verify(self, request: Request, draft: TreeDraft, logits: torch.Tensor) -> list[Emitted]:
+    def verify(
+        self, requests: list[Request], drafts: list[TreeDraft], logits: torch.Tensor
+    ) -> list[list[Emitted]]:
+        choices = self._copy_to_host(drafts, logits)
+        return [
+            self._verify(request, draft, rows, choices)
+            for request, draft, rows, choices in zip(
+                requests,
+                drafts,
+                logits.split([len(d.token_ids) for d in drafts]),
+                choices,
+                strict=True,
+            )
+        ]
+
+    def _copy_to_host(self, drafts: list[TreeDraft], logits: torch.Tensor) -> list[list[int]]:
+        """What the host needs to verify, in one copy: every row's argmax (the target's
+        greedy choice; a request that samples or adjusts its logits chooses again), and the
+        chains drafted on the device, which become the drafts' trees."""
+        parts = [logits.argmax(dim=-1)]
+        if self._drafted is not None:
+            parts.append(self._drafted.flatten())
+        host = torch.cat(parts).tolist()
+        rows = logits.shape[0]
+        if self._drafted is not None:
+            length = self._drafted.shape[1]
+            for draft in drafts:
+                if draft.device_row is not None:
+                    start = rows + draft.device_row * length
+                    draft.tree = DraftTree.chain(host[start : start + length])
+            self._drafted = None
+        choices, start = [], 0
+        for draft in drafts:
+            choices.append(host[start : start + len(draft.token_ids)])
+            start += len(draft.token_ids)
+        return choices
+
+    def _verify(
+        self, request: Request, draft: TreeDraft, logits: torch.Tensor, choices: list[int]
+    ) -> list[Emitted]:
         """Rows see the history down to them: stop tokens before min_new_tokens, penalties."""
         tree = draft.tree
         params = request.sampling_params
@@ -178,7 +263,7 @@ class AlgorithmSpeculator:
         plain = not params.uses_penalties and request.num_output_tokens >= params.min_new_tokens
         if params.greedy and plain:
             # NOTE: the common case needs no per-row history: the target's argmax per row.
-            path, bonus = accept_greedy(tree, logits.argmax(dim=-1).tolist())
+            path, bonus = accept_greedy(tree, choices)
         else:
             views = [
                 _RowView(
@@ -239,8 +324,13 @@ class AlgorithmSpeculator:
         features = None
         if output.features is not None:
             row = output.rows(index).start
-            picked = [row] + [row + 1 + node for node in path]
-            features = output.features.index_select(0, device_ints(picked, output.features.device))
+            if tree.is_chain:  # the accepted rows follow the root's
+                features = output.features[row : row + 1 + len(path)]
+            else:
+                picked = [row] + [row + 1 + node for node in path]
+                features = output.features.index_select(
+                    0, device_ints(picked, output.features.device)
+                )
         next_tokens = [tree.tokens[node] for node in path] + [draft.bonus]
         return ExtendItem(request, n, next_tokens, features)
 

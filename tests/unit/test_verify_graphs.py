@@ -92,3 +92,39 @@ def test_without_graphs_verification_takes_the_plain_path(tiny_model_dirs, spec_
     )
     assert llm.engine.runner.verify_graphs is None
     assert llm.engine.runner.decode_graphs is None
+
+
+def test_chains_left_on_the_device_verify_as_chains_copied_first(
+    tiny_model_dirs, spec_drafts, prompts
+):
+    """Chains left on the device (the step copies them once, with the target's choices, after
+    verification) emit what chains copied to the host before the pass emit, for requests
+    that sample with a seed, ask for logprobs, or adjust their logits; a copy of the target
+    drafting, every request's greedy chain is accepted (each reads its own drafted row)."""
+    settings = SpecSettings("STANDALONE", spec_drafts["STANDALONE"], 3, 1, 4)
+    params = [
+        SamplingParams(max_new_tokens=9, temperature=0.9, top_p=0.8, seed=11, ignore_eos=True),
+        SamplingParams(max_new_tokens=14, temperature=0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_new_tokens=6, temperature=0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_new_tokens=11, temperature=0, min_new_tokens=5),
+    ]
+    results = {}
+    for graphs in (True, False):
+        llm = LLM(
+            tiny_model_dirs("llama"),
+            attention_backend="triton",
+            cuda_graph_max_bs=12,
+            disable_cuda_graph=not graphs,
+            speculative=settings,
+            **ENGINE,
+        )
+        results[graphs] = llm.generate(prompts, params)
+        on_device = llm.engine.speculator.steps_drafted_on_device
+        assert (on_device > 0) == graphs, f"{on_device} steps drafted on the device"
+        assert llm.engine.allocator.num_used == 0
+    for device, host in zip(results[True], results[False], strict=True):
+        assert device.token_ids == host.token_ids
+        if host.logprobs is not None:
+            assert torch.allclose(torch.tensor(device.logprobs), torch.tensor(host.logprobs))
+    for out in results[True][1:]:  # the greedy ones
+        assert out.spec_emitted_tokens / out.spec_verify_ct > 2, "drafts were not accepted"

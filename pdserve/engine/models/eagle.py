@@ -295,3 +295,14 @@ class EagleDraftModel(nn.Module):
                 self.lm_head.weight.copy_(target_model.lm_head.weight)
         if self.d2t is not None and "d2t" not in seen:
             raise UnsupportedModelError("the draft has draft_vocab_size but no d2t tensor")
+        if self.d2t is not None:
+            # NOTE: drafted ids reach the target's embedding unchecked (they may never leave
+            # the device before the verification pass): the map must stay in its vocabulary.
+            vocab = self.config.layers.vocab_size
+            target_ids = self.to_target_ids(torch.arange(len(self.d2t), device=self.d2t.device))
+            outside = ((target_ids < 0) | (target_ids >= vocab)).nonzero().flatten()
+            if len(outside):
+                raise UnsupportedModelError(
+                    f"d2t maps {len(outside)} draft ids outside the target vocabulary "
+                    f"[0, {vocab}), the first: draft id {int(outside[0])}"
+                )
