@@ -112,18 +112,28 @@ def test_api_key_required_except_health_and_metrics(guarded):
 
 
 def test_full_waiting_queue_answers_429(guarded):
-    import concurrent.futures
+    """Streams held open stay in flight (1 running, 2 waiting); the next request is refused.
+    A stream's 200 comes after admission, so each open stream is counted before the next
+    one asks. The running count the server compares with may lag a step, so the refusal
+    comes at the third stream or the fourth, never later."""
+    import contextlib
 
     headers = {"Authorization": "Bearer s3cret"}
-    body = body_with(guarded.model_path, max_tokens=400, ignore_eos=True, prompt=[5] * 20)
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        statuses = list(
-            pool.map(
-                lambda _: guarded.post(COMPLETIONS, body, headers=headers).status_code, range(8)
+    body = body_with(
+        guarded.model_path, max_tokens=2000, ignore_eos=True, prompt=[5] * 20, stream=True
+    )
+    statuses = []
+    with httpx.Client(timeout=60) as client, contextlib.ExitStack() as open_streams:
+        for _ in range(4):
+            response = open_streams.enter_context(
+                client.stream("POST", guarded.url + COMPLETIONS, json=body, headers=headers)
             )
-        )
-    assert 429 in statuses and 200 in statuses, statuses
-    assert set(statuses) <= {200, 429}
+            statuses.append(response.status_code)
+            if response.status_code == 429:
+                assert response.read() and response.json()["error"]["code"] == "rate_limit_exceeded"
+                break
+    # NOTE: leaving the block closed the streams: the server aborts those requests.
+    assert statuses[:2] == [200, 200] and statuses[-1] == 429 and len(statuses) >= 3, statuses
     assert guarded.get("/health").status_code == 200
 
 
