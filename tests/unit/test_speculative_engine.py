@@ -299,6 +299,23 @@ def test_bad_configurations_fail_at_start_with_the_reason(tiny_model_dirs, draft
         spec_llm(model_dir, "EAGLE", str(narrow), CHAIN)
 
 
+def test_a_d2t_map_outside_the_target_vocabulary_is_refused_at_load(tiny_model_dirs, tmp_path):
+    """Drafted ids reach the target's embedding unchecked, so the draft -> target map is
+    checked once, when the draft loads."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tiny_model_dirs("llama")
+    draft = make_tiny_eagle_draft(
+        tmp_path / "d2t", model_dir, aux_layer_ids=[1, 0], draft_vocab_ids=list(range(0, 1000, 4))
+    )
+    (weights,) = draft.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors["d2t"][-1] += 4  # the last draft id now maps to target id 1000 of 1000
+    save_file(tensors, weights)
+    with pytest.raises(ValueError, match=r"d2t maps 1 draft ids outside .*\[0, 1000\)"):
+        spec_llm(model_dir, "EAGLE3", str(draft), CHAIN)
+
+
 def test_eagle3_reads_num_aux_and_norm_keys(tiny_model_dirs, tmp_path):
     from pdserve.engine.model_config import ModelConfig
     from pdserve.engine.models.eagle import EagleConfig
