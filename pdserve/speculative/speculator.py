@@ -46,12 +46,11 @@ def build_speculator(settings: SpecSettings | None) -> AlgorithmSpeculator | Non
 class TreeDraft(Draft):
     """A draft tree in the verification pass: proposed after `start` committed tokens; after
     `verify`, its accepted nodes (`path`, root to leaf) and the target's token after them.
-    A chain drafted on the device is row `device_row` of the step's device tokens, and has
-    no `tree` until `verify` copies it."""
+    A chain drafted on the device has placeholder ids and no `tree` until `verify` copies
+    it."""
 
     tree: DraftTree | None
     start: int
-    device_row: int | None = None
     path: list[int] = field(default_factory=list)
     bonus: int = -1
 
@@ -79,7 +78,7 @@ class AlgorithmSpeculator:
     def __init__(self, algorithm: SpeculativeAlgorithm):
         self.algorithm = algorithm
         self.settings: SpecSettings = algorithm.settings
-        self._drafted: torch.Tensor | None = None  # this step's chains left on the device
+        self._drafted: torch.Tensor | None = None  # this step's device tokens (flat)
         self.steps_drafted_on_device = 0  # statistics, tests
 
     # ---- start-up ----------------------------------------------------------------------
@@ -143,14 +142,14 @@ class AlgorithmSpeculator:
         requests = [batch.requests[i] for i in ready]
         drafted = self._propose_on_device(requests)
         if drafted is not None:
-            self._drafted = drafted
+            self._drafted = drafted.flatten()
             self.steps_drafted_on_device += 1
             return Proposals(
                 {
                     i: self._device_draft(request, b, drafted.shape[1])
                     for b, (i, request) in enumerate(zip(ready, requests, strict=True))
                 },
-                drafted.flatten(),
+                self._drafted,
             )
         trees = self.algorithm.propose(requests)
         if len(trees) != len(requests):
@@ -210,9 +209,7 @@ class AlgorithmSpeculator:
         """A chain drafted on the device, row `row` of the step's device tokens: its ids are
         placeholders until `verify` copies them."""
         token_ids = [request.token_ids[-1], *(placeholder(row * length + s) for s in range(length))]
-        return TreeDraft(
-            token_ids=token_ids, tree=None, start=request.num_computed_tokens, device_row=row
-        )
+        return TreeDraft(token_ids=token_ids, tree=None, start=request.num_computed_tokens)
 
     # ---- verifying ---------------------------------------------------------------------
 
@@ -221,8 +218,8 @@ class AlgorithmSpeculator:
     ) -> list[list[Emitted]]:
         choices = self._copy_to_host(drafts, logits)
         return [
-            self._verify(request, draft, rows, choices)
-            for request, draft, rows, choices in zip(
+            self._verify(request, draft, rows, row_choices)
+            for request, draft, rows, row_choices in zip(
                 requests,
                 drafts,
                 logits.split([len(d.token_ids) for d in drafts]),
@@ -237,16 +234,13 @@ class AlgorithmSpeculator:
         chains drafted on the device, which become the drafts' trees."""
         parts = [logits.argmax(dim=-1)]
         if self._drafted is not None:
-            parts.append(self._drafted.flatten())
+            parts.append(self._drafted)
         host = torch.cat(parts).tolist()
-        rows = logits.shape[0]
-        if self._drafted is not None:
-            length = self._drafted.shape[1]
-            for draft in drafts:
-                if draft.device_row is not None:
-                    start = rows + draft.device_row * length
-                    draft.tree = DraftTree.chain(host[start : start + length])
-            self._drafted = None
+        drafted = host[logits.shape[0] :]
+        for draft in drafts:
+            if draft.tree is None:  # its ids past the root are placeholders into `drafted`
+                draft.tree = DraftTree.chain([drafted[-1 - t] for t in draft.token_ids[1:]])
+        self._drafted = None
         choices, start = [], 0
         for draft in drafts:
             choices.append(host[start : start + len(draft.token_ids)])
