@@ -318,13 +318,23 @@ def _split_list(text: str | None) -> tuple[str, ...] | None:
 
 
 def worker_role_from_args(args: argparse.Namespace, kind: str):
+    """The worker's role, with the factory that builds its engine and handoff: the one place
+    that names the role packages (the server only hands the factory on)."""
+    import functools
     import os
 
     from pdserve.server.role import WorkerRole
-    from pdserve.transfer.config import TransferConfig
 
     if kind == "colocated":
-        return WorkerRole()
+        from pdserve.colocated.worker import build_worker
+
+        return WorkerRole(kind, build_worker)
+    from pdserve.transfer.config import TransferConfig
+
+    if kind == "prefill":
+        from pdserve.prefill.worker import build_worker
+    else:
+        from pdserve.decode.worker import build_worker
     transfer = TransferConfig(
         backend=args.transfer_backend,
         bootstrap_host=args.bootstrap_host or args.host,
@@ -335,7 +345,7 @@ def worker_role_from_args(args: argparse.Namespace, kind: str):
         auth_token=args.transfer_token or os.environ.get("PDSERVE_TRANSFER_TOKEN", ""),
         bootstrap_allow=_split_list(getattr(args, "bootstrap_allow", None)),
     )
-    return WorkerRole(kind, transfer)
+    return WorkerRole(kind, functools.partial(build_worker, transfer=transfer), transfer.backend)
 
 
 def _serve(args: argparse.Namespace, kind: str = "colocated") -> int:
@@ -355,11 +365,11 @@ def _serve(args: argparse.Namespace, kind: str = "colocated") -> int:
     server_args["model_path"] = config.model_path
     app = build_app(
         config,
+        role,
         served_model_name=args.served_model_name,
         api_key=api_key_from(args),
         max_queued_requests=args.max_queued_requests,
         server_args=server_args,
-        role=role,
     )
     uvicorn.run(
         app,

@@ -21,20 +21,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
-from pdserve.speculative.state import DraftBatch
-from pdserve.transfer.config import TransferConfig
-from pdserve.transfer.decode_side import DecodeTransferClient
-from pdserve.transfer.handoff_common import (
+from pdserve.disagg.handoff_common import (
     FailureCounts,
     engine_transfer_layout,
     failed_output,
     failure_kind,
     room_in_use,
 )
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.handoff import Handoff
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
+from pdserve.speculative.state import DraftBatch
+from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.decode_side import DecodeTransferClient
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.peer_allow import PeerNotAllowed
 from pdserve.transfer.receiver_room import ReceiverRoom
@@ -55,9 +56,11 @@ class _Pending:
     moved_bytes: bool = False  # KV started arriving (failure stage: transfer, not bootstrap)
 
 
-class DecodeHandoff:
+class DecodeHandoff(Handoff):
+    role = "decode"
+
     def __init__(self, engine, config: TransferConfig):
-        self.engine = engine
+        super().__init__(engine)
         self.config = config
         self.metrics = TransferMetrics()
         self.transfer = engine_transfer_layout(engine)
@@ -74,7 +77,6 @@ class DecodeHandoff:
             device=receive_device,
         )
         self.client.start()
-        self.bootstrap_port = None
         self.prealloc: OrderedDict[str, _Pending] = OrderedDict()
         self.transferring: dict[str, _Pending] = {}
         self.failures = FailureCounts()
@@ -126,7 +128,7 @@ class DecodeHandoff:
             return True
         pending = self.transferring.get(request_id)
         if pending is None:
-            return False
+            return self.engine.abort_request(request_id)  # in the batch, or unknown
         pending.receiver.abort("the decode request was aborted (client gone)")
         self._end(pending)
         return True

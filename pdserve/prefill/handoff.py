@@ -17,18 +17,19 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.page_allocator import pages_needed
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
-from pdserve.transfer.config import TransferConfig
-from pdserve.transfer.handoff_common import (
+from pdserve.disagg.handoff_common import (
     FailureCounts,
     engine_transfer_layout,
     failed_output,
     room_in_use,
 )
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.handoff import Handoff
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.page_allocator import pages_needed
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
+from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.metadata import MetadataRecord
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.prefill_side import PrefillTransferServer, SenderRoom
@@ -47,9 +48,11 @@ class _Pending:
     started: bool = False  # the engine began computing it (it left the engine's queue)
 
 
-class PrefillHandoff:
+class PrefillHandoff(Handoff):
+    role = "prefill"
+
     def __init__(self, engine, config: TransferConfig):
-        self.engine = engine
+        super().__init__(engine)
         self.config = config
         self.metrics = TransferMetrics()
         # NOTE: tcp sends from host memory; nccl from the GPU; gloo (CPU stand-in) from host.
@@ -117,7 +120,7 @@ class PrefillHandoff:
                     self.engine.abort_request(request_id)
                 self._end(queue, pending)
                 return True
-        return False
+        return self.engine.abort_request(request_id)
 
     @property
     def busy(self) -> bool:

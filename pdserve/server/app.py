@@ -40,21 +40,21 @@ OPEN_PATHS = {"/health", "/health_generate", "/metrics"}
 
 def build_app(
     engine_config: EngineConfig,
+    role: WorkerRole,
     *,
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_queued_requests: int = 1024,
     server_args: dict[str, Any] | None = None,
     client_options: EngineClientConfig | None = None,
-    role: WorkerRole | None = None,
 ) -> FastAPI:
-    """A worker's HTTP app; `role` makes it a prefill or decode worker (default colocated)."""
-    role = role or WorkerRole()
+    """A worker's HTTP app; `role` says whether it is colocated, prefill or decode, and
+    builds its engine."""
     name = served_model_name or engine_config.model_path
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        client = EngineClient(engine_config, client_options, role)
+        client = EngineClient(engine_config, role, client_options)
         ready = await client.start()
         metrics = ServerMetrics(name, disaggregated=role.disaggregated)
         client.stats_listeners.append(metrics.observe_stats)

@@ -73,12 +73,12 @@ class EngineClient:
     def __init__(
         self,
         config: EngineConfig,
+        role: WorkerRole,
         options: EngineClientConfig | None = None,
-        role: WorkerRole | None = None,
     ):
         self.config = config
+        self.role = role
         self.options = options or EngineClientConfig()
-        self.role = role or WorkerRole()
         # Called with every EngineStats the engine sends (metrics observe its deltas).
         self.stats_listeners: list[Callable[[EngineStats], None]] = []
         self.ready: EngineReady | None = None
@@ -118,7 +118,7 @@ class EngineClient:
         spawn = multiprocessing.get_context("spawn")
         self._process = spawn.Process(
             target=run_engine_process,
-            args=(self.config, requests_addr, outputs_addr, self.role),
+            args=(self.config, requests_addr, outputs_addr, self.role.build_worker),
             name="pdserve-engine",
             daemon=True,
         )

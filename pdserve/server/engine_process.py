@@ -1,9 +1,14 @@
 """The engine process: `Engine.step()` in a loop, fed and drained over ZMQ by the front end.
 
 It is a separate process so HTTP parsing, tokenization and streaming never take time from the
-step loop. Each step sends one `StepOutputs` message; while idle it sends `EngineStats` every
-`HEARTBEAT_S` so the front end can tell a live engine from a hung one. A message the engine
-cannot decode is logged and dropped; it never stops the loop.
+step loop. The loop is the same for every worker: the role's `Handoff`
+(`pdserve.engine.handoff`), built in this process by the factory the command line chose, wraps
+the engine. Each turn (`EngineLoop.tick`) handles the messages that came in, polls the handoff,
+steps, and lets the handoff take the step's outputs; `EngineLoop.run` only moves messages
+between ZMQ and `tick`. A turn that produced something sends one `StepOutputs` message; while
+idle the loop sends `EngineStats` every `HEARTBEAT_S` so the front end can tell a live engine
+from a hung one. A message the engine cannot decode is logged and dropped; it never stops the
+loop.
 
 A step that raises fails the requests of its batch (their pages are freed), not the engine:
 the traceback goes to this process's log, each request gets a one-line error. Only
@@ -22,7 +27,10 @@ import time
 import zmq
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.handoff import Handoff, WorkerFactory
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from pdserve.protocol.codec import ProtocolError, decode, encode
 from pdserve.protocol.engine_messages import (
     AbortRequest,
@@ -35,7 +43,6 @@ from pdserve.protocol.engine_messages import (
     StepOutputs,
     TokenOutput,
 )
-from pdserve.server.role import WorkerRole
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +51,15 @@ HANDOFF_POLL_MS = 1
 SEND_TIMEOUT_MS = 5000
 MAX_CONSECUTIVE_FAILURES = 3
 
+# What the front end sends the engine process.
+Message = GenerateRequest | AbortRequest | FailRoom | Shutdown
+
 
 def run_engine_process(
-    config: EngineConfig, requests_addr: str, outputs_addr: str, role: WorkerRole | None = None
+    config: EngineConfig, requests_addr: str, outputs_addr: str, build_worker: WorkerFactory
 ) -> None:
-    """Process entry point: build the engine (and the role's handoff), announce it, serve
+    """Process entry point: build the worker (its engine and handoff), announce it, serve
     until told to shut down."""
-    role = role or WorkerRole()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s engine: %(message)s")
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
@@ -60,43 +69,26 @@ def run_engine_process(
     outbox.setsockopt(zmq.LINGER, 0)
     outbox.connect(outputs_addr)
     try:
-        from pdserve.engine.engine import Engine
-        from pdserve.speculative.speculator import build_speculator
-
-        engine = Engine(config, build_speculator(config.speculative))
-        handoff = _build_handoff(engine, role)
+        handoff = build_worker(config)
     except Exception as e:
         outbox.send(encode(EngineFailed(short_reason(e))))
         raise
-    outbox.send(encode(_ready(engine, role, handoff)))
+    outbox.send(encode(_ready(handoff)))
     try:
-        EngineLoop(engine, inbox, outbox, handoff).run()
+        EngineLoop(handoff).run(inbox, outbox)
     except Exception as e:
         # NOTE: the traceback is logged here (raise); the front end gets one line.
         outbox.send(encode(EngineFailed(short_reason(e))))
         raise
     finally:
-        if handoff is not None:
-            handoff.stop()
+        handoff.stop()
         inbox.close(0)
         outbox.close(0)
         context.term()
 
 
-def _build_handoff(engine, role: WorkerRole):
-    """The role's handoff: its queues and transfer endpoint (None when colocated)."""
-    if role.kind == "prefill":
-        from pdserve.prefill.handoff import PrefillHandoff
-
-        return PrefillHandoff(engine, role.transfer)
-    if role.kind == "decode":
-        from pdserve.decode.handoff import DecodeHandoff
-
-        return DecodeHandoff(engine, role.transfer)
-    return None
-
-
-def _ready(engine, role: WorkerRole, handoff) -> EngineReady:
+def _ready(handoff: Handoff) -> EngineReady:
+    engine = handoff.engine
     return EngineReady(
         model_path=engine.config.model_path,
         architecture=engine.model_config.architecture,
@@ -106,48 +98,58 @@ def _ready(engine, role: WorkerRole, handoff) -> EngineReady:
         page_size=engine.config.page_size,
         device=str(engine.device),
         dtype=str(engine.dtype).removeprefix("torch."),
-        role=role.kind,
-        bootstrap_port=handoff.bootstrap_port if handoff is not None else None,
+        role=handoff.role,
+        bootstrap_port=handoff.bootstrap_port,
     )
 
 
 class EngineLoop:
-    """Receive, move the handoff along (disaggregated roles), step, report."""
+    """Handle messages, move the handoff along, step, hand the step's outputs over."""
 
-    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, handoff=None):
-        self.engine = engine
+    def __init__(self, handoff: Handoff):
         self.handoff = handoff
-        self.inbox = inbox
-        self.outbox = outbox
-        self.poller = zmq.Poller()
-        self.poller.register(inbox, zmq.POLLIN)
+        self.engine = handoff.engine
         self.running = True
-        self.last_sent = 0.0
-        self.parent_pid = os.getppid()
         self.num_steps = 0
         self.step_seconds = 0.0
         self.batched_tokens = 0
         self.consecutive_failures = 0
 
-    def run(self) -> None:
+    def tick(self, messages: list[Message]) -> StepOutputs | None:
+        """One turn: the messages, the handoff's progress, a step if there is work. Returns
+        what to send the front end (None: nothing happened). Raises once
+        `MAX_CONSECUTIVE_FAILURES` steps or handoff calls failed in a row."""
+        outputs: list[TokenOutput] = []
+        for msg in messages:
+            outputs.extend(self._handle(msg))
+        produced = self._guarded(self.handoff.poll)
+        stepped = self.engine.has_unfinished()
+        if stepped:
+            produced.extend(self._hand_over(self._step()))
+        outputs.extend(_to_wire(o) for o in produced)
+        if not (stepped or outputs):
+            return None
+        return StepOutputs(outputs, self._stats())
+
+    def run(self, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+        """Receive from the front end, tick, send, until shut down (or the front end is
+        gone); heartbeats while idle."""
+        poller = zmq.Poller()
+        poller.register(inbox, zmq.POLLIN)
+        parent_pid = os.getppid()
+        last_sent = 0.0
         while self.running:
-            if os.getppid() != self.parent_pid:
+            if os.getppid() != parent_pid:
                 # NOTE: the front end died without saying so (SIGKILL): nobody reads our
                 # outputs any more, so stop instead of computing for no one.
                 logger.error("front end process is gone; shutting the engine down")
                 return
-            self._receive(timeout_ms=self._idle_wait_ms())
-            outputs = self._guarded(self.handoff.poll) if self.handoff is not None else []
-            stepped = self.engine.has_unfinished()
-            if stepped:
-                step_outputs = self._step()
-                if self.handoff is not None:
-                    step_outputs = self._hand_over(step_outputs)
-                outputs.extend(step_outputs)
-            if stepped or outputs:
-                self._send(StepOutputs([_to_wire(o) for o in outputs], self._stats()))
-            elif time.monotonic() - self.last_sent >= HEARTBEAT_S:
-                self._send(self._stats())
+            result = self.tick(_receive(poller, inbox, self._idle_wait_ms()))
+            if result is None and time.monotonic() - last_sent >= HEARTBEAT_S:
+                result = self._stats()
+            if result is not None:
+                self._send(outbox, result)
+                last_sent = time.monotonic()
 
     def _step(self) -> list[RequestOutput]:
         started = time.perf_counter()
@@ -187,8 +189,7 @@ class EngineLoop:
             failed = []
             for output in step_outputs:
                 with contextlib.suppress(Exception):
-                    if not self.handoff.abort(output.request_id):
-                        self.engine.abort_request(output.request_id)
+                    self.handoff.abort(output.request_id)
                 failed.append(_failed_output(output, reason))
             return failed
 
@@ -205,53 +206,35 @@ class EngineLoop:
         rooms are in flight (their progress is polled), else until the next heartbeat."""
         if self.engine.has_unfinished():
             return 0
-        if self.handoff is not None and self.handoff.busy:
+        if self.handoff.busy:
             return HANDOFF_POLL_MS
         return int(HEARTBEAT_S * 1000)
 
-    def _receive(self, timeout_ms: int) -> None:
-        while self.poller.poll(timeout_ms):
-            timeout_ms = 0
-            data = self.inbox.recv()
-            try:
-                msg = decode(data, (GenerateRequest, AbortRequest, FailRoom, Shutdown))
-            except ProtocolError as e:
-                logger.warning("dropped a malformed message: %s", e)
-                continue
-            self._handle(msg)
-
-    def _handle(self, msg) -> None:
+    def _handle(self, msg: Message) -> list[TokenOutput]:
+        """Act on one message; returns the outputs of requests it refused."""
         if isinstance(msg, Shutdown):
             self.running = False
         elif isinstance(msg, FailRoom):
-            if self.handoff is not None:
-                self.handoff.fail_room(msg)
+            self.handoff.fail_room(msg)
         elif isinstance(msg, AbortRequest):
-            if self.handoff is None or not self.handoff.abort(msg.request_id):
-                self.engine.abort_request(msg.request_id)
+            self.handoff.abort(msg.request_id)
         else:
-            self._add(msg)
+            return self._add(msg)
+        return []
 
-    def _add(self, msg: GenerateRequest) -> None:
-        from pdserve.engine.errors import InvalidRequestError
-        from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
-
+    def _add(self, msg: GenerateRequest) -> list[TokenOutput]:
         try:
             params = SamplingParams(**msg.sampling)
-            if (self.handoff is None) != (msg.bootstrap is None):
-                raise InvalidRequestError(_role_mismatch(self.handoff is not None))
-            if self.handoff is None:
-                self.engine.add_request(msg.request_id, msg.prompt_token_ids, params)
-                return
+            if self.handoff.disaggregated != (msg.bootstrap is not None):
+                raise InvalidRequestError(_role_mismatch(self.handoff.disaggregated))
             refused = self.handoff.add(msg.request_id, msg.prompt_token_ids, params, msg.bootstrap)
-            if refused is not None:
-                self._send(StepOutputs([_to_wire(refused)], self._stats()))
+            return [] if refused is None else [_to_wire(refused)]
         except (InvalidRequestError, InvalidSamplingParams, TypeError) as e:
-            self._send(StepOutputs([_failed(msg, str(e))], self._stats()))
+            return [_failed(msg, str(e))]
         except Exception as e:
             logger.exception("could not add request %s", msg.request_id)
             reason = f"the engine could not take this request: {short_reason(e)}"
-            self._send(StepOutputs([_failed(msg, reason, "internal")], self._stats()))
+            return [_failed(msg, reason, "internal")]
 
     def _stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
@@ -263,17 +246,29 @@ class EngineLoop:
             num_steps=self.num_steps,
             step_seconds=self.step_seconds,
             batched_tokens=self.batched_tokens,
-            disagg=self.handoff.stats() if self.handoff is not None else None,
+            disagg=self.handoff.stats(),
         )
 
-    def _send(self, msg) -> None:
+    def _send(self, outbox: zmq.Socket, msg: StepOutputs | EngineStats) -> None:
         try:
-            self.outbox.send(encode(msg))
+            outbox.send(encode(msg))
         except zmq.Again:
             # The front end stopped reading for SEND_TIMEOUT_MS: it is gone or wedged.
             logger.error("front end not receiving; shutting the engine down")
             self.running = False
-        self.last_sent = time.monotonic()
+
+
+def _receive(poller: zmq.Poller, inbox: zmq.Socket, timeout_ms: int) -> list[Message]:
+    """What came in within `timeout_ms` (then all that is queued), decoded."""
+    messages = []
+    while poller.poll(timeout_ms):
+        timeout_ms = 0
+        data = inbox.recv()
+        try:
+            messages.append(decode(data, (GenerateRequest, AbortRequest, FailRoom, Shutdown)))
+        except ProtocolError as e:
+            logger.warning("dropped a malformed message: %s", e)
+    return messages
 
 
 def short_reason(error: BaseException, limit: int = 200) -> str:

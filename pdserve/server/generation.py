@@ -45,8 +45,8 @@ class ServerState:
     max_model_len: int
     metrics: ServerMetrics
     max_queued_requests: int
+    role: WorkerRole
     api_key: str | None = None
-    role: WorkerRole = field(default_factory=WorkerRole)
     server_args: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     # Disaggregated requests in flight: bootstrap_room -> engine request id (see abort_room).

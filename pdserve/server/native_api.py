@@ -258,9 +258,7 @@ def _role_fields(state: ServerState) -> dict:
         "disaggregation_mode": "null" if ready.role == "colocated" else ready.role,
         "role": ready.role,
         "disaggregation_bootstrap_port": ready.bootstrap_port,
-        "disaggregation_transfer_backend": (
-            state.role.transfer.backend if state.role.transfer is not None else None
-        ),
+        "disaggregation_transfer_backend": state.role.transfer_backend,
         "page_size": ready.page_size,
     }
 

@@ -9,8 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from pdserve.colocated.worker import build_worker
 from pdserve.engine.config import EngineConfig
 from pdserve.server.engine_client import EngineClient, EngineClientConfig
+from pdserve.server.role import WorkerRole
 
 
 @pytest.fixture
@@ -18,7 +20,8 @@ def make_client(monkeypatch, tiny_model_dirs):
     made = []
 
     def make(options: EngineClientConfig) -> EngineClient:
-        client = EngineClient(EngineConfig(model_path=tiny_model_dirs("llama")), options)
+        config = EngineConfig(model_path=tiny_model_dirs("llama"))
+        client = EngineClient(config, WorkerRole("colocated", build_worker), options)
         _fake_processes(monkeypatch, client)
         made.append(client)
         return client

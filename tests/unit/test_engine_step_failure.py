@@ -1,12 +1,25 @@
-"""A step that raises fails the requests of its batch (pages freed), not the engine loop."""
+"""A step that raises fails the requests of its batch (pages freed), not the engine loop; so
+does a handoff that raises. Driven through the loop's turn (`EngineLoop.tick`), as the engine
+process runs it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-import zmq
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.handoff import Colocated
+from pdserve.protocol.engine_messages import (
+    AbortRequest,
+    Bootstrap,
+    GenerateRequest,
+    Shutdown,
+    TokenOutput,
+)
 from pdserve.server.engine_process import MAX_CONSECUTIVE_FAILURES, EngineLoop
+
+DEVICE_LOST = "the engine failed while running this request: RuntimeError: device lost"
 
 
 @pytest.fixture(scope="module")
@@ -16,16 +29,20 @@ def engine(tiny_model_dirs):
 
 @pytest.fixture
 def loop(engine):
-    context = zmq.Context()
-    inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
-    yield EngineLoop(engine, inbox, outbox)
-    inbox.close(0)
-    outbox.close(0)
-    context.term()
+    return EngineLoop(Colocated(engine))
 
 
 def params(n: int = 8) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+
+
+def generate(request_id: str, prompt: list[int], n: int = 8, bootstrap=None) -> GenerateRequest:
+    return GenerateRequest(request_id, prompt, dataclasses.asdict(params(n)), bootstrap)
+
+
+def tick(loop: EngineLoop, *messages) -> list[TokenOutput]:
+    sent = loop.tick(list(messages))
+    return [] if sent is None else sent.outputs
 
 
 def break_next_steps(monkeypatch, engine, count: int) -> None:
@@ -42,31 +59,27 @@ def break_next_steps(monkeypatch, engine, count: int) -> None:
 
 
 def test_a_failed_step_fails_its_requests_and_frees_their_pages(engine, loop, monkeypatch):
-    engine.add_request("a", [5, 6, 7], params())
-    engine.add_request("b", [8, 9, 10, 11], params())
-    loop._step()  # prefill: both requests hold pages now
-    assert engine.allocator.num_used > 0
+    tick(loop, generate("a", [5, 6, 7]), generate("b", [8, 9, 10, 11]))
+    assert engine.allocator.num_used > 0  # prefilled: both requests hold pages now
     break_next_steps(monkeypatch, engine, 1)
-    outputs = loop._step()
+    outputs = tick(loop)
     assert sorted(o.request_id for o in outputs) == ["a", "b"]
     for output in outputs:
         assert output.finished and output.error_kind == "internal"
-        assert output.error == (
-            "the engine failed while running this request: RuntimeError: device lost"
-        )
+        assert output.error == DEVICE_LOST
     assert engine.allocator.num_used == 0
     assert not engine.has_unfinished()
-    engine.add_request("c", [5, 6, 7], params(3))
+    outputs = tick(loop, generate("c", [5, 6, 7], 3))
     while engine.has_unfinished():
-        finished = [o for o in loop._step() if o.finished]
-    assert finished[0].error is None and len(finished[0].token_ids) == 3
+        outputs += tick(loop)
+    assert outputs[-1].finished and outputs[-1].error is None
+    assert outputs[-1].num_output_tokens == 3
     assert engine.allocator.num_used == 0
 
 
 def test_a_request_admitted_in_the_failed_step_is_failed_too(engine, loop, monkeypatch):
-    engine.add_request("fresh", [5, 6, 7], params())
     break_next_steps(monkeypatch, engine, 1)
-    outputs = loop._step()
+    outputs = tick(loop, generate("fresh", [5, 6, 7]))
     assert [o.request_id for o in outputs] == ["fresh"]
     assert outputs[0].error_kind == "internal"
     assert engine.allocator.num_used == 0 and not engine.requests
@@ -75,13 +88,96 @@ def test_a_request_admitted_in_the_failed_step_is_failed_too(engine, loop, monke
 def test_consecutive_failures_end_the_loop(engine, loop, monkeypatch):
     break_next_steps(monkeypatch, engine, MAX_CONSECUTIVE_FAILURES)
     for i in range(MAX_CONSECUTIVE_FAILURES - 1):
-        engine.add_request(f"x{i}", [5, 6], params())
-        assert loop._step()[0].error_kind == "internal"
-    engine.add_request("last", [5, 6], params())
+        assert tick(loop, generate(f"x{i}", [5, 6]))[0].error_kind == "internal"
     with pytest.raises(RuntimeError, match="device lost"):
-        loop._step()
+        tick(loop, generate("last", [5, 6]))
     engine.abort_request("last")
     assert engine.allocator.num_used == 0
+
+
+def test_a_step_that_succeeds_resets_the_failure_count(engine, loop, monkeypatch):
+    break_next_steps(monkeypatch, engine, MAX_CONSECUTIVE_FAILURES - 1)
+    for i in range(MAX_CONSECUTIVE_FAILURES - 1):
+        assert tick(loop, generate(f"y{i}", [5, 6]))[0].error_kind == "internal"
+    outputs = tick(loop, generate("fine", [5, 6], 1))
+    assert outputs[0].error is None and loop.consecutive_failures == 0
+
+
+class BrokenHandoff(Colocated):
+    """The null handoff, but `poll` or `on_step` raises the next `count` times."""
+
+    def __init__(self, engine, broken: str, count: int):
+        super().__init__(engine)
+        self.broken, self.left = broken, count
+        self.aborted: list[str] = []
+
+    def _maybe_raise(self, method: str) -> None:
+        if self.broken == method and self.left:
+            self.left -= 1
+            raise RuntimeError(f"{method} broke")
+
+    def poll(self):
+        self._maybe_raise("poll")
+        return super().poll()
+
+    def on_step(self, outputs):
+        self._maybe_raise("on_step")
+        return super().on_step(outputs)
+
+    def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return super().abort(request_id)
+
+
+def test_a_handoff_that_fails_on_a_steps_outputs_fails_their_requests(engine):
+    handoff = BrokenHandoff(engine, "on_step", 1)
+    loop = EngineLoop(handoff)
+    outputs = tick(loop, generate("a", [5, 6, 7]), generate("b", [8, 9]))
+    assert sorted(o.request_id for o in outputs) == ["a", "b"]
+    for output in outputs:
+        assert output.finished and output.error_kind == "internal"
+        assert output.error == (
+            "the engine failed while running this request: RuntimeError: on_step broke"
+        )
+        assert output.new_token_ids == []
+    # Aborted through the handoff, which ends them in the engine: nothing left, pages free.
+    assert sorted(handoff.aborted) == ["a", "b"]
+    assert not engine.has_unfinished() and engine.allocator.num_used == 0
+    assert loop.consecutive_failures == 1
+
+
+def test_a_handoff_whose_poll_keeps_failing_ends_the_loop(engine):
+    loop = EngineLoop(BrokenHandoff(engine, "poll", MAX_CONSECUTIVE_FAILURES))
+    for _ in range(MAX_CONSECUTIVE_FAILURES - 1):
+        assert loop.tick([]) is None  # logged and counted; nothing to report
+    assert loop.consecutive_failures == MAX_CONSECUTIVE_FAILURES - 1
+    with pytest.raises(RuntimeError, match="poll broke"):
+        loop.tick([])
+
+
+def test_a_colocated_worker_refuses_bootstrap_fields(engine, loop):
+    (output,) = tick(loop, generate("pd", [5, 6], bootstrap=Bootstrap("127.0.0.1", 8998, 1)))
+    assert output.finished and output.error_kind == "invalid"
+    assert output.error == "this is a colocated worker: requests must not carry bootstrap fields"
+    assert not engine.has_unfinished()
+
+
+def test_invalid_sampling_settings_are_refused_not_raised(engine, loop):
+    bad = GenerateRequest("bad", [5, 6], {"max_new_tokens": 4, "temperature": -1.0})
+    unknown = GenerateRequest("unknown", [5, 6], {"max_new_tokens": 4, "beam_width": 2})
+    outputs = tick(loop, bad, unknown)
+    assert [o.request_id for o in outputs] == ["bad", "unknown"]
+    assert all(o.finished and o.error_kind == "invalid" for o in outputs)
+    assert "temperature" in outputs[0].error and "beam_width" in outputs[1].error
+
+
+def test_abort_and_shutdown_messages(engine, loop):
+    tick(loop, generate("long", [5, 6, 7], 50))
+    assert engine.allocator.num_used > 0
+    assert tick(loop, AbortRequest("long")) == []
+    assert not engine.has_unfinished() and engine.allocator.num_used == 0
+    assert loop.running
+    assert loop.tick([Shutdown("test")]) is None and not loop.running
 
 
 def test_a_failed_overlapped_step_fails_the_step_in_flight_too(tiny_model_dirs, monkeypatch):

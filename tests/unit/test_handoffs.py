@@ -1,6 +1,7 @@
-"""The prefill and decode handoffs in one process, over the tcp transfer layer on loopback:
-the decode side admits by free pages, every queue frees its pages when aborted, and refused
-requests fail the other side's room."""
+"""The prefill and decode handoffs in one process, each driven by the worker's real engine loop
+(`EngineLoop.tick`), over the tcp transfer layer on loopback: the decode side admits by free
+pages, every queue frees its pages when aborted, and refused requests fail the other side's
+room."""
 
 from __future__ import annotations
 
@@ -10,8 +11,16 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.decode.handoff import DecodeHandoff
+from pdserve.engine.handoff import Handoff
 from pdserve.prefill.handoff import PrefillHandoff
-from pdserve.protocol.engine_messages import Bootstrap, FailRoom
+from pdserve.protocol.engine_messages import (
+    AbortRequest,
+    Bootstrap,
+    FailRoom,
+    GenerateRequest,
+    TokenOutput,
+)
+from pdserve.server.engine_process import EngineLoop
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.peer_allow import PeerAllowList, parse_allow_list
 from tests.conftest import random_prompts
@@ -44,16 +53,29 @@ def boot(prefill: PrefillHandoff, room: int) -> Bootstrap:
     return Bootstrap("127.0.0.1", prefill.bootstrap_port, room)
 
 
-def drive(prefill, decode, until, deadline_s=20.0) -> dict[str, list]:
-    """Run both loops (poll, step) until `until(outputs)`; outputs by request id."""
-    outputs: dict[str, list] = {}
+def generate(
+    request_id: str, prompt: list[int], params: SamplingParams, bootstrap: Bootstrap | None
+) -> GenerateRequest:
+    """The message a worker's front end sends for a request."""
+    return GenerateRequest(request_id, prompt, dataclasses.asdict(params), bootstrap)
+
+
+def drive(
+    *handoffs: Handoff, until, deadline_s=20.0, messages=None
+) -> dict[str, list[TokenOutput]]:
+    """Turn each worker's engine loop (`EngineLoop.tick`: messages, poll, step, hand over)
+    until `until(outputs)`; the outputs it would send, by request id. `messages` (handoff ->
+    list) reach a loop in its first turn. The loop keeps no request state (the engine and the
+    handoff do), so each drive may start fresh loops."""
+    loops = [EngineLoop(handoff) for handoff in handoffs]
+    inboxes = [list((messages or {}).get(handoff, [])) for handoff in handoffs]
+    outputs: dict[str, list[TokenOutput]] = {}
 
     def once() -> bool:
-        for handoff in (prefill, decode):
-            got = handoff.poll()
-            if handoff.engine.has_unfinished():
-                got += handoff.on_step(handoff.engine.step())
-            for output in got:
+        for loop, inbox in zip(loops, inboxes, strict=True):
+            sent = loop.tick(inbox)
+            inbox.clear()
+            for output in sent.outputs if sent is not None else []:
                 outputs.setdefault(output.request_id, []).append(output)
         return until(outputs)
 
@@ -65,19 +87,26 @@ def finished(outputs, request_id) -> bool:
     return any(o.finished for o in outputs.get(request_id, []))
 
 
+def tokens(outputs, request_id) -> list[int]:
+    return [t for o in outputs[request_id] for t in o.new_token_ids]
+
+
 def test_requests_flow_through_and_equal_colocated(pair):
     prefill, decode, model = pair
     prompts = random_prompts((3, 9, 14), 250, seed=5)
     expected = [o.token_ids for o in LLM(model, device="cpu").generate(prompts, GREEDY)]
-    for i, prompt in enumerate(prompts):
-        assert prefill.add(f"p{i}", prompt, GREEDY, boot(prefill, i)) is None
-        assert decode.add(f"d{i}", prompt, GREEDY, boot(prefill, i)) is None
+    # The requests arrive as the front end sends them: as the loop's messages.
+    messages = {
+        prefill: [generate(f"p{i}", p, GREEDY, boot(prefill, i)) for i, p in enumerate(prompts)],
+        decode: [generate(f"d{i}", p, GREEDY, boot(prefill, i)) for i, p in enumerate(prompts)],
+    }
     names = [f"d{i}" for i in range(3)] + [f"p{i}" for i in range(3)]
-    outputs = drive(prefill, decode, lambda o: all(finished(o, n) for n in names))
+    outputs = drive(
+        prefill, decode, until=lambda o: all(finished(o, n) for n in names), messages=messages
+    )
     for i in range(3):
-        tokens = [t for o in outputs[f"d{i}"] for t in o.new_token_ids]
-        assert tokens == expected[i]
-        assert outputs[f"p{i}"][-1].token_ids == expected[i][:1]  # prefill's leg: first token
+        assert tokens(outputs, f"d{i}") == expected[i]
+        assert tokens(outputs, f"p{i}") == expected[i][:1]  # prefill's leg: the first token
     assert prefill.engine.allocator.num_used == 0 and decode.engine.allocator.num_used == 0
 
 
@@ -92,7 +121,7 @@ def test_decode_admits_by_free_pages_in_order(pair):
     assert list(decode.prealloc) == ["b"] and list(decode.transferring) == ["a"]
     prefill.add("pa", first, long, boot(prefill, 1))
     prefill.add("pb", second, long, boot(prefill, 2))
-    outputs = drive(prefill, decode, lambda o: finished(o, "a") and finished(o, "b"))
+    outputs = drive(prefill, decode, until=lambda o: finished(o, "a") and finished(o, "b"))
     assert outputs["a"][-1].error is None and outputs["b"][-1].error is None
     assert decode.engine.allocator.num_used == 0
 
@@ -101,7 +130,7 @@ def test_decode_waiting_for_pages_times_out_with_a_reason(pair):
     prefill, decode, _ = pair
     held = decode.engine.reserve_pages(12 * PAGE)
     decode.add("starved", [5, 6, 7], GREEDY, boot(prefill, 3))
-    outputs = drive(prefill, decode, lambda o: finished(o, "starved"))
+    outputs = drive(prefill, decode, until=lambda o: finished(o, "starved"))
     assert "no KV pages free" in outputs["starved"][-1].error
     assert decode.failures.counts["bootstrap/no_pages"] == 1
     decode.engine.free_pages(held)
@@ -122,7 +151,7 @@ def test_aborts_free_pages_in_every_queue(pair):
     decode.add("d2", prompt, GREEDY, boot(prefill, 6))
     prefill.add("p2", prompt, GREEDY, boot(prefill, 6))
     decode.transferring.clear()  # decode stops listening (its pages stay reserved below)
-    drive(prefill, decode, lambda _: bool(prefill.sending), deadline_s=10)
+    drive(prefill, decode, until=lambda _: bool(prefill.sending), deadline_s=10)
     assert prefill.engine.allocator.num_used > 0
     assert prefill.abort("p2") and prefill.engine.allocator.num_used == 0
 
@@ -133,7 +162,7 @@ def test_refused_prompt_fails_the_decode_room_at_once(pair):
     decode.add("d", [5, 6], GREEDY, boot(prefill, 8))
     refused = prefill.add("p", too_long, GREEDY, boot(prefill, 8))
     assert refused.error_kind == "invalid" and "maximum context length" in refused.error
-    outputs = drive(prefill, decode, lambda o: finished(o, "d"), deadline_s=2)
+    outputs = drive(prefill, decode, until=lambda o: finished(o, "d"), deadline_s=2)
     assert "prefill rejected" in outputs["d"][-1].error
     assert outputs["d"][-1].error_kind == "invalid"
     assert decode.engine.allocator.num_used == 0
@@ -143,7 +172,7 @@ def test_fail_room_from_the_front_end_reaches_decode(pair):
     prefill, decode, _ = pair
     decode.add("d", [5, 6], GREEDY, boot(prefill, 9))
     prefill.fail_room(FailRoom(9, "invalid request body"))
-    outputs = drive(prefill, decode, lambda o: finished(o, "d"), deadline_s=2)
+    outputs = drive(prefill, decode, until=lambda o: finished(o, "d"), deadline_s=2)
     assert "invalid request body" in outputs["d"][-1].error
 
 
@@ -159,7 +188,7 @@ def test_decode_refusal_fails_the_prefill_room(pair):
     prefill, decode, _ = pair
     prefill.add("p", [5, 6], GREEDY, boot(prefill, 11))
     decode.fail_room(FailRoom(11, "too many tokens", "127.0.0.1", prefill.bootstrap_port))
-    outputs = drive(prefill, decode, lambda o: finished(o, "p"), deadline_s=2)
+    outputs = drive(prefill, decode, until=lambda o: finished(o, "p"), deadline_s=2)
     assert "decode rejected the request: too many tokens" in outputs["p"][-1].error
     assert prefill.engine.allocator.num_used == 0
 
@@ -180,10 +209,42 @@ def test_a_refused_room_counts_as_one_failure_on_each_side(pair):
     too_long = [7] * prefill.engine.max_model_len
     decode.add("d", [5, 6], GREEDY, boot(prefill, 13))
     refused = prefill.add("p", too_long, GREEDY, boot(prefill, 13))
-    outputs = drive(prefill, decode, lambda o: finished(o, "d"), deadline_s=2)
+    outputs = drive(prefill, decode, until=lambda o: finished(o, "d"), deadline_s=2)
     # Each front end turns its failure output into an error, which reports the room again.
     prefill.fail_room(FailRoom(13, refused.error))
     host, port = "127.0.0.1", prefill.bootstrap_port
     decode.fail_room(FailRoom(13, outputs["d"][-1].error, host, port))
     assert sum(prefill.failures.counts.values()) == 1
     assert sum(decode.failures.counts.values()) == 1
+
+
+def test_a_disaggregated_worker_refuses_a_request_without_bootstrap_fields(pair):
+    prefill, decode, _ = pair
+    for handoff in (prefill, decode):
+        (output,) = EngineLoop(handoff).tick([generate("plain", [5, 6], GREEDY, None)]).outputs
+        assert output.finished and output.error_kind == "invalid"
+        assert output.error.startswith("this is a disaggregated worker: requests need")
+    assert not prefill.bootstrapping and not decode.prealloc
+
+
+def test_an_abort_message_ends_the_request_in_the_handoff(pair):
+    prefill, decode, _ = pair
+    loop = EngineLoop(decode)
+    # Pages reserved and waiting for KV that never comes (prefill never gets this room).
+    assert loop.tick([generate("d", [5] * 30, GREEDY, boot(prefill, 14))]) is None
+    assert list(decode.transferring) == ["d"] and decode.engine.allocator.num_used > 0
+    loop.tick([AbortRequest("d")])
+    assert not decode.transferring and decode.engine.allocator.num_used == 0
+
+
+def test_an_abort_message_ends_a_request_that_joined_the_decode_batch(pair):
+    prefill, decode, _ = pair
+    long = dataclasses.replace(GREEDY, max_new_tokens=30)
+    messages = {
+        prefill: [generate("p", [5, 6, 7], long, boot(prefill, 15))],
+        decode: [generate("d", [5, 6, 7], long, boot(prefill, 15))],
+    }
+    drive(prefill, decode, until=lambda o: "d" in o, messages=messages)
+    assert decode.engine.has_unfinished() and not decode.transferring  # decoding now
+    EngineLoop(decode).tick([AbortRequest("d")])
+    assert not decode.engine.has_unfinished() and decode.engine.allocator.num_used == 0

@@ -35,7 +35,7 @@ def run_pair(prefill, decode, prompts):
         assert decode.add(f"d{i}", prompt, GREEDY, boot(prefill, 100 + i)) is None
     names = [f"d{i}" for i in range(len(prompts))] + [f"p{i}" for i in range(len(prompts))]
     # NOTE: a generous deadline: two engines and two transfer threads share a 2-core CI box.
-    return drive(prefill, decode, lambda o: all(finished(o, n) for n in names), deadline_s=90)
+    return drive(prefill, decode, until=lambda o: all(finished(o, n) for n in names), deadline_s=90)
 
 
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
@@ -104,7 +104,7 @@ def test_the_handshake_refuses_mismatched_speculation(
         prompt = [5, 6, 7, 8]
         prefill.add("p", prompt, GREEDY, boot(prefill, 7))
         decode.add("d", prompt, GREEDY, boot(prefill, 7))
-        outputs = drive(prefill, decode, lambda o: finished(o, "d") and finished(o, "p"))
+        outputs = drive(prefill, decode, until=lambda o: finished(o, "d") and finished(o, "p"))
         error = outputs["d"][-1].error
         assert error is not None and field in error, error
         assert prefill.engine.allocator.num_used == 0

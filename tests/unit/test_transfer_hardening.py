@@ -12,6 +12,7 @@ import pytest
 import torch
 import zmq
 
+from pdserve.disagg.handoff_common import failure_kind
 from pdserve.protocol.codec import decode, encode
 from pdserve.protocol.transfer_messages import (
     Hello,
@@ -20,7 +21,6 @@ from pdserve.protocol.transfer_messages import (
     RegisterAck,
     TransferRequest,
 )
-from pdserve.transfer.handoff_common import failure_kind
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.peer_allow import PeerNotAllowed
 from pdserve.transfer.peer_auth import decode_proof, new_nonce
