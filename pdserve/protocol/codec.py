@@ -121,10 +121,6 @@ def _build(cls: type[M], body: Any, where: str) -> M:
     return cls(**values)
 
 
-def _check(value: Any, hint: Any, where: str) -> Any:
-    return _checker(hint)(value, where)
-
-
 def _shape_matches(value: Any, hint: Any) -> bool:
     """Cheap top-level test: could `value` be of `hint` at all (before a full check)?"""
     origin = get_origin(hint) or hint

@@ -25,14 +25,6 @@ _FINGERPRINT_KEYS = (
 )
 
 
-class HandshakeMismatch(ValueError):
-    """The prefill and decode sides disagree; the message names every differing field."""
-
-    def __init__(self, mismatches: list[str]):
-        super().__init__("prefill/decode layout mismatch: " + "; ".join(mismatches))
-        self.mismatches = mismatches
-
-
 def model_fingerprint(hf_config: dict[str, Any]) -> str:
     """A short digest of the config fields that shape the KV cache (not the weights' path)."""
     subset = {k: hf_config.get(k) for k in _FINGERPRINT_KEYS}
@@ -47,12 +39,6 @@ def layout_mismatches(prefill: KVLayout, decode: KVLayout) -> list[str]:
         if ours != theirs:
             found.append(f"{name}: prefill {ours!r} != decode {theirs!r}")
     return found
-
-
-def check_compatible(prefill: KVLayout, decode: KVLayout) -> None:
-    mismatches = layout_mismatches(prefill, decode)
-    if mismatches:
-        raise HandshakeMismatch(mismatches)
 
 
 def _fields(prefill: KVLayout, decode: KVLayout):

@@ -13,7 +13,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -28,6 +27,7 @@ from tests.deploy.k8s_render import (
     pod_templates,
     render,
 )
+from tests.waiting import wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "deploy" / "scripts"
@@ -229,17 +229,17 @@ class _Role:
                 start_new_session=True,
             )
 
-    def wait_until(self, path: str, deadline_s: float = START_DEADLINE_S) -> None:
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end:
+    def wait_ok(self, path: str, deadline_s: float = START_DEADLINE_S) -> None:
+        """Until `path` answers 200; a timeout or an exit shows the role's log."""
+
+        def ok() -> bool:
             assert self.process.poll() is None, f"{self.name} exited:\n{self.tail()}"
-            try:
-                if httpx.get(self.url + path, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        pytest.fail(f"{self.name} {path} not 200 within {deadline_s} s:\n{self.tail()}")
+            return httpx.get(self.url + path, timeout=2).status_code == 200
+
+        what = f"{self.name} {path} to answer 200"
+        wait_until(
+            ok, what, deadline_s, poll_s=0.25, describe=self.tail, retry_on=(httpx.HTTPError,)
+        )
 
     def tail(self) -> str:
         return self.log.read_text()[-3000:]
@@ -300,7 +300,7 @@ def test_live_roles_answer_every_probe_and_scrape_path(live_roles):
     for role, paths in _manifest_paths().items():
         process = live_roles[role]
         for kind, path in sorted(paths):
-            process.wait_until(path)  # raises with the log if it never answers 200
+            process.wait_ok(path)  # raises with the log if it never answers 200
             reply = httpx.get(process.url + path, timeout=10)  # probes send no API key
             assert reply.status_code == 200, (role, kind, path, reply.text)
             if kind in ("scrape", "podmonitor"):
@@ -309,7 +309,7 @@ def test_live_roles_answer_every_probe_and_scrape_path(live_roles):
 
 def test_a_request_through_the_discovering_router_uses_the_secret_key(live_roles, tiny_model_dirs):
     router = live_roles["router"]
-    router.wait_until("/health")  # both workers found through DNS and healthy
+    router.wait_ok("/health")  # both workers found through DNS and healthy
     body = {"model": tiny_model_dirs("llama"), "prompt": "hi", "max_tokens": 4}
     assert httpx.post(router.url + "/v1/completions", json=body, timeout=60).status_code == 401
     reply = httpx.post(

@@ -20,6 +20,8 @@ import time
 
 import pytest
 
+from tests.waiting import wait_until
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "deploy" / "scripts"
 SSH_STAND_IN = pathlib.Path(__file__).with_name("netns_ssh.sh")
@@ -122,15 +124,14 @@ class Lab:
         return json.loads(done.stdout)
 
 
-def _wait_for(check, what: str, deadline_s: float, log: pathlib.Path | None = None):
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.5)
-    tail = log.read_text()[-4000:] if log and log.exists() else ""
-    pytest.fail(f"{what} not within {deadline_s} s\n{tail}")
+def _wait_for(check, what: str, deadline_s: float, log: pathlib.Path) -> None:
+    """wait_until at this file's pace (each check may start a process in a namespace); a
+    timeout shows the cluster script's log."""
+    wait_until(check, what, deadline_s, poll_s=0.5, describe=lambda: _tail(log))
+
+
+def _tail(log: pathlib.Path) -> str:
+    return log.read_text()[-4000:] if log.exists() else f"(no log at {log})"
 
 
 def _netns_permitted() -> str | None:
@@ -192,7 +193,7 @@ def cluster(lab, tiny_model_dirs, tmp_path_factory):
     router = f"http://{lab.addr['router']}:8000"
 
     def healthy():
-        assert script.poll() is None, f"the cluster script exited:\n{log.read_text()[-4000:]}"
+        assert script.poll() is None, f"the cluster script exited:\n{_tail(log)}"
         return lab.http("GET", router + "/health", timeout=3)["status"] == 200
 
     try:
@@ -321,7 +322,7 @@ def test_sigterm_to_the_cluster_script_stops_every_role(lab, cluster):
     script, _, log = cluster
     assert all(lab.pids(node) for node in NODES)
     script.send_signal(signal.SIGTERM)
-    assert script.wait(timeout=60) == 143, log.read_text()[-4000:]
+    assert script.wait(timeout=60) == 143, _tail(log)
     _wait_for(
         lambda: not any(lab.pids(node) for node in NODES),
         "every role to exit after SIGTERM",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import httpx
@@ -39,13 +38,6 @@ class Server:
             if line.startswith((f"pdserve:{name}{{", f"pdserve:{name} ")):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
-
-    def wait_for(self, predicate, what: str, deadline_s: float = 20.0) -> None:
-        deadline = time.monotonic() + deadline_s
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
-            time.sleep(0.05)
 
 
 def engine_pid(server: Server) -> int:

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from pdserve.server.local_process import LocalServer, free_port
 from tests.e2e.conftest import START_DEADLINE_S, Server
+from tests.waiting import wait_until
 
 # Short transfer deadlines so failure tests end in seconds, not the 30 s default.
 FAST_FAILURE = ("--transfer-timeout", "10", "--transfer-peer-timeout", "2")
@@ -34,6 +34,19 @@ class Cluster:
         """The worker's engine counters (pages in use, queue sizes) from /server_info."""
         return worker.get("/server_info").json()["internal_states"][0]
 
+    def states(self) -> dict[str, object]:
+        """Every worker's engine counters by role and URL (a `describe` for wait_until); a
+        worker that does not answer shows why instead."""
+        found: dict[str, object] = {}
+        for role, servers in (("prefill", self.prefill), ("decode", self.decode)):
+            for worker in servers:
+                try:
+                    found[f"{role} {worker.url}"] = self.state(worker)
+                except Exception as e:
+                    exited = worker.process.poll()
+                    found[f"{role} {worker.url}"] = f"{type(e).__name__}: {e} (exit {exited})"
+        return found
+
     def wait_all_free(self, deadline_s: float = 20.0) -> None:
         """Every live worker: no KV page in use, nothing queued, running or in transfer."""
         for worker in self.workers:
@@ -46,7 +59,7 @@ class Cluster:
                 busy += ("num_prealloc", "num_transferring", "num_prefilling")
                 return all(s.get(key, 0) == 0 for key in busy)
 
-            worker.wait_for(idle, f"{worker.url} to free every page", deadline_s)
+            wait_until(idle, f"{worker.url} to free every page", deadline_s, describe=self.states)
 
 
 @dataclass
@@ -106,11 +119,3 @@ def begin_cluster(
 
 def start_cluster(model_path: str, **options) -> Cluster:
     return begin_cluster(model_path, **options).ready()
-
-
-def wait_until(predicate, what: str, deadline_s: float = 20.0, poll_s: float = 0.02) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
-        time.sleep(poll_s)

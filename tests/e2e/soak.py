@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pdserve.server.local_process import free_port
-from tests.e2e.pd_cluster import wait_until
+from tests.waiting import wait_until
 
 REQUEST_DEADLINE_S = 90.0
 RSS_GROWTH_BOUND_MB = 150.0
@@ -360,13 +360,15 @@ def _kill(url: str, report: SoakReport) -> Disruption:
 
 def _mark_healthy(url: str, killed_pid: int, disruption: Disruption) -> None:
     """Stamp when the restarted process (a new pid on the same port) answers healthy."""
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        pid = server_pid(port_of(url))
-        if pid not in (None, killed_pid) and healthy(url):
-            disruption.healthy_at = time.monotonic()
-            return
-        time.sleep(0.2)
+
+    def restarted() -> bool:
+        return server_pid(port_of(url)) not in (None, killed_pid) and healthy(url)
+
+    try:
+        wait_until(restarted, f"{url} to restart", 180, poll_s=0.2)
+    except AssertionError:
+        return  # NOTE: left unstamped: _wait_rejoined reports it
+    disruption.healthy_at = time.monotonic()
 
 
 def _wait_rejoined(launched: Launched, disruptions: list[Disruption], report) -> None:

@@ -14,7 +14,8 @@ import socket
 import httpx
 
 from tests.e2e.conftest import engine_pid
-from tests.e2e.pd_cluster import start_cluster, wait_until
+from tests.e2e.pd_cluster import start_cluster
+from tests.waiting import wait_until
 
 RESTART_DEADLINE_S = 120.0
 

@@ -8,11 +8,11 @@ import json
 import os
 import signal
 import threading
-import time
 
 import httpx
 
 from tests.e2e.conftest import start_server, stop_server
+from tests.waiting import wait_until
 
 MAX_TOKENS = 1200
 
@@ -21,6 +21,14 @@ def _refused(url: str) -> bool:
     try:
         httpx.get(url + "/health", timeout=2)
     except httpx.ConnectError:
+        return True
+    return False
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
         return True
     return False
 
@@ -48,10 +56,7 @@ def test_a_stream_in_flight_finishes_after_sigterm(tiny_model_dirs):
                     first_event.set()
                     break
             os.kill(server.process.pid, signal.SIGTERM)  # the server alone, not its group
-            deadline = time.monotonic() + 10
-            while not _refused(server.url):
-                assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
-                time.sleep(0.05)
+            wait_until(lambda: _refused(server.url), "new connections refused after SIGTERM", 10)
             for line in lines:  # the rest of the same stream
                 data = line[5:].strip() if line.startswith("data:") else ""
                 if data == "[DONE]":
@@ -64,13 +69,7 @@ def test_a_stream_in_flight_finishes_after_sigterm(tiny_model_dirs):
         assert finish[-1] == "length", finish[-3:]
         assert len(text_chunks) >= MAX_TOKENS // 2  # the stream was not cut short
         assert server.process.wait(timeout=60) in (0, 128 + signal.SIGTERM, -signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        while True:  # the engine process (same process group) exits with its server
-            try:
-                os.killpg(server.process.pid, 0)
-            except ProcessLookupError:
-                break
-            assert time.monotonic() < deadline, "the engine process outlived its server"
-            time.sleep(0.1)
+        # The engine process (same process group) exits with its server.
+        wait_until(lambda: _group_gone(server.process.pid), "the engine process to exit", 20)
     finally:
         stop_server(server)

@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.protocol.strict_json import MAX_BODY_BYTES
 from pdserve.server.generation import MAX_PROMPT_CHARS_PER_TOKEN
+from tests.waiting import wait_until
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -140,7 +141,7 @@ def test_duplicate_rid_in_flight_is_400_naming_rid(server):
         assert '"finish_reason": null' in event, event
         second = server.post("/generate", {"text": "hi", "rid": "dup-rid"})
         assert_openai_error(second, 400, "rid")
-    server.wait_for(lambda: server.metric("kv_cache_pages_used") == 0, "the abort to free pages")
+    wait_until(lambda: server.metric("kv_cache_pages_used") == 0, "the abort to free pages")
     assert server.post("/generate", {"text": "hi", "rid": "dup-rid"}).status_code == 200
 
 

@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from pdserve.server.local_process import free_port
-from tests.e2e.pd_cluster import wait_until
 from tests.e2e.sse import stream_post
+from tests.waiting import wait_until
 
 START_DEADLINE_S = 180.0
 

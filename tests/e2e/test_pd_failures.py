@@ -15,8 +15,9 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.pd_cluster import FAST_FAILURE, start_cluster, wait_until
+from tests.e2e.pd_cluster import FAST_FAILURE, start_cluster
 from tests.e2e.sse import stream_post
+from tests.waiting import wait_until
 
 # A long prompt takes one step per token to prefill: a window of hundreds of steps in which a
 # test sees the prefill running and kills it (with 8 tokens a step, a busy CI machine's polls
@@ -109,7 +110,11 @@ def test_prefill_killed_mid_request(fresh):
     prefill, decode = cluster.prefill[0], cluster.decode[0]
     url = cluster.router.url + "/generate"
     join = _in_background(lambda: httpx.post(url, json=_generate_body(LONG_PROMPT), timeout=90))
-    wait_until(lambda: cluster.state(prefill)["num_prefilling"] == 1, "the prefill to start")
+    wait_until(
+        lambda: cluster.state(prefill)["num_prefilling"] == 1,
+        "the prefill to start",
+        describe=cluster.states,
+    )
     _kill(prefill)
     response, seconds = join()
     assert response.status_code in (502, 503), response.text
@@ -128,7 +133,11 @@ def test_decode_alone_fails_its_room_when_prefill_dies(fresh):
     body = _direct_body(_generate_body(LONG_PROMPT), cluster, room=12345)
     join_decode = _in_background(lambda: decode.post("/generate", body))
     join_prefill = _in_background(lambda: prefill.post("/generate", body))
-    wait_until(lambda: cluster.state(prefill)["num_prefilling"] == 1, "the prefill to start")
+    wait_until(
+        lambda: cluster.state(prefill)["num_prefilling"] == 1,
+        "the prefill to start",
+        describe=cluster.states,
+    )
     _kill(prefill)
     response, seconds = join_decode()
     assert response.status_code == 503, response.text
@@ -187,7 +196,7 @@ def test_a_fanout_room_whose_decode_worker_dies_ends_the_request_and_every_room(
                 def rooms():
                     return [cluster.state(w)["num_running"] for w in (victim, survivor)]
 
-                wait_until(lambda: sum(rooms()) == 4, "every room to run")
+                wait_until(lambda: sum(rooms()) == 4, "every room to run", describe=cluster.states)
                 assert min(rooms()) >= 1, rooms()
                 _kill(victim)
     assert time.monotonic() - started < DEADLINE_S
@@ -208,7 +217,7 @@ def test_a_fanout_client_that_leaves_mid_stream_ends_every_room(shared):
             received += line.startswith("data:")
             if received == 6:
                 running = lambda: shared.state(shared.decode[0])["num_running"] == 4  # noqa: E731
-                wait_until(running, "every room to run")
+                wait_until(running, "every room to run", describe=shared.states)
                 break  # leaving the block closes the connection mid-stream
     shared.wait_all_free(deadline_s=10)
 

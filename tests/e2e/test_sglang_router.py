@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from pdserve.server.local_process import free_port
-from tests.e2e.pd_cluster import start_cluster, wait_until
+from tests.e2e.pd_cluster import start_cluster
 from tests.e2e.sse import stream_post
+from tests.waiting import wait_until
 
 PYTHON = os.environ.get("PDSERVE_SGLANG_ROUTER_PYTHON", sys.executable)
 

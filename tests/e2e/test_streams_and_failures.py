@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import engine_pid, start_server, stop_server
+from tests.waiting import wait_until
 
 
 def stream_completion(server, prompt, max_tokens, stop_after=None):
@@ -55,8 +56,8 @@ def test_32_streams_some_disconnecting_leave_the_kv_cache_empty(server):
             assert not finished
         else:
             assert finished and events >= 1, (i, events)
-    server.wait_for(lambda: server.metric("kv_cache_pages_used") == 0, "KV pages to be freed")
-    server.wait_for(lambda: server.metric("num_requests_running") == 0, "no running requests")
+    wait_until(lambda: server.metric("kv_cache_pages_used") == 0, "KV pages to be freed")
+    wait_until(lambda: server.metric("num_requests_running") == 0, "no running requests")
     assert server.get("/health").status_code == 200
 
 
@@ -79,8 +80,8 @@ def test_disconnected_stream_is_aborted(doomed):
     # disconnect is noticed, even on a loaded machine, so only an abort ends it early.
     _, finished = stream_completion(doomed, [9] * 30, 2000, stop_after=2)
     assert not finished
-    doomed.wait_for(lambda: aborted_count(doomed) == 1, "the request to be aborted")
-    doomed.wait_for(lambda: doomed.metric("kv_cache_pages_used") == 0, "abort to free pages")
+    wait_until(lambda: aborted_count(doomed) == 1, "the request to be aborted")
+    wait_until(lambda: doomed.metric("kv_cache_pages_used") == 0, "abort to free pages")
 
 
 def test_engine_death_fails_streams_with_an_sse_error_and_the_engine_restarts(doomed):
@@ -108,21 +109,21 @@ def test_engine_death_fails_streams_with_an_sse_error_and_the_engine_restarts(do
         after = doomed.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert after.status_code in (200, 503) and after.json()
     # The front end starts a new engine process; it serves again.
-    doomed.wait_for(lambda: doomed.get("/health").status_code == 200, "the restart", 120)
+    wait_until(lambda: doomed.get("/health").status_code == 200, "the restart", 120)
     after = doomed.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert after.status_code == 200, after.text
 
 
 def test_engine_exits_when_the_front_end_is_killed(doomed):
-    import time
-
     pid = engine_pid(doomed)
     doomed.process.kill()  # SIGKILL the front end alone; the engine is orphaned
     doomed.process.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{pid}") and _state(pid) != "Z":
-        assert time.monotonic() < deadline, "engine process outlived its front end"
-        time.sleep(0.05)
+    wait_until(
+        lambda: _state(pid) in ("gone", "Z"),
+        "the engine process to exit after its front end",
+        10,
+        describe=lambda: f"engine process {pid} in state {_state(pid)}",
+    )
 
 
 def _state(pid: int) -> str:

@@ -17,8 +17,7 @@ from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metadata import MetadataRecord
 from pdserve.transfer.room_state import TransferState
-
-DEADLINE_S = 20.0
+from tests.waiting import wait_until
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,14 +95,6 @@ def record(case: Case) -> MetadataRecord:
     )
 
 
-def wait_until(predicate, deadline_s: float = DEADLINE_S, what: str = "condition") -> None:
-    deadline = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.005)
-
-
 def run_prefill(cases, config: TransferConfig, port_queue, result_queue, behaviour="send"):
     """Serve every case's room: wait for decode's request, send KV and metadata."""
     from pdserve.transfer.prefill_side import PrefillTransferServer
@@ -116,18 +107,16 @@ def run_prefill(cases, config: TransferConfig, port_queue, result_queue, behavio
             sender = server.sender(case.room)
             wait_until(
                 lambda s=sender: s.poll() is not TransferState.BOOTSTRAPPING,
-                what="decode's transfer request",
+                "decode's transfer request",
             )
             if sender.poll() is TransferState.FAILED:
                 result_queue.put((case.room, "FAILED", sender.failure_reason))
                 continue
             if behaviour == "partial":  # one chunk of KV, then nothing: the test kills us
                 _send_first_chunk(server, sender)
-                wait_until(lambda: False, deadline_s=60, what="being killed")
+                wait_until(lambda: False, "being killed", 60)
             if behaviour == "hold":  # never send: the test kills or aborts us
-                wait_until(
-                    lambda s=sender: s.poll() is TransferState.FAILED, what="the room to fail"
-                )
+                wait_until(lambda s=sender: s.poll() is TransferState.FAILED, "the room to fail")
                 result_queue.put((case.room, "FAILED", sender.failure_reason))
                 continue
             kv = KVStager(pools(case, 20, seed=case.room)).gather(
@@ -136,7 +125,7 @@ def run_prefill(cases, config: TransferConfig, port_queue, result_queue, behavio
             sender.send(kv, record(case))
             wait_until(
                 lambda s=sender: s.poll() in (TransferState.SUCCESS, TransferState.FAILED),
-                what="the decode ack",
+                "the decode ack",
             )
             result_queue.put((case.room, sender.poll().name, sender.failure_reason))
         result_queue.put(("malformed", server.metrics.failures["malformed_message"], None))
@@ -189,7 +178,7 @@ def run_decode(
                 continue
             wait_until(
                 lambda r=receiver: r.poll() in (TransferState.SUCCESS, TransferState.FAILED),
-                what="the room to finish",
+                "the room to finish",
             )
             elapsed = time.monotonic() - started
             if receiver.poll() is TransferState.FAILED:

@@ -9,13 +9,13 @@ import os
 import pathlib
 import signal
 import subprocess
-import time
 
 import httpx
 import pytest
 import torch
 
 from pdserve.server.local_process import free_port
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.gpu
 
@@ -32,16 +32,18 @@ def two_gpus():
 
 
 def _wait_healthy(url: str, process: subprocess.Popen, log: pathlib.Path) -> None:
-    end = time.monotonic() + START_DEADLINE_S
-    while time.monotonic() < end:
+    def healthy() -> bool:
         assert process.poll() is None, log.read_text()[-4000:]
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"{url} not healthy within {START_DEADLINE_S} s:\n{log.read_text()[-4000:]}")
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+
+    wait_until(
+        healthy,
+        f"{url} to be healthy",
+        START_DEADLINE_S,
+        poll_s=0.5,
+        describe=lambda: log.read_text()[-4000:],
+        retry_on=(httpx.HTTPError,),
+    )
 
 
 def test_cluster_script_serves_across_two_gpus_over_nccl(two_gpus, tiny_model_dirs, tmp_path):

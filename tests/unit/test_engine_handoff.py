@@ -18,7 +18,7 @@ from pdserve.transfer.metadata import MetadataRecord
 from pdserve.transfer.prefill_side import PrefillTransferServer
 from pdserve.transfer.room_state import TransferState
 from tests.conftest import random_prompts
-from tests.e2e.transfer_peers import wait_until
+from tests.waiting import wait_until
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
 
@@ -97,11 +97,11 @@ def test_handoff_over_the_tcp_transfer_layer_equals_colocated(engines):
         pages_d = engine_d.reserve_pages(len(prompt))  # decode reserves first
         receiver = client.receiver(77, "127.0.0.1", server.port, pages_d)
         sender = server.sender(77)
-        wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, 10, "reservation")
+        wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, "reservation", 10)
         first, pages_p = prefill(engine_p, "t", prompt)  # prefill computes only now
         sender.send(KVStager([engine_p.kv_pool]).gather([pages_p]), MetadataRecord(first))
-        wait_until(lambda: receiver.poll() is TransferState.SUCCESS, 10, "the transfer")
-        wait_until(lambda: sender.poll() is TransferState.SUCCESS, 10, "the ack")
+        wait_until(lambda: receiver.poll() is TransferState.SUCCESS, "the transfer", 10)
+        wait_until(lambda: sender.poll() is TransferState.SUCCESS, "the ack", 10)
         engine_p.release_held("t")
         record = receiver.commit(stager_d)
         engine_d.add_prebuilt("t", prompt, GREEDY, pages_d, record.first_token)

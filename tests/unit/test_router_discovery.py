@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -18,6 +17,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Discovery, ServiceName, resolve, worker_url
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import Role, Worker, WorkerPool
+from tests.waiting import wait_until
 
 
 def test_service_names_parse_and_name_what_is_wrong():
@@ -240,10 +240,17 @@ def test_a_prefill_port_that_is_not_a_worker_stays_out_without_stopping_health_c
         with TestClient(build_router_app(config)) as client:
             # NOTE: last_error is set at the second failed check: the checker survived the
             # first bad answer (before the fix it raised and health checks stopped).
-            deadline = time.monotonic() + 10
-            while not (prefill := client.get("/workers").json()["prefill"][0])["last_error"]:
-                assert time.monotonic() < deadline, prefill
-                time.sleep(0.05)
+            def errored() -> dict | None:
+                prefill = client.get("/workers").json()["prefill"][0]
+                return prefill if prefill["last_error"] else None
+
+            prefill = wait_until(
+                errored,
+                "the health checker to record an error",
+                10,
+                poll_s=0.05,
+                describe=lambda: client.get("/workers").json(),
+            )
             assert not prefill["healthy"]
             assert "did not report its bootstrap port" in prefill["last_error"]
             assert client.get("/workers").json()["decode"][0]["healthy"]

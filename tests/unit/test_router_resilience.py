@@ -22,6 +22,7 @@ from pdserve.router.proxy import Proxy
 from pdserve.router.workers import Role, Worker, WorkerPool
 from pdserve.server.local_process import LocalServer
 from tests.unit.fake_workers import FakeWorkers, KeepAliveDropper, completion, worker_error
+from tests.waiting import wait_until
 
 BODY = {"prompt": "hi", "max_tokens": 2}
 
@@ -134,10 +135,12 @@ def test_the_router_bounds_requests_in_flight_per_worker_with_429():
             target=lambda: first.update(r=client.post("/v1/completions", json=BODY))
         )
         thread.start()
-        deadline = time.monotonic() + 10
-        while client.get("/workers").json()["prefill"][0]["in_flight"] < 1:
-            assert time.monotonic() < deadline, "the first request never reached the worker"
-            time.sleep(0.01)
+        wait_until(
+            lambda: client.get("/workers").json()["prefill"][0]["in_flight"] >= 1,
+            "the first request to reach the worker",
+            10,
+            poll_s=0.01,
+        )
         busy = client.post("/v1/completions", json=BODY)
         release.set()
         thread.join(timeout=10)
@@ -226,15 +229,12 @@ def small_body_router():
         ]
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(local.url + "/liveness", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and local.process.poll() is None, "no router"
-            time.sleep(0.05)
+
+        def live() -> bool:
+            assert local.process.poll() is None, "the router exited"
+            return httpx.get(local.url + "/liveness", timeout=2).status_code == 200
+
+        wait_until(live, "the router to start", 60, poll_s=0.05, retry_on=(httpx.TransportError,))
         yield local
     finally:
         local.stop()

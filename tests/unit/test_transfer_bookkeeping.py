@@ -9,12 +9,7 @@ import pytest
 from pdserve.protocol.codec import decode, encode
 from pdserve.protocol.metadata_spec import MetadataSpec, MetadataSpecError
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
-from pdserve.transfer.handshake import (
-    HandshakeMismatch,
-    check_compatible,
-    layout_mismatches,
-    model_fingerprint,
-)
+from pdserve.transfer.handshake import layout_mismatches, model_fingerprint
 from pdserve.transfer.room_state import InvalidTransition, RoomState, Tombstones, TransferState
 
 
@@ -121,16 +116,13 @@ def layout(**changes) -> KVLayout:
         ({"spec_algorithm": "NGRAM"}, "spec.algorithm", "'EAGLE'", "'NGRAM'"),
     ],
 )
-def test_handshake_mismatch_names_field_and_both_values(
-    changes, field, prefill_value, decode_value
-):
-    with pytest.raises(HandshakeMismatch) as info:
-        check_compatible(layout(), layout(**changes))
-    assert info.value.mismatches == [f"{field}: prefill {prefill_value} != decode {decode_value}"]
+def test_a_layout_mismatch_names_field_and_both_values(changes, field, prefill_value, decode_value):
+    found = layout_mismatches(layout(), layout(**changes))
+    assert found == [f"{field}: prefill {prefill_value} != decode {decode_value}"]
 
 
-def test_identical_layouts_pass_and_all_mismatches_are_listed():
-    check_compatible(layout(), layout())
+def test_identical_layouts_match_and_every_mismatch_is_listed():
+    assert layout_mismatches(layout(), layout()) == []
     assert len(layout_mismatches(layout(), layout(page_size=1, head_dim=8, spec_topk=2))) == 3
 
 

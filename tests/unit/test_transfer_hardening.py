@@ -27,8 +27,9 @@ from pdserve.transfer.peer_auth import decode_proof, new_nonce
 from pdserve.transfer.prefill_side import PrefillTransferServer
 from pdserve.transfer.room_state import TransferState
 from pdserve.transfer.wire_limits import max_decode_message_bytes
-from tests.e2e.transfer_peers import Case, layout, metadata_spec, pools, record, wait_until
+from tests.e2e.transfer_peers import Case, layout, metadata_spec, pools, record
 from tests.unit.test_transfer_in_process import CONFIG, start_pair
+from tests.waiting import wait_until
 
 CASE = Case(room=1)
 TOKEN = "tr4nsfer-s3cret-token"
@@ -73,13 +74,16 @@ def test_decode_keeps_working_after_prefill_restarts_on_the_same_port():
         port = pair.server.port
         # A room in flight with the old prefill process: it must fail, not hang.
         stranded = pair.client.receiver(3, "127.0.0.1", port, [7, 8, 9])
-        wait_until(lambda: pair.server.sender(3).poll() is TransferState.WAITING_FOR_INPUT)
+        wait_until(
+            lambda: pair.server.sender(3).poll() is TransferState.WAITING_FOR_INPUT,
+            "the stranded room's request",
+        )
         pair.server.stop()
         restarted = dataclasses.replace(CONFIG, bootstrap_port=port)
         pair.server = PrefillTransferServer(restarted, layout(CASE), metadata_spec(CASE), "p2")
         pair.server.start()
         pair.transfer(Case(room=2))
-        wait_until(lambda: finished(stranded), 10, "the stranded room to fail")
+        wait_until(lambda: finished(stranded), "the stranded room to fail", 10)
         assert stranded.poll() is TransferState.FAILED
         assert "restarted" in stranded.failure_reason or "silent" in stranded.failure_reason
         assert stranded._buffer is None
@@ -118,13 +122,13 @@ def test_a_fake_prefill_never_sees_the_token_and_its_socket_is_closed(zmq_contex
         # It cannot prove the token: any answer is wrong.
         nonce = new_nonce()
         fake.send_multipart([identity, encode(HelloReply("fake", 1, nonce, b"\x00" * 32))])
-        wait_until(lambda: finished(receiver), 5, "the room to fail")
+        wait_until(lambda: finished(receiver), "the room to fail", 5)
         while fake.poll(300):
             received.append(fake.recv_multipart()[-1])
         assert all(TOKEN.encode() not in frame for frame in received)
         assert len(received) == 1 and decode(hello, Hello).decode_id == "d"
         assert "authentication failed" in receiver.failure_reason
-        wait_until(lambda: not pair.client._peers, 5, "the peer to be closed")
+        wait_until(lambda: not pair.client._peers, "the peer to be closed", 5)
     finally:
         pair.client.stop()
         pair.server.stop()
@@ -178,7 +182,7 @@ def test_a_wrong_token_flood_leaves_no_rooms_and_bounded_peers(zmq_context):
         # Messages on one connection are handled in order: once this answers, all were seen.
         probe = authenticated_dealer(zmq_context, server.port, TOKEN)
         flood.send(encode(Hello("flood", new_nonce())))
-        wait_until(lambda: _drain_for(flood, HelloReply), 20, "the flood to be handled")
+        wait_until(lambda: _drain_for(flood, HelloReply), "the flood to be handled", 20)
         assert len(server._rooms) == 0 and len(server._tombstones) == 0
         assert len(server._peers) <= config.max_peers
         probe.close(0)
@@ -229,13 +233,13 @@ def test_a_decode_peer_that_stops_reading_does_not_delay_a_healthy_one(zmq_conte
         stuck = authenticated_dealer(zmq_context, server.port, "")
         stuck.send(encode(TransferRequest(20, [1, 2], [])))
         stuck_room = server.sender(20)
-        wait_until(lambda: stuck_room.poll() is TransferState.WAITING_FOR_INPUT)
+        wait_until(lambda: stuck_room.poll() is TransferState.WAITING_FOR_INPUT, "the stuck room")
         # 64k frames of 1 KiB for a peer that reads none of them.
         stuck_room.send(torch.zeros(64 << 20, dtype=torch.uint8), record(CASE))
         started = time.monotonic()
         pair.transfer(Case(room=21))
         assert time.monotonic() - started < config.send_timeout_s
-        wait_until(lambda: finished(stuck_room), 10, "the stuck peer to be dropped")
+        wait_until(lambda: finished(stuck_room), "the stuck peer to be dropped", 10)
         assert stuck_room.poll() is TransferState.FAILED
         stuck.close(0)
     finally:
@@ -249,14 +253,14 @@ def test_time_in_the_prefill_queue_does_not_count_against_the_progress_deadline(
     try:
         sender = pair.server.sender(30)
         receiver = pair.client.receiver(30, "127.0.0.1", pair.server.port, [1, 2, 3])
-        wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT)
+        wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, "the request")
         time.sleep(1.0)  # NOTE: the point is that time passes: queued, not stalled
         assert sender.poll() is TransferState.WAITING_FOR_INPUT
         assert receiver.poll() is TransferState.BOOTSTRAPPING
         sender.started()  # compute begins; now the progress deadline counts
-        wait_until(lambda: finished(sender), 5, "the deadline")
+        wait_until(lambda: finished(sender), "the deadline", 5)
         assert "timed out" in sender.failure_reason
-        wait_until(lambda: finished(receiver), 5, "decode to learn of it")
+        wait_until(lambda: finished(receiver), "decode to learn of it", 5)
     finally:
         pair.client.stop()
         pair.server.stop()
@@ -269,13 +273,13 @@ def test_a_failed_room_frees_the_buffer_announced_to_its_peer():
     try:
         sender = server.sender(40)
         client.receiver(40, "127.0.0.1", server.port, list(CASE.decode_pages))
-        wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, 20, "the request")
+        wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, "the request", 20)
         client._send_ready = lambda peer, msg: None  # decode stalls: never posts the receive
         kv = KVStager(pools(CASE, 20, seed=1)).gather([list(CASE.prefill_pages)])
         sender.send(kv, record(CASE))
-        wait_until(lambda: server.pending_sends == 1, 10, "the announcement")
+        wait_until(lambda: server.pending_sends == 1, "the announcement", 10)
         client.stop()
-        wait_until(lambda: server.pending_sends == 0, 10, "the buffer to be released")
+        wait_until(lambda: server.pending_sends == 0, "the buffer to be released", 10)
         assert sender.poll() is TransferState.FAILED
     finally:
         server.stop()

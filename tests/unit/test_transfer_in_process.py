@@ -16,7 +16,8 @@ from pdserve.transfer.decode_side import DecodeTransferClient
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.prefill_side import PrefillTransferServer
 from pdserve.transfer.room_state import TransferState
-from tests.e2e.transfer_peers import Case, layout, metadata_spec, pools, record, wait_until
+from tests.e2e.transfer_peers import Case, layout, metadata_spec, pools, record
+from tests.waiting import wait_until
 
 CONFIG = TransferConfig(
     bootstrap_port=0, progress_timeout_s=10, peer_timeout_s=2, heartbeat_interval_s=0.2
@@ -36,11 +37,11 @@ class Pair:
         receiver = self.client.receiver(
             case.room, "127.0.0.1", self.server.port, list(case.decode_pages)
         )
-        wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, 10, "the request")
+        wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, "the request", 10)
         kv = KVStager(pools(case, 20, seed=case.room)).gather([list(case.prefill_pages)])
         sender.send(kv, record(case))
-        wait_until(lambda: receiver.poll() is TransferState.SUCCESS, 10, "the transfer")
-        wait_until(lambda: sender.poll() is TransferState.SUCCESS, 10, "the ack")
+        wait_until(lambda: receiver.poll() is TransferState.SUCCESS, "the transfer", 10)
+        wait_until(lambda: sender.poll() is TransferState.SUCCESS, "the ack", 10)
         return sender, receiver
 
 
@@ -100,9 +101,9 @@ def test_reusing_a_finished_room_id_is_refused_on_decode(pair):
 def test_prefill_abort_reaches_decode_at_once(pair):
     sender = pair.server.sender(CASE.room)
     receiver = pair.client.receiver(CASE.room, "127.0.0.1", pair.server.port, [1, 2, 3])
-    wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, 10, "the request")
+    wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, "the request", 10)
     sender.abort("prompt of 9000 tokens exceeds the context length")
-    wait_until(lambda: receiver.poll() is TransferState.FAILED, 2, "decode to learn of it")
+    wait_until(lambda: receiver.poll() is TransferState.FAILED, "decode to learn of it", 2)
     assert receiver.failure_reason == (
         "prefill aborted: prompt of 9000 tokens exceeds the context length"
     )
@@ -122,15 +123,15 @@ def test_gloo_receive_posted_for_an_aborted_room_keeps_the_pair_in_order():
         pair.transfer(Case(room=10))  # the link is up
         sender = server.sender(11)
         receiver = client.receiver(11, "127.0.0.1", server.port, [1, 2, 3])
-        wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, 10, "the request")
+        wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, "the request", 10)
         held = threading.Event()
         client.io.call(lambda: held.wait(10))  # stall decode's IO thread
         kv = KVStager(pools(Case(room=11), 20, seed=11)).gather([[5, 2, 9]])
         sender.send(kv, record(Case(room=11)))  # SendReady waits in decode's socket
         receiver.abort("client went away")
         held.set()
-        wait_until(lambda: sender.poll() is TransferState.FAILED, 10, "prefill to learn of it")
-        wait_until(lambda: server.pending_sends == 0, 10, "the announced buffer to be sent")
+        wait_until(lambda: sender.poll() is TransferState.FAILED, "prefill to learn of it", 10)
+        wait_until(lambda: server.pending_sends == 0, "the announced buffer to be sent", 10)
         later = Case(room=12, prefill_pages=(19, 0, 4))
         _, receiver12 = pair.transfer(later)
         receiver12.commit(stager)
