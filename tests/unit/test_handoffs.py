@@ -24,7 +24,7 @@ from pdserve.server.engine_process import EngineLoop
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.peer_allow import PeerAllowList, parse_allow_list
 from tests.conftest import random_prompts
-from tests.e2e.pd_cluster import wait_until
+from tests.waiting import wait_until
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
 CONFIG = TransferConfig(
