@@ -8,6 +8,7 @@ type (ints are ints, lists hold what they say, nothing missing, nothing unknown)
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import types
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -118,7 +119,10 @@ def _build(cls: type[M], body: Any, where: str) -> M:
             values[name] = check(body[name], path)
         elif required:
             raise ProtocolError(f"{where}: missing field {name!r}")
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as e:  # a message's own checks (__post_init__)
+        raise ProtocolError(f"{where}: {e}") from None
 
 
 def _shape_matches(value: Any, hint: Any) -> bool:
@@ -134,6 +138,8 @@ def _shape_matches(value: Any, hint: Any) -> bool:
         return type(value) is list
     if origin is dict or hint in _REGISTRY.values():
         return type(value) is dict
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return any(type(value) is type(member.value) for member in hint)
     return type(value) is origin
 
 
@@ -146,6 +152,19 @@ def _checker(hint: Any):
         return lambda value, where: value
     if isinstance(hint, type) and hint in _REGISTRY.values():
         return lambda value, where: _build(hint, value, where)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+
+        def check_enum(value, where):
+            # NOTE: the exact type first: True == 1, and 1 would select an int member.
+            if not any(type(value) is type(member.value) for member in hint):
+                raise ProtocolError(f"{where}: {type(value).__name__} is not a {hint.__name__}")
+            try:
+                return hint(value)
+            except ValueError:
+                names = ", ".join(repr(m.value) for m in hint)
+                raise ProtocolError(f"{where}: {value!r} is not one of {names}") from None
+
+        return check_enum
     if origin in (Union, types.UnionType):
         options = get_args(hint)
 

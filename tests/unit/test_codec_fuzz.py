@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import types
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -14,12 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.protocol import engine_messages, transfer_messages
+from pdserve.protocol import engine_messages, failures, transfer_messages
 from pdserve.protocol.codec import PROTOCOL_VERSION, ProtocolError, decode, encode
 
 MESSAGES = [
     cls
-    for module in (engine_messages, transfer_messages)
+    for module in (engine_messages, transfer_messages, failures)
     for cls in vars(module).values()
     if isinstance(cls, type) and dataclasses.is_dataclass(cls) and hasattr(cls, "TAG")
 ]
@@ -51,6 +52,8 @@ def values_of(hint) -> st.SearchStrategy:
         return st.dictionaries(values_of(key), values_of(value), max_size=3)
     if dataclasses.is_dataclass(hint):
         return messages_of(hint)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return st.sampled_from(list(hint))
     simple = {
         int: INT64,
         float: st.floats(allow_nan=False),

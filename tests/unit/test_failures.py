@@ -1,0 +1,56 @@
+"""Typed failures: every kind has an outcome, and a failure crosses the wire as a checked
+enum (an unknown kind or stage is refused, not passed on as text)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from pdserve.protocol.codec import PROTOCOL_VERSION, ProtocolError, decode, encode
+from pdserve.protocol.failures import (
+    OUTCOMES,
+    Failure,
+    FailureKind,
+    FailureStage,
+    outcome_of_code,
+)
+
+
+def raw_failure(**body):
+    return msgpack.packb({"t": "failure", "v": PROTOCOL_VERSION, "b": body})
+
+
+def test_every_kind_has_an_outcome_and_only_client_faults_are_4xx():
+    assert set(OUTCOMES) == set(FailureKind)
+    for kind, outcome in OUTCOMES.items():
+        assert (outcome.status < 500) == (kind is FailureKind.INVALID)
+        assert not (outcome.retryable and outcome.status < 500)
+
+
+def test_a_failure_round_trips_with_its_types():
+    failure = Failure(FailureKind.PEER_LOST, FailureStage.TRANSFER, "prefill silent for 4.1 s")
+    decoded = decode(encode(failure))
+    assert decoded == failure
+    assert type(decoded.kind) is FailureKind and type(decoded.stage) is FailureStage
+    assert decoded.label == "transfer/peer_lost"
+    assert (decoded.status, decoded.retryable) == (503, True)
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ({"kind": "exploded", "stage": "engine", "message": "m"}, "not one of"),
+        ({"kind": "timeout", "stage": "later", "message": "m"}, "not one of"),
+        ({"kind": 3, "stage": "engine", "message": "m"}, "is not a FailureKind"),
+        ({"kind": True, "stage": "engine", "message": "m"}, "is not a FailureKind"),
+    ],
+)
+def test_an_unknown_kind_or_stage_is_refused(body, match):
+    with pytest.raises(ProtocolError, match=match):
+        decode(raw_failure(**body))
+
+
+def test_outcome_of_code_knows_only_failure_kinds():
+    assert outcome_of_code("invalid") == OUTCOMES[FailureKind.INVALID]
+    assert outcome_of_code("rate_limited") is None
+    assert outcome_of_code(None) is None
