@@ -178,6 +178,7 @@ def _raw_receiver(sizes, ports, done):
 def raw_link(sizes, backend, results):
     """One contiguous tensor over a PairLink (the backend's own send/recv)."""
     from pdserve.transfer.dist_link import PairLink
+    from pdserve.transfer.dist_store import client_store
 
     spawn = multiprocessing.get_context("spawn")
     ports, done = spawn.Queue(), spawn.Queue()
@@ -185,7 +186,7 @@ def raw_link(sizes, backend, results):
     receiver.start()
     host, port = ports.get(timeout=60)
     device = device_for(backend, 0)
-    store = PairLink.client_store(host, port, 60)
+    store = client_store(host, port, 60)
     link = PairLink.connect(
         backend=backend,
         store=store,
@@ -210,7 +211,8 @@ def raw_link(sizes, backend, results):
 
 
 def _link_receiver(sizes, backend, ports, done):
-    from pdserve.transfer.dist_link import DecodeStoreServer, PairLink
+    from pdserve.transfer.dist_link import PairLink
+    from pdserve.transfer.dist_store import DecodeStoreServer
 
     device = device_for(backend, 1)
     server = DecodeStoreServer("127.0.0.1", 0, 60)

@@ -25,7 +25,6 @@ from pdserve.disagg.handoff_common import (
     FailureCounts,
     engine_transfer_layout,
     failed_output,
-    failure_kind,
     room_in_use,
 )
 from pdserve.engine.errors import InvalidRequestError
@@ -33,6 +32,7 @@ from pdserve.engine.handoff import Handoff
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.speculative.state import DraftBatch
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.decode_side import DecodeTransferClient
@@ -53,7 +53,6 @@ class _Pending:
     queued_at: float = field(default_factory=time.monotonic)
     pages: list[int] = field(default_factory=list)
     receiver: ReceiverRoom | None = None
-    moved_bytes: bool = False  # KV started arriving (failure stage: transfer, not bootstrap)
 
 
 class DecodeHandoff(Handoff):
@@ -98,10 +97,11 @@ class DecodeHandoff(Handoff):
             # NOTE: resolved once here; the address, never the name again, is contacted.
             address = self.client.allow_list.resolve(bootstrap.host)
         except (InvalidRequestError, PeerNotAllowed) as e:
-            reason = f"decode rejected the request: {e}"
+            message = f"decode rejected the request: {e}"
+            failure = Failure(FailureKind.INVALID, FailureStage.BOOTSTRAP, message)
             self._ended.add(bootstrap.room)
-            self.failures.add("bootstrap", "rejected")
-            return failed_output(request_id, prompt_ids, reason, "invalid")
+            self.failures.add(failure)
+            return failed_output(request_id, prompt_ids, failure)
         bootstrap = dataclasses.replace(bootstrap, host=address)
         self._rooms.add(bootstrap.room)
         self.prealloc[request_id] = _Pending(request_id, prompt_ids, params, bootstrap)
@@ -112,12 +112,12 @@ class DecodeHandoff(Handoff):
         so its leg ends now instead of at its deadline."""
         if msg.room in self._rooms or not msg.host:
             return  # a live request owns it: not ours to fail
+        failure = Failure(msg.kind, FailureStage.BOOTSTRAP, f"decode refused it: {msg.reason}")
         if msg.room not in self._ended:  # else it failed, and was counted, here already
             self._ended.add(msg.room)
-            self.failures.add("bootstrap", "rejected")
-        reason = f"decode rejected the request: {msg.reason}"
+            self.failures.add(failure)
         try:
-            self.client.abort_room(msg.room, msg.host, msg.port, reason)
+            self.client.abort_room(msg.room, msg.host, msg.port, failure.kind, failure.message)
         except PeerNotAllowed as e:
             logger.warning("not telling prefill about room %d: %s", msg.room, e)
 
@@ -129,7 +129,7 @@ class DecodeHandoff(Handoff):
         pending = self.transferring.get(request_id)
         if pending is None:
             return self.engine.abort_request(request_id)  # in the batch, or unknown
-        pending.receiver.abort("the decode request was aborted (client gone)")
+        pending.receiver.abort(FailureKind.ABORTED, "the decode request was aborted (client gone)")
         self._end(pending)
         return True
 
@@ -145,13 +145,10 @@ class DecodeHandoff(Handoff):
         arrived = []
         for pending in list(self.transferring.values()):
             state = pending.receiver.poll()
-            if state is TransferState.TRANSFERRING:
-                pending.moved_bytes = True
-            elif state is TransferState.SUCCESS:
+            if state is TransferState.SUCCESS:
                 arrived.append(pending)
             elif state is TransferState.FAILED:
-                reason = pending.receiver.failure_reason or "the transfer failed"
-                outputs.append(self._fail(pending, reason))
+                outputs.append(self._fail(pending, pending.receiver.failure))
         if arrived:
             outputs.extend(self._commit(arrived))
         return outputs
@@ -165,12 +162,13 @@ class DecodeHandoff(Handoff):
                 del self.prealloc[pending.request_id]
                 self._rooms.discard(pending.bootstrap.room)
                 self._ended.add(pending.bootstrap.room)
-                reason = (
+                message = (
                     f"no KV pages free on the decode worker for "
                     f"{self.config.progress_timeout_s:g} s (timed out waiting)"
                 )
-                self.failures.add("bootstrap", reason)
-                outputs.append(failed_output(pending.request_id, pending.prompt_ids, reason))
+                failure = Failure(FailureKind.NO_PAGES, FailureStage.BOOTSTRAP, message)
+                self.failures.add(failure)
+                outputs.append(failed_output(pending.request_id, pending.prompt_ids, failure))
         while self.prealloc:
             running = len(self.engine.scheduler.running) + len(self.engine.scheduler.waiting)
             if running + len(self.transferring) >= self.engine.config.max_running_requests:
@@ -189,8 +187,9 @@ class DecodeHandoff(Handoff):
                 pending.receiver = self.client.receiver(
                     boot.room, boot.host, boot.port, pages, draft_pages
                 )
-            except ValueError as e:
-                outputs.append(self._fail(pending, str(e)))
+            except ValueError as e:  # the room is in use here
+                failure = Failure(FailureKind.INVALID, FailureStage.BOOTSTRAP, str(e))
+                outputs.append(self._fail(pending, failure))
                 continue
             self.transferring[pending.request_id] = pending
 
@@ -204,11 +203,13 @@ class DecodeHandoff(Handoff):
                 records.append(pending.receiver.commit(self.stager))
                 ready.append(pending)
             except (ValueError, RuntimeError) as e:
-                outputs.append(self._fail(pending, f"could not commit the KV: {e}"))
+                failure = _failure(FailureKind.TRANSFER, f"could not commit the KV: {e}")
+                outputs.append(self._fail(pending, failure))
         try:
             states = self._draft_inputs(ready, records)
         except ValueError as e:
-            return outputs + [self._fail(p, f"could not seed the draft: {e}") for p in ready]
+            failure = _failure(FailureKind.INTERNAL, f"could not seed the draft: {e}")
+            return outputs + [self._fail(p, failure) for p in ready]
         for pending, record, state in zip(ready, records, states, strict=True):
             try:
                 output = self.engine.add_prebuilt(
@@ -222,7 +223,8 @@ class DecodeHandoff(Handoff):
                     draft_state=state,
                 )
             except (InvalidRequestError, RuntimeError) as e:
-                outputs.append(self._fail(pending, f"could not join the batch: {e}"))
+                failure = _failure(FailureKind.INTERNAL, f"could not join the batch: {e}")
+                outputs.append(self._fail(pending, failure))
                 continue
             # NOTE: the engine owns the pages now (freed when the request ends).
             pending.pages = []
@@ -254,13 +256,11 @@ class DecodeHandoff(Handoff):
 
     # ---- endings ---------------------------------------------------------------------
 
-    def _fail(self, pending: _Pending, reason: str) -> RequestOutput:
-        self.failures.add("transfer" if pending.moved_bytes else "bootstrap", reason)
-        logger.warning("request %s failed: %s", pending.request_id, reason)
+    def _fail(self, pending: _Pending, failure: Failure) -> RequestOutput:
+        self.failures.add(failure)
+        logger.warning("request %s failed: %s", pending.request_id, failure.message)
         self._end(pending)
-        # A prompt prefill rejected is the request's fault, not a worker's: no retry helps.
-        kind = "invalid" if failure_kind(reason) == "rejected" else "unavailable"
-        return failed_output(pending.request_id, pending.prompt_ids, reason, kind)
+        return failed_output(pending.request_id, pending.prompt_ids, failure)
 
     def _end(self, pending: _Pending) -> None:
         self.transferring.pop(pending.request_id, None)
@@ -272,9 +272,6 @@ class DecodeHandoff(Handoff):
         self._ended.add(pending.bootstrap.room)
 
     # ---- reporting -------------------------------------------------------------------
-
-    def on_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        return outputs
 
     def stats(self) -> DisaggStats:
         return DisaggStats(
@@ -288,5 +285,10 @@ class DecodeHandoff(Handoff):
 
     def stop(self) -> None:
         for pending in list(self.transferring.values()):
-            pending.receiver.abort("the decode worker is shutting down")
+            pending.receiver.abort(FailureKind.UNAVAILABLE, "the decode worker is shutting down")
         self.client.stop()
+
+
+def _failure(kind: FailureKind, message: str) -> Failure:
+    """A failure after the KV arrived (committing it, joining the batch)."""
+    return Failure(kind, FailureStage.TRANSFER, message)

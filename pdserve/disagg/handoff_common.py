@@ -8,13 +8,11 @@ from dataclasses import dataclass
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.page_allocator import pages_needed
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
 from pdserve.transfer.handshake import model_fingerprint
 from pdserve.transfer.kv_staging import KVStager
-
-# Failure kinds, a closed set so metric labels stay bounded.
-FAILURE_KINDS = ("timeout", "peer_lost", "handshake", "aborted", "rejected", "no_pages", "error")
 
 
 @dataclass(frozen=True)
@@ -73,46 +71,23 @@ def engine_transfer_layout(engine) -> EngineTransferLayout:
     return EngineTransferLayout(layout, metadata, KVStager([pool, *draft_pools]))
 
 
-def failure_kind(reason: str) -> str:
-    """Map a failure reason to one of FAILURE_KINDS (for metrics)."""
-    text = reason.lower()
-    for needle, kind in (
-        ("kv pages", "no_pages"),
-        ("timed out", "timeout"),
-        ("silent", "peer_lost"),
-        ("link", "peer_lost"),
-        ("handshake", "handshake"),
-        ("mismatch", "handshake"),
-        ("authentication", "handshake"),
-        ("rejected", "rejected"),
-        ("abort", "aborted"),
-        ("disconnect", "aborted"),
-    ):
-        if needle in text:
-            return kind
-    return "error"
-
-
 class FailureCounts:
-    """Failures by "stage/kind": stage is `bootstrap` (before any KV moved) or `transfer`."""
+    """Failures by their label, "stage/kind" (a closed set: metric labels stay bounded)."""
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
 
-    def add(self, stage: str, reason: str) -> None:
-        self.counts[f"{stage}/{failure_kind(reason)}"] += 1
+    def add(self, failure: Failure) -> None:
+        self.counts[failure.label] += 1
 
 
 def room_in_use(request_id: str, prompt_ids: list[int], room: int) -> RequestOutput:
-    reason = f"bootstrap_room {room} is already in use"
-    return failed_output(request_id, prompt_ids, reason, "invalid")
+    message = f"bootstrap_room {room} is already in use"
+    failure = Failure(FailureKind.INVALID, FailureStage.BOOTSTRAP, message)
+    return failed_output(request_id, prompt_ids, failure)
 
 
-def failed_output(
-    request_id: str, prompt_ids: list[int], reason: str, kind: str = "unavailable"
-) -> RequestOutput:
-    """kind: "invalid" when the request itself is at fault, "unavailable" when a worker or
-    the transfer failed (a retry on another pair may succeed)."""
+def failed_output(request_id: str, prompt_ids: list[int], failure: Failure) -> RequestOutput:
     return RequestOutput(
         request_id=request_id,
         prompt_token_ids=prompt_ids,
@@ -120,6 +95,5 @@ def failed_output(
         new_token_ids=[],
         finished=True,
         finish_reason="abort",
-        error=reason,
-        error_kind=kind,
+        failure=failure,
     )

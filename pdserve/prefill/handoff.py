@@ -29,6 +29,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.page_allocator import pages_needed
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.metadata import MetadataRecord
 from pdserve.transfer.metrics import TransferMetrics
@@ -92,12 +93,12 @@ class PrefillHandoff(Handoff):
         try:
             self.engine.validate_prompt(prompt_ids)
         except InvalidRequestError as e:
-            reason = f"prefill rejected the request: {e}"
-            sender.abort(reason)
+            failure = _rejected(e)
+            sender.abort(failure.kind, failure.message)
             self.server.release(bootstrap.room)
             self._ended.add(bootstrap.room)
-            self.failures.add("bootstrap", reason)
-            return failed_output(request_id, prompt_ids, reason, "invalid")
+            self.failures.add(failure)
+            return failed_output(request_id, prompt_ids, failure)
         self._rooms.add(bootstrap.room)
         self.bootstrapping[request_id] = _Pending(request_id, prompt_ids, params, sender)
         return None
@@ -107,15 +108,17 @@ class PrefillHandoff(Handoff):
         if msg.room in self._rooms or msg.room in self._ended:
             return  # a live request owns it, or it already failed (and counted) here
         self._ended.add(msg.room)
-        self.server.sender(msg.room).abort(f"prefill rejected the request: {msg.reason}")
+        failure = Failure(msg.kind, FailureStage.BOOTSTRAP, f"prefill refused it: {msg.reason}")
+        self.server.sender(msg.room).abort(failure.kind, failure.message)
         self.server.release(msg.room)
-        self.failures.add("bootstrap", "rejected")
+        self.failures.add(failure)
 
     def abort(self, request_id: str) -> bool:
         for queue in (self.bootstrapping, self.prefilling, self.sending):
             pending = queue.get(request_id)
             if pending is not None:
-                pending.sender.abort("the prefill request was aborted (client gone)")
+                message = "the prefill request was aborted (client gone)"
+                pending.sender.abort(FailureKind.ABORTED, message)
                 if queue is self.prefilling:
                     self.engine.abort_request(request_id)
                 self._end(queue, pending)
@@ -136,19 +139,19 @@ class PrefillHandoff(Handoff):
             if state is TransferState.WAITING_FOR_INPUT:
                 self._start_prefill(pending, outputs)
             elif state is TransferState.FAILED:
-                outputs.append(self._fail(self.bootstrapping, pending, "bootstrap"))
+                outputs.append(self._fail(self.bootstrapping, pending))
         self._mark_started()
         for pending in list(self.prefilling.values()):
             if pending.sender.poll() is TransferState.FAILED:
                 self.engine.abort_request(pending.request_id)
-                outputs.append(self._fail(self.prefilling, pending, "bootstrap"))
+                outputs.append(self._fail(self.prefilling, pending))
         for pending in list(self.sending.values()):
             state = pending.sender.poll()
             if state is TransferState.SUCCESS:
                 self._end(self.sending, pending)
                 outputs.append(pending.first)
             elif state is TransferState.FAILED:
-                outputs.append(self._fail(self.sending, pending, "transfer"))
+                outputs.append(self._fail(self.sending, pending))
         return outputs
 
     def _mark_started(self) -> None:
@@ -186,21 +189,22 @@ class PrefillHandoff(Handoff):
         try:
             self.engine.add_request(pending.request_id, pending.prompt_ids, params, hold_pages=True)
         except InvalidRequestError as e:
-            reason = f"prefill rejected the request: {e}"
-            pending.sender.abort(reason)
-            self.failures.add("bootstrap", reason)
+            failure = _rejected(e)
+            pending.sender.abort(failure.kind, failure.message)
+            self.failures.add(failure)
             self._release_room(pending)
-            outputs.append(failed_output(pending.request_id, pending.prompt_ids, reason, "invalid"))
+            outputs.append(failed_output(pending.request_id, pending.prompt_ids, failure))
             return
         self.prefilling[pending.request_id] = pending
 
     def _send(self, pending: _Pending, output: RequestOutput, passed: list) -> None:
         del self.prefilling[pending.request_id]
-        if output.error is not None or pending.request_id not in self.engine.held:
-            reason = output.error or "prefill ended without a first token"
-            pending.sender.abort(reason)
+        if output.failure is not None or pending.request_id not in self.engine.held:
+            message = "prefill ended without a first token"
+            failure = output.failure or Failure(FailureKind.INTERNAL, FailureStage.ENGINE, message)
+            pending.sender.abort(failure.kind, failure.message)
             self._release_room(pending)
-            passed.append(failed_output(pending.request_id, pending.prompt_ids, reason))
+            passed.append(failed_output(pending.request_id, pending.prompt_ids, failure))
             return
         request = self.engine.held[pending.request_id]
         pages = self.transfer.transfer_pages(self.engine, request.pages, len(pending.prompt_ids))
@@ -227,12 +231,12 @@ class PrefillHandoff(Handoff):
 
     # ---- endings ---------------------------------------------------------------------
 
-    def _fail(self, queue: dict, pending: _Pending, stage: str) -> RequestOutput:
-        reason = pending.sender.failure_reason or "the transfer failed"
-        self.failures.add(stage, reason)
-        logger.warning("request %s failed: %s", pending.request_id, reason)
+    def _fail(self, queue: dict, pending: _Pending) -> RequestOutput:
+        failure = pending.sender.failure
+        self.failures.add(failure)
+        logger.warning("request %s failed: %s", pending.request_id, failure.message)
         self._end(queue, pending)
-        return failed_output(pending.request_id, pending.prompt_ids, reason)
+        return failed_output(pending.request_id, pending.prompt_ids, failure)
 
     def _end(self, queue: dict, pending: _Pending) -> None:
         queue.pop(pending.request_id, None)
@@ -260,5 +264,10 @@ class PrefillHandoff(Handoff):
 
     def stop(self) -> None:
         for pending in [*self.bootstrapping.values(), *self.prefilling.values()]:
-            pending.sender.abort("the prefill worker is shutting down")
+            pending.sender.abort(FailureKind.UNAVAILABLE, "the prefill worker is shutting down")
         self.server.stop()
+
+
+def _rejected(error: InvalidRequestError) -> Failure:
+    message = f"prefill rejected the request: {error}"
+    return Failure(FailureKind.INVALID, FailureStage.BOOTSTRAP, message)

@@ -11,6 +11,7 @@ from dataclasses import field
 from typing import Any
 
 from pdserve.protocol.codec import message
+from pdserve.protocol.failures import FailureKind
 
 
 @message("bootstrap")
@@ -46,6 +47,7 @@ class FailRoom:
     reason: str
     host: str = ""
     port: int = 0
+    kind: FailureKind = FailureKind.INVALID  # ABORTED when a router gave up on the room
 
 
 @message("shutdown")

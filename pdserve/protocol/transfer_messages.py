@@ -12,6 +12,7 @@ decode worker notices a restarted prefill worker and registers again.
 from __future__ import annotations
 
 from pdserve.protocol.codec import message
+from pdserve.protocol.failures import Failure
 
 
 @message("spec_layout")
@@ -96,11 +97,12 @@ class RegisterRejected:
 
 @message("transfer_request")
 class TransferRequest:
-    """Decode -> prefill: pages are reserved for this room; send when ready."""
+    """Decode -> prefill: pages are reserved for this room; send when ready. The counts bound
+    the room (a prompt within prefill's max_model_len never needs more)."""
 
     room: int
-    page_ids: list[int]
-    draft_page_ids: list[int]
+    num_pages: int
+    num_draft_pages: int
 
 
 @message("kv_chunk")
@@ -144,10 +146,10 @@ class RoomAck:
 
 @message("abort_room")
 class AbortRoom:
-    """Either direction: stop this room now."""
+    """Either direction: stop this room now, for this failure."""
 
     room: int
-    reason: str
+    failure: Failure
 
 
 @message("heartbeat")

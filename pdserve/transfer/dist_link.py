@@ -1,10 +1,10 @@
 """Point-to-point tensor link between one prefill and one decode process (docs/architecture.md §5).
 
-Each (prefill, decode) pair gets its own 2-rank torch.distributed process group, built directly
-from a store rather than through `init_process_group`, so that one process can hold many pair
-groups with different peers at once. The decode process serves one `TCPStore` for all its pairs
-(`DecodeStoreServer`); each pair works under its own `PrefixStore(pair_name, ...)`. Prefill is
-rank 0, decode rank 1. `nccl` moves GPU tensors; `gloo` runs the same code path on CPU (CI).
+Each (prefill, decode) pair gets its own 2-rank torch.distributed process group, built from a
+store rather than through `init_process_group`, so one process can hold many pair groups at
+once (see dist_store: the decode process serves one store, each pair works under its own
+prefix). Prefill is rank 0, decode rank 1. `nccl` moves GPU tensors; `gloo` runs the same code
+path on CPU (CI).
 
 Every blocking call has a deadline. A transfer that misses its deadline, or fails, leaves the
 link FAILED and aborted (gloo also closes the pair itself on a timeout), so a late write can
@@ -14,101 +14,34 @@ never land in a buffer the caller has since reused.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from pdserve.transfer.dist_store import (
+    DECODE_RANK,
+    PREFILL_RANK,
+    LinkError,
+    LinkTimeout,
+    as_timedelta,
+    check_timeout,
+    new_gloo_group,
+    new_nccl_group,
+    rendezvous,
+)
+
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
-PREFILL_RANK = 0
-DECODE_RANK = 1
-_WORLD_SIZE = 2
 _TAG = 0
 _PROBE_BYTE = 0x5A
-# NOTE: nccl's watchdog takes the whole process down when an operation outlives the group's
-# own timeout, so that timeout is only a backstop far beyond any per-operation deadline. The
-# deadlines given to send/recv/wait, which abort just this link, are what callers rely on.
-_NCCL_WATCHDOG_TIMEOUT_S = 3600.0
 _POLL_MAX_SLEEP_S = 1e-4  # the data thread polls only while a transfer is in flight
 
 if TYPE_CHECKING:
-    from typing import TypeAlias
-
-    # The backend objects themselves, not wrapped in a ProcessGroup: send/recv/abort.
-    _Group: TypeAlias = dist.ProcessGroupGloo | dist.ProcessGroupNCCL
-
-
-class LinkError(RuntimeError):
-    """The link failed (peer gone, communicator error, used after close)."""
-
-
-class LinkTimeout(TimeoutError):
-    """An operation on the link (or creating it) missed its deadline."""
-
-
-def _timedelta(seconds: float) -> timedelta:
-    return timedelta(seconds=seconds)
-
-
-def _check_timeout(timeout_s: float) -> None:
-    if not timeout_s > 0:
-        raise ValueError(f"timeout must be positive, got {timeout_s!r} s")
-
-
-class DecodeStoreServer:
-    """The decode process's one TCPStore server, shared by all its pair groups.
-
-    The listening socket is bound here, to `host` only (TCPStore alone would listen on every
-    interface), and handed to the store. The server stops once `close()` was called and the
-    last link using `store` is gone.
-    """
-
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0):
-        _check_timeout(timeout_s)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        listener = socket.create_server((host, port), family=family, backlog=128)
-        self.host: str = host
-        self.port: int = listener.getsockname()[1]
-        # The store's event loop takes ownership of the descriptor it is given (and closes it).
-        listen_fd = os.dup(listener.fileno())
-        listener.close()
-        try:
-            self._store: dist.TCPStore | None = dist.TCPStore(
-                host,
-                self.port,
-                None,
-                True,
-                _timedelta(timeout_s),
-                wait_for_workers=False,
-                multi_tenant=True,
-                master_listen_fd=listen_fd,
-            )
-        except Exception:
-            os.close(listen_fd)
-            raise
-
-    @property
-    def store(self) -> dist.Store:
-        """The store that decode-side links (rank 1) connect with."""
-        if self._store is None:
-            raise LinkError(f"store server {self.host}:{self.port} is closed")
-        return self._store
-
-    def close(self) -> None:
-        self._store = None
-
-    def __enter__(self) -> DecodeStoreServer:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    from pdserve.transfer.dist_store import Group as _Group
 
 
 class PendingTransfer:
@@ -125,7 +58,7 @@ class PendingTransfer:
 
         For nccl, on return the caller's current CUDA stream is ordered after the transfer.
         """
-        _check_timeout(timeout_s)
+        check_timeout(timeout_s)
         started = time.monotonic()
         try:
             if self._link.backend == "nccl":
@@ -135,20 +68,20 @@ class PendingTransfer:
             else:
                 # gloo's send/recv works complete only inside wait(); on a timeout gloo
                 # closes the pair, so nothing can arrive later.
-                completed = self._work.wait(_timedelta(timeout_s)) is not False
+                completed = self._work.wait(as_timedelta(timeout_s)) is not False
         except RuntimeError as exc:
             elapsed = time.monotonic() - started
             if "timed out" in str(exc).lower() or elapsed >= timeout_s:
                 raise self._timed_out(timeout_s) from exc
             reason = f"{self.operation} of {self.nbytes} bytes failed: {exc}"
-            self._link._fail(reason)
+            self._link.fail(reason)
             raise LinkError(f"pair {self._link.pair_name!r}: {reason}") from exc
         if not completed:
             raise self._timed_out(timeout_s)
 
     def _timed_out(self, timeout_s: float) -> LinkTimeout:
         reason = f"{self.operation} of {self.nbytes} bytes did not complete within {timeout_s:g} s"
-        self._link._fail(reason)
+        self._link.fail(reason)
         return LinkTimeout(f"pair {self._link.pair_name!r}: {reason}; link aborted")
 
 
@@ -190,17 +123,6 @@ class PairLink:
         self._failure: str | None = None
         self._lock = threading.Lock()
 
-    @staticmethod
-    def client_store(host: str, port: int, timeout_s: float) -> dist.Store:
-        """A prefill process's connection to a decode process's `DecodeStoreServer`."""
-        _check_timeout(timeout_s)
-        try:
-            return dist.TCPStore(host, port, None, False, _timedelta(timeout_s))
-        except RuntimeError as exc:
-            raise LinkTimeout(
-                f"could not reach the decode store at {host}:{port} within {timeout_s:g} s: {exc}"
-            ) from exc
-
     @classmethod
     def connect(
         cls,
@@ -224,16 +146,16 @@ class PairLink:
             raise ValueError(f"unknown link backend {backend!r}; expected one of {BACKENDS}")
         if rank not in (PREFILL_RANK, DECODE_RANK):
             raise ValueError(f"rank must be {PREFILL_RANK} (prefill) or {DECODE_RANK} (decode)")
-        _check_timeout(timeout_s)
+        check_timeout(timeout_s)
         device = _link_device(backend, device)
         deadline = time.monotonic() + timeout_s
         pair_store = dist.PrefixStore(pair_name, store)
-        _rendezvous(pair_store, pair_name, rank, timeout_s)
+        rendezvous(pair_store, pair_name, rank, timeout_s)
         try:
             if backend == "gloo":
-                group = _new_gloo_group(pair_store, rank, _remaining(deadline), local_host)
+                group = new_gloo_group(pair_store, rank, _remaining(deadline), local_host)
             else:
-                group = _new_nccl_group(pair_store, rank)
+                group = new_nccl_group(pair_store, rank)
         except RuntimeError as exc:
             if time.monotonic() >= deadline:
                 raise LinkTimeout(
@@ -245,7 +167,7 @@ class PairLink:
             ) from exc
         link = cls(group, backend=backend, pair_name=pair_name, rank=rank, device=device)
         try:
-            link._exchange_probe(_remaining(deadline))
+            link.exchange_probe(_remaining(deadline))
         except BaseException:
             link.close()
             raise
@@ -258,12 +180,12 @@ class PairLink:
 
     def send(self, tensor: torch.Tensor, *, timeout_s: float) -> None:
         """Send `tensor` to the peer; returns once the tensor may be reused."""
-        _check_timeout(timeout_s)
+        check_timeout(timeout_s)
         self.isend(tensor).wait(timeout_s)
 
     def recv(self, tensor: torch.Tensor, *, timeout_s: float) -> None:
         """Receive from the peer into `tensor` (same byte count as the peer's send)."""
-        _check_timeout(timeout_s)
+        check_timeout(timeout_s)
         self.irecv(tensor).wait(timeout_s)
 
     def isend(self, tensor: torch.Tensor) -> PendingTransfer:
@@ -299,7 +221,7 @@ class PairLink:
                 work = group.recv([tensor], self.peer, _TAG)
         except RuntimeError as exc:
             reason = f"posting {operation} of {nbytes} bytes failed: {exc}"
-            self._fail(reason)
+            self.fail(reason)
             raise LinkError(f"pair {self.pair_name!r}: {reason}") from exc
         return PendingTransfer(self, work, operation, nbytes)
 
@@ -324,7 +246,7 @@ class PairLink:
             raise LinkError(f"pair {self.pair_name!r}: {operation} on a closed link")
         return group
 
-    def _fail(self, reason: str) -> None:
+    def fail(self, reason: str) -> None:
         """Mark the link failed and abort it, so no late transfer writes into caller memory."""
         with self._lock:
             if self._failure is None:
@@ -333,7 +255,7 @@ class PairLink:
         if group is not None:
             _abort(group, self.pair_name, reason)
 
-    def _exchange_probe(self, timeout_s: float) -> None:
+    def exchange_probe(self, timeout_s: float) -> None:
         """One byte from prefill to decode while both sides are known to be connecting: it
         proves the path, and makes nccl build its communicator now, not inside the first
         real transfer (where decode's posted receive would block until prefill sent)."""
@@ -376,38 +298,3 @@ def _link_device(backend: str, device: torch.device | None) -> torch.device:
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def _rendezvous(pair_store: dist.Store, pair_name: str, rank: int, timeout_s: float) -> None:
-    """Wait (bounded) until both ranks joined, so group creation never waits on a missing peer."""
-    pair_store.set(f"pdserve/joined/{rank}", b"1")
-    try:
-        pair_store.wait([f"pdserve/joined/{1 - rank}"], _timedelta(timeout_s))
-    except RuntimeError as exc:
-        role = "decode" if rank == PREFILL_RANK else "prefill"
-        raise LinkTimeout(
-            f"pair {pair_name!r}: the {role} peer (rank {1 - rank}) did not join "
-            f"within {timeout_s:g} s"
-        ) from exc
-
-
-def _new_gloo_group(
-    pair_store: dist.Store, rank: int, timeout_s: float, local_host: str | None
-) -> _Group:
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = _timedelta(timeout_s)
-    if local_host is None:
-        options._devices = [dist.ProcessGroupGloo.create_default_device()]
-    else:
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
-    return dist.ProcessGroupGloo(pair_store, rank, _WORLD_SIZE, options)
-
-
-def _new_nccl_group(pair_store: dist.Store, rank: int) -> _Group:
-    """The communicator itself is created lazily by the first send/recv (the probe)."""
-    if not dist.is_nccl_available():
-        raise LinkError("this torch build has no NCCL; use the gloo or tcp backend")
-    options = dist.ProcessGroupNCCL.Options()
-    options.is_high_priority_stream = False
-    options._timeout = _timedelta(_NCCL_WATCHDOG_TIMEOUT_S)
-    return dist.ProcessGroupNCCL(pair_store, rank, _WORLD_SIZE, options)

@@ -1,181 +1,188 @@
-"""KV bytes over torch.distributed (`nccl`, or `gloo` on CPU) instead of ZMQ frames.
+"""KV bytes over torch.distributed (`nccl`, or `gloo` on CPU) instead of ZMQ frames; the
+control messages stay on the ZMQ connection (docs/architecture.md §5).
 
-Control stays on the ZMQ channel; only the KV buffer moves over the pair's process group.
 Point-to-point operations on a pair are matched in posting order, so the order is agreed on
-the control channel: prefill announces `SendReady(room)` only once the room's KV is gathered,
-decode posts the receive and answers `RecvPosted(room)`, and prefill sends rooms in the order
-the answers arrive. Once a receive is posted its send always happens (the buffer already
-exists), even if the room was aborted meanwhile, so a later room can never land in an earlier
-room's buffer. A send or receive that misses its deadline tears the link down and fails every
-room on it.
+the control connection: the sender sends the metadata record, then announces
+`SendReady(room)` once the room's KV is gathered; the receiver posts the receive and answers
+`RecvPosted(room)`; the sender sends rooms in the order the answers arrive. Once a receive is
+posted its send always happens (the buffer already exists), even if the room was aborted
+meanwhile, so a later room can never land in an earlier room's buffer. A send or receive that
+misses its deadline tears the link down and fails every room on it. The metadata goes first
+so the receiver completes the room as soon as its receive lands, one round trip sooner.
 
-All link operations of a side run on one data thread, in order; results go back to the side's
-IO thread through callbacks. Creating a link (reaching a store at an address a peer gave us,
-the pair's rendezvous) runs on a thread of its own, so a slow or unreachable peer never holds
-up the other peers' transfers; operations for a link still being created wait for it.
+The interface is `tcp_plane`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import queue
-import threading
-from collections.abc import Callable
+import time
+import uuid
+from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.transfer.dist_link import DecodeStoreServer, LinkError, LinkTimeout, PairLink
+from pdserve.protocol.failures import FailureKind
+from pdserve.protocol.transfer_messages import RecvPosted, Register, RoomDone, SendReady
+from pdserve.transfer.dist_links import DistLinks
+
+if TYPE_CHECKING:
+    from pdserve.transfer.endpoint import Endpoint, Peer
 
 logger = logging.getLogger(__name__)
 
-Done = Callable[[str | None], None]  # called with None on success, else a failure reason
+
+def _links(endpoint: Endpoint, device: torch.device) -> DistLinks:
+    config = endpoint.config
+    return DistLinks(
+        config.backend, endpoint.side, config.progress_timeout_s, device, config.bootstrap_host
+    )
 
 
-class DataThread:
-    """Runs blocking link operations one after another, off the IO thread."""
+class _DistPlane:
+    def __init__(self, endpoint: Endpoint, device: torch.device):
+        self.endpoint = endpoint
+        self.links = _links(endpoint, device)
 
-    def __init__(self, name: str):
-        self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, task: Callable[[], None]) -> None:
-        self._tasks.put(task)
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._tasks.put(None)
-        self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        while (task := self._tasks.get()) is not None:
-            try:
-                task()
-            except Exception:
-                logger.exception("transfer data thread task failed")
-
-
-class DistPlane:
-    """One side's links (one per peer) and its data thread."""
-
-    def __init__(
-        self, backend: str, side: str, timeout_s: float, device: torch.device, local_host: str
-    ):
-        """local_host: this worker's address, where gloo listens for its peer."""
-        self.backend = backend
-        self.local_host = local_host
-        self.rank = 0 if side == "prefill" else 1
-        self.timeout_s = timeout_s
-        self.device = device
-        self.links: dict[object, PairLink] = {}
-        self.broken: dict[object, str] = {}
-        self.data = DataThread(f"{side}-transfer-data")
-        if device.type == "cuda" and device.index is not None:
-            # NOTE: a new thread's current device is cuda:0; NCCL work for a worker on cuda:1
-            # must not create a context (and streams) on another worker's GPU.
-            self.data.submit(lambda: torch.cuda.set_device(device))
-        self.store_server: DecodeStoreServer | None = None
-        # Data thread only: operations waiting for links being created, by peer.
-        self._connecting: dict[object, list[Callable[[], None]]] = {}
-
-    def serve_store(self, host: str) -> str:
-        """Decode only: host the store its pairs rendezvous on; returns host:port."""
-        if self.store_server is None:
-            self.store_server = DecodeStoreServer(host, 0, self.timeout_s)
-        return f"{self.store_server.host}:{self.store_server.port}"
-
-    def connect(self, peer_key, store_address: str, pair_name: str, done: Done) -> None:
-        def build() -> None:
-            link, error = None, None
-            try:
-                if self.device.type == "cuda":
-                    torch.cuda.set_device(self.device)
-                if self.store_server is not None:
-                    store = self.store_server.store
-                else:
-                    host, port = store_address.rsplit(":", 1)
-                    store = PairLink.client_store(host, int(port), self.timeout_s)
-                link = PairLink.connect(
-                    backend=self.backend,
-                    store=store,
-                    pair_name=pair_name,
-                    rank=self.rank,
-                    timeout_s=self.timeout_s,
-                    device=self.device,
+    def _link_failed(self, peer: Peer):
+        def on_link(error: str | None) -> None:
+            if error:
+                self.endpoint.io.call(
+                    lambda: self.endpoint.drop_peer(peer, FailureKind.TRANSFER, error)
                 )
-            except (LinkError, LinkTimeout, RuntimeError, ValueError) as e:
-                error = f"{self.backend} link to peer failed: {e}"
-            self.data.submit(lambda: self._install(peer_key, link, error, done))
 
-        def start() -> None:
-            self._connecting.setdefault(peer_key, [])
-            threading.Thread(target=build, name="transfer-link-connect", daemon=True).start()
+        return on_link
 
-        self.data.submit(start)
+    def forget(self, peer: Peer) -> None:
+        self.links.forget(peer.key)
 
-    def _install(self, peer_key, link: PairLink | None, error: str | None, done: Done) -> None:
-        waiting = self._connecting.pop(peer_key, [])
-        old = self.links.pop(peer_key, None)
-        if old is not None:
-            old.close()
-        if link is not None:
-            self.links[peer_key] = link
-            self.broken.pop(peer_key, None)
-        else:
-            self.broken[peer_key] = error
-        done(error)
-        for operation in waiting:
-            operation()
-
-    def forget(self, peer_key) -> None:
-        """Close the peer's link (after the operations already submitted for it)."""
-
-        def close() -> None:
-            link = self.links.pop(peer_key, None)
-            self.broken.pop(peer_key, None)
-            if link is not None:
-                link.close()
-
-        self.data.submit(close)
-
-    def send(self, peer_key, buffer: torch.Tensor, done: Done) -> None:
-        self.data.submit(
-            lambda: self._run(
-                peer_key, lambda link: link.send(buffer, timeout_s=self.timeout_s), done
-            )
-        )
-
-    def receive(
-        self, peer_key, buffer: torch.Tensor, posted: Callable[[], None], done: Done
-    ) -> None:
-        def operation(link: PairLink) -> None:
-            pending = link.irecv(buffer)
-            posted()
-            pending.wait(self.timeout_s)
-
-        self.data.submit(lambda: self._run(peer_key, operation, done))
-
-    def _run(self, peer_key, operation: Callable[[PairLink], None], done: Done) -> None:
-        if peer_key in self._connecting:
-            self._connecting[peer_key].append(lambda: self._run(peer_key, operation, done))
-            return
-        link = self.links.get(peer_key)
-        if link is None:
-            done(self.broken.get(peer_key, f"no {self.backend} link to this peer"))
-            return
-        try:
-            operation(link)
-        except (LinkError, LinkTimeout, RuntimeError) as e:
-            self.broken[peer_key] = f"{self.backend} link failed: {e}"
-            self.links.pop(peer_key, None)
-            link.close()
-            done(self.broken[peer_key])
-            return
-        done(None)
+    def tick(self, now: float) -> None:
+        pass
 
     def close(self) -> None:
-        self.data.stop()
-        for link in self.links.values():
-            link.close()
-        self.links.clear()
-        if self.store_server is not None:
-            self.store_server.close()
+        self.links.close()
+
+
+class DistSendPlane(_DistPlane):
+    """The prefill side: announces gathered rooms, sends each when its receive is posted."""
+
+    def __init__(self, endpoint: Endpoint, device: torch.device):
+        super().__init__(endpoint, device)
+        # room -> (room, buffer, when announced): kept until its send happened.
+        self._announced: dict[int, tuple[object, torch.Tensor, float]] = {}
+
+    @property
+    def pending_sends(self) -> int:
+        """KV buffers announced to decode whose send has not started yet."""
+        return len(self._announced)
+
+    def send(self, room, kv: torch.Tensor, header, payload: bytes) -> None:
+        endpoint = self.endpoint
+        if endpoint.send(room.peer, header, payload):
+            self._announced[room.room] = (room, kv, time.monotonic())
+            endpoint.send(room.peer, SendReady(room.room, kv.numel()))
+            room.stamps["send_ready_sent"] = time.monotonic()
+
+    def handle(self, peer: Peer, msg, payload) -> bool:
+        if not isinstance(msg, RecvPosted):
+            return False
+        announced = self._announced.pop(msg.room, None)
+        if announced is None:
+            return True
+        room, kv, _ = announced
+        room.stamps["recv_posted_seen"] = time.monotonic()
+        io = self.endpoint.io
+        # NOTE: sent even if the room failed meanwhile: decode's receive is posted.
+        self.links.send(
+            peer.key, kv, lambda error: io.call(lambda: self._sent(room, kv.numel(), error))
+        )
+        return True
+
+    def _sent(self, room, total: int, error: str | None) -> None:
+        room.stamps["send_done_seen"] = time.monotonic()
+        if error is not None:
+            self.endpoint.fail_room(room, FailureKind.TRANSFER, error, notify=True)
+            return
+        self.endpoint.metrics.bytes_sent += total
+        if not room.done:  # decode may have acked already (it completes on receipt)
+            self.endpoint.send(room.peer, RoomDone(room.room, total))
+
+    def registered(self, peer: Peer, msg: Register) -> None:
+        self.links.connect(peer.key, msg.store_address, msg.pair_name, self._link_failed(peer))
+
+    def forget(self, peer: Peer) -> None:
+        for room_id, (room, _, _) in list(self._announced.items()):
+            if room.peer is peer:
+                del self._announced[room_id]
+        super().forget(peer)
+
+    def tick(self, now: float) -> None:
+        for room, _, announced_at in list(self._announced.values()):
+            if now - announced_at > self.endpoint.config.progress_timeout_s and room.peer:
+                # NOTE: the pair's order depends on this buffer: drop the whole link.
+                reason = "did not post its receive in time"
+                self.endpoint.drop_peer(room.peer, FailureKind.TIMEOUT, reason)
+
+
+class DistReceivePlane(_DistPlane):
+    """The decode side: serves the pairs' store, posts a receive per announced room."""
+
+    def registration(self, peer: Peer, register: Register) -> Register:
+        """Our store and a new pair group for this peer."""
+        endpoint = self.endpoint
+        store = self.links.serve_store(endpoint.config.bootstrap_host)
+        pair = f"pair/{endpoint.worker_id}/{uuid.uuid4().hex[:12]}"
+        self.links.connect(peer.key, store, pair, self._link_failed(peer))
+        return dataclasses.replace(register, store_address=store, pair_name=pair)
+
+    def handle(self, peer: Peer, msg, payload) -> bool:
+        """Post the receive, then tell prefill to send. A room we no longer want still gets a
+        receive, into scratch: the pair's order must hold."""
+        if not isinstance(msg, SendReady):
+            return False
+        endpoint = self.endpoint
+        room = endpoint.room_of(peer, msg.room)
+        problem = room.expect_receive(msg.nbytes) if room is not None else None
+        if problem is not None:
+            endpoint.fail_room(room, FailureKind.TRANSFER, problem, notify=True)
+            room = None
+        # NOTE: bounds before allocating: a live room takes exactly what we reserved; anything
+        # else is capped by what our whole reservation could hold.
+        if room is None and msg.nbytes > self._scratch_limit():
+            logger.error("prefill %s announced %d bytes for room %d", peer, msg.nbytes, msg.room)
+            endpoint.drop_peer(peer, FailureKind.TRANSFER, "announced an oversize transfer")
+            return True
+        if room is not None:
+            room.stamps["send_ready_seen"] = time.monotonic()
+        buffer = endpoint.buffers.take(msg.nbytes)
+
+        def posted() -> None:
+            if room is not None:
+                room.stamps["recv_posted"] = time.monotonic()
+            endpoint.io.call(lambda: endpoint.send(peer, RecvPosted(msg.room)))
+
+        def done(error: str | None) -> None:
+            endpoint.io.call(lambda: self._received(peer, room, buffer, error))
+
+        self.links.receive(peer.key, buffer, posted, done)
+        return True
+
+    def _received(self, peer: Peer, room, buffer: torch.Tensor, error: str | None) -> None:
+        endpoint = self.endpoint
+        if error is not None:
+            # NOTE: the link was torn down, so nothing can still write into the buffer.
+            endpoint.buffers.give(buffer)
+            endpoint.drop_peer(peer, FailureKind.TRANSFER, error)
+            return
+        if room is None:
+            endpoint.buffers.give(buffer)  # scratch receive for a room we had dropped
+            return
+        room.stamps["recv_done_seen"] = time.monotonic()
+        endpoint.metrics.bytes_received += buffer.numel()
+        total = room.on_received(buffer)
+        if total is not None:
+            endpoint.room_done(room, total)
+
+    def _scratch_limit(self) -> int:
+        return max((room.expected_bytes for room in self.endpoint.rooms.values()), default=0)

@@ -1,10 +1,9 @@
-"""Transfer counters: bytes, latency, failures by reason. Torch-free; exported on /metrics by
-the worker that owns them."""
+"""Transfer counters: bytes and latency. Torch-free; exported on /metrics by the worker that
+owns them (failures are counted by kind in the handoffs, see disagg.handoff_common)."""
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -13,8 +12,8 @@ class TransferMetrics:
     bytes_sent: int = 0
     bytes_received: int = 0
     rooms_succeeded: int = 0
+    malformed_messages: int = 0  # dropped peer messages that failed the schema checks
     latency_seconds_total: float = 0.0
-    failures: Counter = field(default_factory=Counter)
     _recent: list[float] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -30,7 +29,3 @@ class TransferMetrics:
         with self._lock:
             taken, self._recent = self._recent, []
             return taken
-
-    def failure(self, reason: str) -> None:
-        with self._lock:
-            self.failures[reason] += 1

@@ -1,22 +1,23 @@
-"""The prefill side's decode peers: the handshake, registration, a bound on their number,
-non-blocking sends, and dropping peers that fail, stall or fall silent.
+"""The prefill side's decode peers: the handshake, registration and a bound on their number.
 
 A connection's entry is created by `Hello` only (at most `max_peers`; the oldest that has not
 registered makes way). `Register` must carry decode's proof over both nonces (see peer_auth);
 a wrong proof drops the entry, a layout mismatch keeps it marked rejected for a while so the
-rooms it asks for fail with the reason rather than a timeout. Dropping a peer fails its rooms,
-frees the KV buffers announced to it and closes its torch.distributed link.
+rooms it asks for fail with the reason rather than a timeout. Until a connection registered,
+anything else it sends is answered `NotRegistered` and queues nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 
 from pdserve.protocol.codec import encode
+from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.transfer_messages import (
     Hello,
     HelloReply,
@@ -24,9 +25,11 @@ from pdserve.protocol.transfer_messages import (
     Register,
     RegisterAck,
     RegisterRejected,
+    TransferRequest,
 )
+from pdserve.transfer.endpoint import Peer
 from pdserve.transfer.handshake import layout_mismatches
-from pdserve.transfer.outbox import Outbox, PeerBlocked
+from pdserve.transfer.outbox import Outbox
 from pdserve.transfer.peer_auth import (
     NonceError,
     check_nonce,
@@ -40,45 +43,73 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Peer:
-    decode_nonce: bytes
-    prefill_nonce: bytes
-    outbox: Outbox
-    decode_id: str = ""
-    registered: bool = False
+class DecodePeer(Peer):
+    decode_nonce: bytes = b""
+    prefill_nonce: bytes = b""
     rejected: str | None = None  # proved the token, but its layout does not fit ours
-    last_seen: float = field(default_factory=time.monotonic)
 
 
-class PeerRegistry:
-    """Mixin of PrefillTransferServer: everything about peers; runs on the IO thread."""
+class DecodePeers:
+    """Mixin of PrefillTransferServer (an Endpoint): the handshake; runs on the IO thread."""
+
+    def _on_message(self, identity: bytes, msg) -> None:
+        peer = self.peers.get(identity)
+        if isinstance(msg, Hello):
+            self._hello(identity, msg)
+        elif peer is None:
+            self._not_registered(identity, getattr(msg, "room", -1))
+        elif isinstance(msg, Register):
+            peer.last_seen = time.monotonic()
+            self._register(peer, msg)
+        elif peer.rejected is not None and isinstance(msg, TransferRequest):
+            message = f"handshake failed: {peer.rejected}"
+            self.refuse_room(peer, msg.room, FailureKind.HANDSHAKE, message)
+        elif not peer.registered:
+            self._not_registered(identity, getattr(msg, "room", -1))
+        else:
+            peer.last_seen = time.monotonic()
+            self._handle(peer, msg)
+
+    def _reply(self, identity: bytes, msg) -> None:
+        """Answer a connection; one that has not registered gets no queue (a best-effort send)."""
+        peer = self.peers.get(identity)
+        if peer is not None and peer.registered:
+            self.send(peer, msg)
+            return
+        with contextlib.suppress(zmq.ZMQError):  # it left, or cannot take it: best effort
+            self.socket.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
+
+    def _not_registered(self, identity: bytes, room: int) -> None:
+        self._reply(identity, NotRegistered(self.instance, room))
 
     def _hello(self, identity: bytes, msg: Hello) -> None:
         try:
             check_nonce(msg.nonce)
         except NonceError as e:
-            self._malformed(str(e))
+            self.malformed(None, str(e))
             return
-        if identity not in self._peers and not self._make_room_for_a_peer():
-            self._bad_messages.warning("refused a decode connection: %d peers", len(self._peers))
+        if identity not in self.peers and not self._make_room_for_a_peer():
+            self.bad_messages.warning("refused a decode connection: %d peers", len(self.peers))
             return
+        # NOTE: a connection greets again only before it registered: it has no rooms yet.
         nonce = new_nonce()
-        self._peers[identity] = _Peer(msg.nonce, nonce, Outbox(self.config.peer_timeout_s))
+        outbox = Outbox(self.config.peer_timeout_s)
+        peer = DecodePeer(identity, outbox, decode_nonce=msg.nonce, prefill_nonce=nonce)
+        self.peers[identity] = peer
         proof = prefill_proof(self.config.auth_token, msg.nonce, nonce)
         self._reply(identity, HelloReply(self.prefill_id, self.instance, nonce, proof))
 
     def _make_room_for_a_peer(self) -> bool:
         """At the peer limit, forget the oldest connection that has not registered."""
-        if len(self._peers) < self.config.max_peers:
+        if len(self.peers) < self.config.max_peers:
             return True
-        pending = [i for i, p in self._peers.items() if not p.registered]
+        pending = [p for p in self.peers.values() if not p.registered]
         if not pending:
             return False
-        oldest = min(pending, key=lambda i: self._peers[i].last_seen)
-        del self._peers[oldest]
+        del self.peers[min(pending, key=lambda p: p.last_seen).key]
         return True
 
-    def _register(self, identity: bytes, peer: _Peer, msg: Register) -> None:
+    def _register(self, peer: DecodePeer, msg: Register) -> None:
         expected = decode_proof(self.config.auth_token, peer.prefill_nonce, peer.decode_nonce)
         authenticated = proof_ok(expected, msg.proof)
         if not authenticated:
@@ -88,86 +119,14 @@ class PeerRegistry:
         else:
             reason = "; ".join(layout_mismatches(self.layout, msg.layout)) or None
         if reason is not None:
-            self.metrics.failure("handshake")
-            self._bad_messages.warning("rejected decode peer %s: %s", msg.decode_id, reason)
-            self._reply(identity, RegisterRejected(reason))
+            self.bad_messages.warning("rejected decode peer %s: %s", msg.decode_id, reason)
+            self._reply(peer.key, RegisterRejected(reason))
             if authenticated:
                 # NOTE: kept (until it expires) so its rooms fail with this reason, not a timeout.
                 peer.rejected = reason
             else:
-                del self._peers[identity]
+                del self.peers[peer.key]
             return
-        peer.decode_id, peer.registered = msg.decode_id, True
-        self._reply(identity, RegisterAck(self.prefill_id, self.instance))
-        if self.dist is not None:
-            self.dist.connect(
-                identity,
-                msg.store_address,
-                msg.pair_name,
-                lambda error: self.io.call(lambda: self._link_ready(identity, error)),
-            )
-
-    def _send_to(self, identity: bytes, frames: list, *, copy: bool = True) -> bool:
-        """Send without blocking; False (and the peer dropped) if the peer cannot take it."""
-        peer = self._peers.get(identity)
-        if peer is None or not peer.registered:
-            # NOTE: nothing is queued for a connection that has not registered.
-            try:
-                self._router.send_multipart([identity, *frames], zmq.NOBLOCK, copy=copy)
-            except zmq.ZMQError:
-                return False
-            return True
-        try:
-            peer.outbox.send(self._router, [identity, *frames], copy=copy)
-        except (PeerBlocked, zmq.ZMQError) as e:
-            self._drop_peer(identity, f"decode peer {peer.decode_id} stopped taking messages: {e}")
-            return False
-        return True
-
-    def _not_registered(self, identity: bytes, room: int) -> None:
-        self._send_to(identity, [encode(NotRegistered(self.instance, room))])
-
-    def _link_ready(self, identity: bytes, error: str | None) -> None:
-        if error is not None:
-            self._drop_peer(identity, error)
-
-    def _drop_peer(self, identity: bytes, reason: str) -> None:
-        """Forget a peer: fail its rooms, free the buffers announced to it, drop its link
-        (a peer that comes back registers again, with a new link)."""
-        peer = self._peers.pop(identity, None)
-        if peer is not None:
-            peer.outbox.clear()
-            logger.warning("dropped decode peer %s: %s", peer.decode_id or "(unregistered)", reason)
-        with self._lock:
-            rooms = [room for room in self._rooms.values() if room.peer == identity]
-        for room in rooms:
-            self._abort_room(room, reason, notify=False)
-        for room_id, (room, _, _) in list(self._announced.items()):
-            if room.peer == identity:
-                del self._announced[room_id]
-        if self.dist is not None:
-            self.dist.forget(identity)
-
-    def _check_peers(self, now: float) -> None:
-        for identity, peer in list(self._peers.items()):
-            try:
-                peer.outbox.flush(self._router)
-            except (PeerBlocked, zmq.ZMQError) as e:
-                self._drop_peer(identity, f"decode peer {peer.decode_id} stopped taking: {e}")
-        self._expire_peers(now)
-
-    def _expire_peers(self, now: float) -> None:
-        """Drop peers silent too long: with live rooms after peer_timeout_s, without any
-        (idle) after a longer while, and connections that never finished the handshake."""
-        with self._lock:
-            busy = {room.peer for room in self._rooms.values() if not room._state.done}
-        idle_ttl = max(60.0, 12 * self.config.peer_timeout_s)
-        for identity, peer in list(self._peers.items()):
-            silent = now - peer.last_seen
-            if not peer.registered:
-                limit = self.config.peer_timeout_s
-            else:
-                limit = self.config.peer_timeout_s if identity in busy else idle_ttl
-            if silent > limit:
-                name = peer.decode_id or "(unregistered)"
-                self._drop_peer(identity, f"decode peer {name} silent for {silent:.1f} s")
+        peer.name, peer.registered = msg.decode_id, True
+        self._reply(peer.key, RegisterAck(self.prefill_id, self.instance))
+        self.plane.registered(peer, msg)

@@ -1,9 +1,10 @@
 """Per-room transfer state on one side of a handoff. Torch-free.
 
 `Bootstrapping -> WaitingForInput -> Transferring -> Success`, or `Failed` from anywhere.
-States only move forward; `Failed` is sticky and keeps the first reason; `Success` is final.
-Every state has a deadline: a room that makes no progress for `progress_timeout_s` fails with
-a reason that names the state it was stuck in. Finished rooms leave a tombstone for a while,
+States only move forward; `Failed` is sticky and keeps the first `Failure` (its stage is
+`bootstrap` before any KV moved, `transfer` after); `Success` is final. Every state has a
+deadline: a room that makes no progress for `progress_timeout_s` fails (TIMEOUT) with a
+message that names the state it was stuck in. Finished rooms leave a tombstone for a while,
 so a late or duplicate message for them is recognised and ignored rather than applied to a
 new request.
 """
@@ -14,6 +15,8 @@ import enum
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 
 
 class TransferState(enum.IntEnum):
@@ -42,7 +45,7 @@ class RoomState:
         self.progress_timeout_s = progress_timeout_s
         self._clock = clock
         self.state = TransferState.BOOTSTRAPPING
-        self.failure_reason: str | None = None
+        self.failure: Failure | None = None
         self.entered_at = clock()
         self.limit_s = progress_timeout_s
 
@@ -57,7 +60,7 @@ class RoomState:
         if self.state is TransferState.FAILED:
             return False
         if new_state is TransferState.FAILED:
-            raise InvalidTransition("use fail(reason) to fail a room")
+            raise InvalidTransition("use fail(kind, message) to fail a room")
         if self.state is TransferState.SUCCESS or new_state <= self.state:
             raise InvalidTransition(
                 f"room {self.room}: {self.state.name} -> {new_state.name} is not forward"
@@ -76,12 +79,14 @@ class RoomState:
         self.entered_at = self._clock()
         self.limit_s = self.progress_timeout_s
 
-    def fail(self, reason: str) -> bool:
+    def fail(self, kind: FailureKind, message: str) -> bool:
         """Fail the room. False if it already ended (the first outcome stands)."""
         if self.done:
             return False
+        moved = self.state is TransferState.TRANSFERRING
+        stage = FailureStage.TRANSFER if moved else FailureStage.BOOTSTRAP
+        self.failure = Failure(kind, stage, message)
         self.state = TransferState.FAILED
-        self.failure_reason = reason
         self.entered_at = self._clock()
         return True
 
@@ -93,13 +98,14 @@ class RoomState:
         if waited <= self.limit_s:
             return False
         return self.fail(
-            f"timed out after {waited:.1f} s in {self.state.name} (limit {self.limit_s:g} s)"
+            FailureKind.TIMEOUT,
+            f"timed out after {waited:.1f} s in {self.state.name} (limit {self.limit_s:g} s)",
         )
 
 
 class Tombstones:
     """Rooms that ended recently, remembered for `ttl_s` (at most `capacity` of them), with
-    the failure reason of those that failed (so a late peer can still be told why)."""
+    the failure of those that failed (so a late peer can still be told why)."""
 
     def __init__(
         self, ttl_s: float, capacity: int = 100_000, clock: Callable[[], float] = time.monotonic
@@ -107,16 +113,16 @@ class Tombstones:
         self.ttl_s = ttl_s
         self.capacity = capacity
         self._clock = clock
-        self._ended: OrderedDict[int, tuple[float, str | None]] = OrderedDict()
+        self._ended: OrderedDict[int, tuple[float, Failure | None]] = OrderedDict()
 
-    def add(self, room: int, failure_reason: str | None = None) -> None:
-        if failure_reason is None and room in self._ended:
-            failure_reason = self._ended[room][1]  # NOTE: a failure stays a failure
-        self._ended[room] = (self._clock(), failure_reason)
+    def add(self, room: int, failure: Failure | None = None) -> None:
+        if failure is None and room in self._ended:
+            failure = self._ended[room][1]  # NOTE: a failure stays a failure
+        self._ended[room] = (self._clock(), failure)
         self._ended.move_to_end(room)
         self._expire()
 
-    def failure_reason(self, room: int) -> str | None:
+    def failure(self, room: int) -> Failure | None:
         """Why the room failed, or None if it succeeded or is unknown."""
         self._expire()
         entry = self._ended.get(room)

@@ -1,4 +1,7 @@
-"""One room on the prefill side of a handoff (see `prefill_side`)."""
+"""One room on the prefill side of a handoff (see `prefill_side`): its state, the peer that
+asked for it, and the KV buffer kept alive while it is sent. The prefill worker's thread calls
+`started`, `send` and `abort`; everything else runs on the IO thread. State reads are safe
+from any thread."""
 
 from __future__ import annotations
 
@@ -7,23 +10,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.protocol.failures import Failure, FailureKind
 from pdserve.transfer.metadata import MetadataRecord
 from pdserve.transfer.room_state import RoomState, TransferState
 
 if TYPE_CHECKING:
+    from pdserve.transfer.endpoint import Peer
     from pdserve.transfer.prefill_side import PrefillTransferServer
 
 
 class SenderRoom:
-    """One room on the prefill side. State reads are safe from any thread."""
-
     def __init__(self, server: PrefillTransferServer, room: int, state: RoomState):
         self._server = server
         self.room = room
         self._state = state
-        self.peer: bytes | None = None
-        self.decode_page_ids: list[int] = []
-        self.draft_page_ids: list[int] = []
+        self.peer: Peer | None = None
         self._buffer: torch.Tensor | None = None
         # Asked for by this worker's own request (not only by a decode peer's transfer request).
         self.claimed = False
@@ -35,8 +36,18 @@ class SenderRoom:
         return self._state.state
 
     @property
-    def failure_reason(self) -> str | None:
-        return self._state.failure_reason
+    def done(self) -> bool:
+        return self._state.done
+
+    @property
+    def failure(self) -> Failure | None:
+        return self._state.failure
+
+    # ---- the prefill worker's thread -------------------------------------------------
+
+    def claim(self) -> SenderRoom:
+        self.claimed = True
+        return self
 
     def started(self) -> None:
         """The prefill began computing this room: the progress deadline counts from now (the
@@ -53,7 +64,41 @@ class SenderRoom:
             )
         header, payload = metadata.pack(self.room, self._server.metadata_spec)
         self.stamps["send_called"] = time.monotonic()
-        self._server.io.call(lambda: self._server._send_room(self, kv, header, payload))
+        self._server.io.call(lambda: self._server.send_room(self, kv, header, payload))
 
-    def abort(self, reason: str = "aborted by prefill") -> None:
-        self._server.io.call(lambda: self._server._abort_room(self, reason, notify=True))
+    def abort(self, kind: FailureKind, message: str) -> None:
+        self._server.io.call(lambda: self._server.fail_room(self, kind, message, notify=True))
+
+    # ---- IO thread -------------------------------------------------------------------
+
+    def attach(self, peer: Peer) -> None:
+        """Decode reserved pages for this room: wait for the prefill queue (not a stall:
+        `started()` restarts the progress deadline when compute begins)."""
+        self.peer = peer
+        if self._state.state is TransferState.BOOTSTRAPPING:
+            self._state.advance(TransferState.WAITING_FOR_INPUT)
+            self._state.hold(self._server.config.queue_timeout_s)
+
+    def begin_send(self, kv: torch.Tensor) -> str | None:
+        """Move to TRANSFERRING, keeping `kv` until the room ends; why not, if it cannot."""
+        if self.peer is None or self._state.state is not TransferState.WAITING_FOR_INPUT:
+            return f"send() in state {self._state.state.name}"
+        self._state.advance(TransferState.TRANSFERRING)
+        self._buffer = kv
+        return None
+
+    def acked(self) -> bool:
+        """Decode has the room whole; False if it had ended otherwise."""
+        self.stamps["ack_seen"] = time.monotonic()
+        if self._state.state is not TransferState.TRANSFERRING:
+            return False
+        return self._state.advance(TransferState.SUCCESS)
+
+    def fail(self, kind: FailureKind, message: str) -> bool:
+        return self._state.fail(kind, message)
+
+    def check_deadline(self) -> bool:
+        return self._state.check_deadline()
+
+    def drop_buffer(self) -> None:
+        self._buffer = None

@@ -11,6 +11,7 @@ import traceback
 import torch
 
 from pdserve.engine.kv_pool import KVPool
+from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
 from pdserve.transfer.config import TransferConfig
@@ -110,14 +111,14 @@ def run_prefill(cases, config: TransferConfig, port_queue, result_queue, behavio
                 "decode's transfer request",
             )
             if sender.poll() is TransferState.FAILED:
-                result_queue.put((case.room, "FAILED", sender.failure_reason))
+                result_queue.put((case.room, "FAILED", _message(sender)))
                 continue
             if behaviour == "partial":  # one chunk of KV, then nothing: the test kills us
                 _send_first_chunk(server, sender)
                 wait_until(lambda: False, "being killed", 60)
             if behaviour == "hold":  # never send: the test kills or aborts us
                 wait_until(lambda s=sender: s.poll() is TransferState.FAILED, "the room to fail")
-                result_queue.put((case.room, "FAILED", sender.failure_reason))
+                result_queue.put((case.room, "FAILED", _message(sender)))
                 continue
             kv = KVStager(pools(case, 20, seed=case.room)).gather(
                 [list(case.prefill_pages)] + ([[1, 3]] if case.draft else [])
@@ -127,19 +128,22 @@ def run_prefill(cases, config: TransferConfig, port_queue, result_queue, behavio
                 lambda s=sender: s.poll() in (TransferState.SUCCESS, TransferState.FAILED),
                 "the decode ack",
             )
-            result_queue.put((case.room, sender.poll().name, sender.failure_reason))
-        result_queue.put(("malformed", server.metrics.failures["malformed_message"], None))
+            result_queue.put((case.room, sender.poll().name, _message(sender)))
+        result_queue.put(("malformed", server.metrics.malformed_messages, None))
         server.stop()
     except Exception:
         result_queue.put(("error", traceback.format_exc(), None))
 
 
+def _message(room) -> str | None:
+    return room.failure.message if room.failure is not None else None
+
+
 def _send_first_chunk(server, sender) -> None:
-    from pdserve.protocol.codec import encode
     from pdserve.protocol.transfer_messages import KVChunk
 
-    frames = [sender.peer, encode(KVChunk(sender.room, 0, 1024)), b"\x00" * 1024]
-    server.io.call(lambda: server._router.send_multipart(frames))
+    peer = sender.peer
+    server.io.call(lambda: server.send(peer, KVChunk(sender.room, 0, 1024), b"\x00" * 1024))
 
 
 def run_decode(
@@ -173,7 +177,7 @@ def run_decode(
             )
             if abort_after_request:
                 time.sleep(0.2)  # let the request reach prefill first
-                receiver.abort("client went away")
+                receiver.abort(FailureKind.ABORTED, "client went away")
                 result_queue.put((case.room, "ABORTED", None))
                 continue
             wait_until(
@@ -182,7 +186,7 @@ def run_decode(
             )
             elapsed = time.monotonic() - started
             if receiver.poll() is TransferState.FAILED:
-                result_queue.put((case.room, "FAILED", receiver.failure_reason, elapsed))
+                result_queue.put((case.room, "FAILED", _message(receiver), elapsed))
                 continue
             meta = receiver.commit(stager)
             source = pools(case, 20, seed=case.room)

@@ -15,11 +15,11 @@ import torch
 from pdserve.transfer.dist_link import (
     DECODE_RANK,
     PREFILL_RANK,
-    DecodeStoreServer,
     LinkError,
     LinkTimeout,
     PairLink,
 )
+from pdserve.transfer.dist_store import DecodeStoreServer, client_store
 
 SPAWN = multiprocessing.get_context("spawn")
 HOST = "127.0.0.1"
@@ -148,7 +148,7 @@ def run_prefill(port, results, name, payloads, posted, release) -> None:
     stay joined without sending until released."""
 
     def body():
-        store = PairLink.client_store(HOST, port, WAIT_S)
+        store = client_store(HOST, port, WAIT_S)
         with PairLink.connect(
             backend="gloo",
             store=store,
@@ -267,7 +267,7 @@ def server():
 
 @pytest.mark.parametrize("rank", [PREFILL_RANK, DECODE_RANK])
 def test_connect_raises_when_the_peer_never_joins(server, rank):
-    store = server.store if rank == DECODE_RANK else PairLink.client_store(HOST, server.port, 5)
+    store = server.store if rank == DECODE_RANK else client_store(HOST, server.port, 5)
     started = time.monotonic()
     with pytest.raises(LinkTimeout, match="did not join within 1 s"):
         PairLink.connect(
@@ -287,7 +287,7 @@ def test_client_store_raises_when_nothing_listens():
         port = probe.getsockname()[1]
     started = time.monotonic()
     with pytest.raises(LinkTimeout, match=f"{HOST}:{port}"):
-        PairLink.client_store(HOST, port, 1.0)
+        client_store(HOST, port, 1.0)
     # NOTE: torch's client retries once after a randomized back-off, so allow a few seconds.
     assert time.monotonic() - started < 8.0
 
@@ -302,7 +302,7 @@ def test_server_binds_the_given_port(server):
 def local_pair(server):
     """A prefill and a decode link in this process (threads only for the joint connect)."""
     name = pair_name("p0")
-    client = PairLink.client_store(HOST, server.port, 5)
+    client = client_store(HOST, server.port, 5)
     with ThreadPoolExecutor(2) as pool:
         joins = [
             pool.submit(

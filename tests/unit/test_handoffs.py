@@ -201,7 +201,7 @@ def test_a_bootstrap_host_outside_the_allow_list_is_refused_as_invalid(pair):
     # The front end then reports the refusal; still nothing is contacted.
     decode.fail_room(FailRoom(12, refused.error, "127.0.0.1", prefill.bootstrap_port))
     decode.poll()
-    assert decode.engine.allocator.num_used == 0 and not decode.client._peers
+    assert decode.engine.allocator.num_used == 0 and not decode.client.peers
 
 
 def test_a_refused_room_counts_as_one_failure_on_each_side(pair):

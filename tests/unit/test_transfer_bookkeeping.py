@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from pdserve.protocol.codec import decode, encode
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.protocol.metadata_spec import MetadataSpec, MetadataSpecError
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
 from pdserve.transfer.handshake import layout_mismatches, model_fingerprint
@@ -41,16 +42,26 @@ def test_backwards_and_repeated_states_are_refused():
 
 def test_failed_is_sticky_and_keeps_the_first_reason():
     room = RoomState(7, progress_timeout_s=5)
-    assert room.fail("peer aborted")
-    assert not room.fail("second reason")
+    assert room.fail(FailureKind.ABORTED, "peer aborted")
+    assert not room.fail(FailureKind.TIMEOUT, "second reason")
     assert not room.advance(TransferState.SUCCESS)
-    assert room.state is TransferState.FAILED and room.failure_reason == "peer aborted"
+    assert room.state is TransferState.FAILED
+    assert room.failure == Failure(FailureKind.ABORTED, FailureStage.BOOTSTRAP, "peer aborted")
+
+
+def test_a_failure_after_bytes_moved_is_a_transfer_failure():
+    room = RoomState(7, progress_timeout_s=5)
+    room.advance(TransferState.TRANSFERRING)
+    room.fail(FailureKind.PEER_LOST, "peer silent")
+    assert (
+        room.failure.stage is FailureStage.TRANSFER and room.failure.label == "transfer/peer_lost"
+    )
 
 
 def test_success_is_final_and_cannot_fail_later():
     room = RoomState(7, progress_timeout_s=5)
     room.advance(TransferState.SUCCESS)
-    assert not room.fail("late abort")
+    assert not room.fail(FailureKind.ABORTED, "late abort")
     assert room.state is TransferState.SUCCESS
 
 
@@ -65,7 +76,8 @@ def test_deadline_fails_a_stuck_room_naming_its_state():
     clock.now += 0.2
     assert room.check_deadline()
     assert room.state is TransferState.FAILED
-    assert "TRANSFERRING" in room.failure_reason and "2 s" in room.failure_reason
+    assert room.failure.kind is FailureKind.TIMEOUT
+    assert "TRANSFERRING" in room.failure.message and "2 s" in room.failure.message
 
 
 def test_tombstones_expire_and_are_bounded():

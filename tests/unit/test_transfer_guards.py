@@ -89,4 +89,4 @@ def test_a_held_room_waits_its_queue_limit_then_progress_counts_from_restart():
     assert not state.check_deadline()
     state.restart_clock()
     now[0] = 31.5
-    assert state.check_deadline() and "limit 1 s" in state.failure_reason
+    assert state.check_deadline() and "limit 1 s" in state.failure.message

@@ -12,13 +12,14 @@ import pytest
 import torch
 import zmq
 
-from pdserve.disagg.handoff_common import failure_kind
 from pdserve.protocol.codec import decode, encode
+from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.transfer_messages import (
     Hello,
     HelloReply,
     Register,
     RegisterAck,
+    SendReady,
     TransferRequest,
 )
 from pdserve.transfer.kv_staging import KVStager
@@ -26,7 +27,7 @@ from pdserve.transfer.peer_allow import PeerNotAllowed
 from pdserve.transfer.peer_auth import decode_proof, new_nonce
 from pdserve.transfer.prefill_side import PrefillTransferServer
 from pdserve.transfer.room_state import TransferState
-from pdserve.transfer.wire_limits import max_decode_message_bytes
+from pdserve.transfer.wire_limits import MAX_DECODE_MESSAGE_BYTES
 from tests.e2e.transfer_peers import Case, layout, metadata_spec, pools, record
 from tests.unit.test_transfer_in_process import CONFIG, start_pair
 from tests.waiting import wait_until
@@ -85,8 +86,8 @@ def test_decode_keeps_working_after_prefill_restarts_on_the_same_port():
         pair.transfer(Case(room=2))
         wait_until(lambda: finished(stranded), "the stranded room to fail", 10)
         assert stranded.poll() is TransferState.FAILED
-        assert "restarted" in stranded.failure_reason or "silent" in stranded.failure_reason
-        assert stranded._buffer is None
+        assert stranded.failure.kind is FailureKind.PEER_LOST
+        assert "restarted" in stranded.failure.message or "silent" in stranded.failure.message
     finally:
         pair.client.stop()
         pair.server.stop()
@@ -101,10 +102,10 @@ def test_a_host_outside_the_allow_list_is_never_contacted(zmq_context):
         with pytest.raises(PeerNotAllowed, match=r"127\.0\.0\.2"):
             pair.client.receiver(5, "127.0.0.2", port, [1, 2])
         with pytest.raises(PeerNotAllowed):
-            pair.client.abort_room(6, "127.0.0.2", port, "refused")
+            pair.client.abort_room(6, "127.0.0.2", port, FailureKind.INVALID, "refused")
         pair.transfer(Case(room=7))  # the allowed prefill still works
         assert not listener.poll(200)
-        assert all("127.0.0.2" not in address for address in pair.client._peers)
+        assert all("127.0.0.2" not in address for address in pair.client.peers)
     finally:
         pair.client.stop()
         pair.server.stop()
@@ -127,8 +128,9 @@ def test_a_fake_prefill_never_sees_the_token_and_its_socket_is_closed(zmq_contex
             received.append(fake.recv_multipart()[-1])
         assert all(TOKEN.encode() not in frame for frame in received)
         assert len(received) == 1 and decode(hello, Hello).decode_id == "d"
-        assert "authentication failed" in receiver.failure_reason
-        wait_until(lambda: not pair.client._peers, "the peer to be closed", 5)
+        assert receiver.failure.kind is FailureKind.HANDSHAKE
+        assert "authentication failed" in receiver.failure.message
+        wait_until(lambda: not pair.client.peers, "the peer to be closed", 5)
     finally:
         pair.client.stop()
         pair.server.stop()
@@ -138,8 +140,8 @@ def test_a_fake_prefill_never_sees_the_token_and_its_socket_is_closed(zmq_contex
 def test_a_frame_over_the_size_limit_is_dropped_before_it_is_buffered(zmq_context):
     pair = start_pair(CONFIG)
     try:
-        limit = pair.server._router.getsockopt(zmq.MAXMSGSIZE)
-        assert limit == max_decode_message_bytes(pair.server.max_room_pages) < 8 << 20
+        limit = pair.server.socket.getsockopt(zmq.MAXMSGSIZE)
+        assert limit == MAX_DECODE_MESSAGE_BYTES < 8 << 20
         payload = bytes(256 << 20)
         rss_before = _rss_bytes()
         rogue = zmq_context.socket(zmq.DEALER)
@@ -149,7 +151,7 @@ def test_a_frame_over_the_size_limit_is_dropped_before_it_is_buffered(zmq_contex
         del payload
         pair.transfer(Case(room=9))  # still serving
         assert _rss_bytes() - rss_before < 128 << 20
-        assert pair.server.metrics.failures["malformed_message"] == 0
+        assert pair.server.metrics.malformed_messages == 0
         rogue.close(0)
     finally:
         pair.client.stop()
@@ -176,15 +178,15 @@ def test_a_wrong_token_flood_leaves_no_rooms_and_bounded_peers(zmq_context):
         flood = sockets[-1]
         wrong = Register("flood", layout(CASE), b"\x01" * 32)
         for room in range(20_000):
-            flood.send(encode(TransferRequest(room, [1, 2, 3], [])))
+            flood.send(encode(TransferRequest(room, 3, 0)))
             if room % 1000 == 0:
                 flood.send(encode(wrong))
         # Messages on one connection are handled in order: once this answers, all were seen.
         probe = authenticated_dealer(zmq_context, server.port, TOKEN)
         flood.send(encode(Hello("flood", new_nonce())))
         wait_until(lambda: _drain_for(flood, HelloReply), "the flood to be handled", 20)
-        assert len(server._rooms) == 0 and len(server._tombstones) == 0
-        assert len(server._peers) <= config.max_peers
+        assert len(server.rooms) == 0 and len(server.tombstones) == 0
+        assert len(server.peers) <= config.max_peers
         probe.close(0)
         for socket in sockets:
             socket.close(0)
@@ -214,11 +216,11 @@ def test_a_transfer_request_for_too_many_pages_is_refused_before_any_room(zmq_co
     pair = start_pair(CONFIG)
     try:
         raw = authenticated_dealer(zmq_context, pair.server.port, "")
-        too_many = list(range(pair.server.max_room_pages + 1))
-        raw.send(encode(TransferRequest(12, too_many, [])))
+        raw.send(encode(TransferRequest(12, pair.server.max_room_pages + 1, 0)))
         reply = decode(receive(raw)[0])
-        assert "exceeds" in reply.reason and pair.server.sender(12).poll() is TransferState.FAILED
-        assert failure_kind(reply.reason) == "rejected"  # decode answers 400, not 503
+        assert "exceeds" in reply.failure.message
+        assert pair.server.sender(12).poll() is TransferState.FAILED
+        assert reply.failure.kind is FailureKind.INVALID  # decode answers 400, not 503
         raw.close(0)
     finally:
         pair.client.stop()
@@ -231,7 +233,7 @@ def test_a_decode_peer_that_stops_reading_does_not_delay_a_healthy_one(zmq_conte
     server = pair.server
     try:
         stuck = authenticated_dealer(zmq_context, server.port, "")
-        stuck.send(encode(TransferRequest(20, [1, 2], [])))
+        stuck.send(encode(TransferRequest(20, 2, 0)))
         stuck_room = server.sender(20)
         wait_until(lambda: stuck_room.poll() is TransferState.WAITING_FOR_INPUT, "the stuck room")
         # 64k frames of 1 KiB for a peer that reads none of them.
@@ -259,7 +261,7 @@ def test_time_in_the_prefill_queue_does_not_count_against_the_progress_deadline(
         assert receiver.poll() is TransferState.BOOTSTRAPPING
         sender.started()  # compute begins; now the progress deadline counts
         wait_until(lambda: finished(sender), "the deadline", 5)
-        assert "timed out" in sender.failure_reason
+        assert sender.failure.kind is FailureKind.TIMEOUT and "timed out" in sender.failure.message
         wait_until(lambda: finished(receiver), "decode to learn of it", 5)
     finally:
         pair.client.stop()
@@ -274,7 +276,8 @@ def test_a_failed_room_frees_the_buffer_announced_to_its_peer():
         sender = server.sender(40)
         client.receiver(40, "127.0.0.1", server.port, list(CASE.decode_pages))
         wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, "the request", 20)
-        client._send_ready = lambda peer, msg: None  # decode stalls: never posts the receive
+        # decode stalls: it takes SendReady but never posts the receive
+        client.plane.handle = lambda peer, msg, payload: isinstance(msg, SendReady)
         kv = KVStager(pools(CASE, 20, seed=1)).gather([list(CASE.prefill_pages)])
         sender.send(kv, record(CASE))
         wait_until(lambda: server.pending_sends == 1, "the announcement", 10)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdserve.engine.kv_pool import KVPool
-from pdserve.protocol.codec import encode
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.protocol.transfer_messages import KVChunk, RoomDone, TransferRequest
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.decode_side import DecodeTransferClient
@@ -71,13 +71,11 @@ def test_late_messages_for_a_finished_room_are_ignored(pair):
     server.release(CASE.room)
     client.release(CASE.room)
     # Replay the finished room's messages from prefill, and its request from decode.
-    stale = [sender.peer, encode(KVChunk(CASE.room, 0, 16)), b"\xff" * 16]
-    server.io.call(lambda: server._router.send_multipart(stale))
-    server.io.call(
-        lambda: server._router.send_multipart([sender.peer, encode(RoomDone(CASE.room, 16))])
-    )
-    peer = next(iter(client._peers.values()))
-    client.io.call(lambda: client._send(peer, TransferRequest(CASE.room, [1], [])))
+    decode_peer = sender.peer
+    server.io.call(lambda: server.send(decode_peer, KVChunk(CASE.room, 0, 16), b"\xff" * 16))
+    server.io.call(lambda: server.send(decode_peer, RoomDone(CASE.room, 16)))
+    peer = next(iter(client.peers.values()))
+    client.io.call(lambda: client.send(peer, TransferRequest(CASE.room, 1, 0)))
     # A new room still works, and nothing of the replay landed anywhere. NOTE: each side
     # sends on one socket in order, so room 2 finishing means the replay was handled.
     _, receiver2 = pair.transfer(Case(room=2))
@@ -88,7 +86,7 @@ def test_late_messages_for_a_finished_room_are_ignored(pair):
     # The replayed request did not bring the released room back to life.
     revived = server.sender(CASE.room)
     assert revived.poll() is TransferState.FAILED
-    assert "already finished" in revived.failure_reason
+    assert "reused" in revived.failure.message
 
 
 def test_reusing_a_finished_room_id_is_refused_on_decode(pair):
@@ -102,10 +100,12 @@ def test_prefill_abort_reaches_decode_at_once(pair):
     sender = pair.server.sender(CASE.room)
     receiver = pair.client.receiver(CASE.room, "127.0.0.1", pair.server.port, [1, 2, 3])
     wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, "the request", 10)
-    sender.abort("prompt of 9000 tokens exceeds the context length")
+    sender.abort(FailureKind.INVALID, "prompt of 9000 tokens exceeds the context length")
     wait_until(lambda: receiver.poll() is TransferState.FAILED, "decode to learn of it", 2)
-    assert receiver.failure_reason == (
-        "prefill aborted: prompt of 9000 tokens exceeds the context length"
+    assert receiver.failure == Failure(
+        FailureKind.INVALID,
+        FailureStage.BOOTSTRAP,
+        "prefill: prompt of 9000 tokens exceeds the context length",
     )
     assert sender.poll() is TransferState.FAILED
 
@@ -128,7 +128,7 @@ def test_gloo_receive_posted_for_an_aborted_room_keeps_the_pair_in_order():
         client.io.call(lambda: held.wait(10))  # stall decode's IO thread
         kv = KVStager(pools(Case(room=11), 20, seed=11)).gather([[5, 2, 9]])
         sender.send(kv, record(Case(room=11)))  # SendReady waits in decode's socket
-        receiver.abort("client went away")
+        receiver.abort(FailureKind.ABORTED, "client went away")
         held.set()
         wait_until(lambda: sender.poll() is TransferState.FAILED, "prefill to learn of it", 10)
         wait_until(lambda: server.pending_sends == 0, "the announced buffer to be sent", 10)

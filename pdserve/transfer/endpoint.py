@@ -1,0 +1,185 @@
+"""What both sides of a handoff share (docs/architecture.md §3): the IO thread that owns the
+ZMQ sockets, the rooms and their tombstones, the table of peer workers, and one tick that
+flushes send queues, drops peers that fall silent, sends heartbeats and fails rooms past
+their deadline.
+
+`PrefillTransferServer` and `DecodeTransferClient` are endpoints; each adds its half of the
+handshake, the messages it accepts and how a room starts. KV bytes move through a data plane
+(`tcp_plane`, or `dist_plane` for torch.distributed), and a room (`SenderRoom`,
+`ReceiverRoom`) changes only through its own methods.
+
+A peer's silence is measured from the last message it sent: a connection that has not
+registered, or that serves live rooms, may be silent `peer_timeout_s`; an idle one is closed
+quietly after a longer while. Attaching a room to a peer restarts its clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from pdserve.protocol.failures import FailureKind
+from pdserve.protocol.log_limit import RateLimitedLog
+from pdserve.protocol.transfer_messages import AbortRoom, Heartbeat
+from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.io_thread import IOThread
+from pdserve.transfer.metrics import TransferMetrics
+from pdserve.transfer.outbox import Outbox, PeerBlocked
+from pdserve.transfer.room_state import Tombstones
+
+logger = logging.getLogger(__name__)
+
+TICK_S = 0.05
+
+
+@dataclass
+class Peer:
+    """A peer worker as one side sees it."""
+
+    key: Any  # the ROUTER identity (prefill side) or the ZMQ address (decode side)
+    outbox: Outbox
+    name: str = ""  # the peer's worker id once known
+    registered: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
+    last_heartbeat: float = 0.0
+    rooms: set[int] = field(default_factory=set)
+
+    def __str__(self) -> str:
+        return self.name or str(self.key)
+
+
+class Endpoint:
+    """Base of both sides. Subclasses set `side`/`peer_side`, `plane`, and implement
+    `_socket_of`, `_frames` and `_closed`; everything under "IO thread" runs there."""
+
+    side = ""
+    peer_side = ""
+    sends_heartbeats = False
+
+    def __init__(self, config: TransferConfig, worker_id: str, metrics: TransferMetrics | None):
+        self.config = config
+        self.worker_id = worker_id
+        self.metrics = metrics or TransferMetrics()
+        self.context = zmq.Context()
+        self.io = IOThread(f"{self.side}-transfer-{worker_id}", self.context)
+        self.rooms: dict[int, Any] = {}
+        self.lock = threading.Lock()  # guards `rooms` against the caller's thread
+        self.tombstones = Tombstones(config.tombstone_ttl_s)
+        self.peers: dict[Any, Peer] = {}
+        self.plane: Any = None
+        self.bad_messages = RateLimitedLog(logger)
+        self.peer_log = RateLimitedLog(logger)
+        self.idle_ttl_s = max(60.0, 12 * config.peer_timeout_s)
+
+    def release(self, room: int) -> None:
+        """Forget a finished room (its tombstone stays for late messages)."""
+        with self.lock:
+            self.rooms.pop(room, None)
+
+    # ---- IO thread -------------------------------------------------------------------
+
+    def send(self, peer: Peer, msg, *payload, copy: bool = True) -> bool:
+        """Send without blocking; False (and the peer dropped) if it cannot take it."""
+        if self.peers.get(peer.key) is not peer:
+            return False  # dropped meanwhile
+        try:
+            peer.outbox.send(self._socket_of(peer), self._frames(peer, msg, payload), copy=copy)
+        except (PeerBlocked, zmq.ZMQError) as e:
+            self.drop_peer(peer, FailureKind.PEER_LOST, f"stopped taking messages: {e}")
+            return False
+        return True
+
+    def attach(self, room, peer: Peer) -> None:
+        room.attach(peer)
+        peer.rooms.add(room.room)
+        peer.last_seen = time.monotonic()  # NOTE: an idle peer's old silence does not count
+
+    def room_of(self, peer: Peer, room_id: int):
+        """The live room `room_id` if it is `peer`'s; None for a late or foreign message."""
+        room = self.rooms.get(room_id)
+        if room is None or room.done or room.peer is not peer:
+            return None
+        return room
+
+    def live_rooms(self, peer: Peer) -> list:
+        rooms = (self.rooms.get(room_id) for room_id in list(peer.rooms))
+        return [room for room in rooms if room is not None and not room.done]
+
+    def fail_room(self, room, kind: FailureKind, message: str, *, notify: bool) -> None:
+        """Fail `room` (the first failure stands), tell its peer if asked, and end it."""
+        failed_now = room.fail(kind, message)
+        self.end_room(room, notify=notify and failed_now)
+
+    def end_room(self, room, *, notify: bool = False) -> None:
+        """A room ended: tell its peer why (if asked), free its buffer, leave a tombstone."""
+        if notify and room.peer is not None and room.failure is not None:
+            self.send(room.peer, AbortRoom(room.room, room.failure))
+        room.drop_buffer()
+        self.tombstones.add(room.room, room.failure)
+        if room.peer is not None:
+            room.peer.rooms.discard(room.room)
+
+    def drop_peer(self, peer: Peer, kind: FailureKind, reason: str | None) -> None:
+        """Forget a peer and fail its live rooms (reason None: an idle peer closed quietly);
+        a peer that comes back starts over, with a new link."""
+        if self.peers.get(peer.key) is not peer:
+            return
+        del self.peers[peer.key]
+        message = f"{self.peer_side} peer {peer} {reason or 'was closed'}"
+        for room in self.live_rooms(peer):
+            self.fail_room(room, kind, message, notify=False)
+        if reason is not None:
+            self.peer_log.warning("dropped %s", message)
+        peer.outbox.clear()
+        self.plane.forget(peer)
+        self._closed(peer)
+
+    def malformed(self, peer: Peer | None, problem: str) -> None:
+        self.metrics.malformed_messages += 1
+        name = f"{self.peer_side} peer {peer}" if peer is not None else f"a {self.peer_side} peer"
+        self.bad_messages.warning("dropped a malformed message from %s: %s", name, problem)
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        for peer in list(self.peers.values()):
+            self._check_peer(peer, now)
+        with self.lock:
+            rooms = list(self.rooms.values())
+        for room in rooms:
+            if room.done:
+                if not room.claimed:
+                    self.release(room.room)  # only a peer asked for it: nobody else will
+            elif room.check_deadline():
+                self.end_room(room, notify=True)
+        self.plane.tick(now)
+
+    def _check_peer(self, peer: Peer, now: float) -> None:
+        try:
+            peer.outbox.flush(self._socket_of(peer))
+        except (PeerBlocked, zmq.ZMQError) as e:
+            self.drop_peer(peer, FailureKind.PEER_LOST, f"stopped taking messages: {e}")
+            return
+        live = self.live_rooms(peer)
+        idle = peer.registered and not live
+        silent = now - peer.last_seen
+        if silent > (self.idle_ttl_s if idle else self.config.peer_timeout_s):
+            self.drop_peer(peer, FailureKind.PEER_LOST, None if idle else f"silent {silent:.1f} s")
+            return
+        beat_due = now - peer.last_heartbeat >= self.config.heartbeat_interval_s
+        if self.sends_heartbeats and live and peer.registered and beat_due:
+            peer.last_heartbeat = now
+            self.send(peer, Heartbeat(self.worker_id))
+
+    def _socket_of(self, peer: Peer) -> zmq.Socket:
+        raise NotImplementedError
+
+    def _frames(self, peer: Peer, msg, payload: tuple) -> list:
+        raise NotImplementedError
+
+    def _closed(self, peer: Peer) -> None:
+        """After `drop_peer`: release what the side holds for the peer (e.g. its socket)."""
