@@ -27,7 +27,8 @@ import zmq
 import zmq.asyncio
 
 from pdserve.engine.config import EngineConfig
-from pdserve.protocol.codec import ProtocolError, decode, encode
+from pdserve.protocol.channel import Channel
+from pdserve.protocol.codec import ProtocolError
 from pdserve.protocol.engine_messages import (
     AbortRequest,
     Bootstrap,
@@ -47,6 +48,8 @@ from pdserve.server.role import WorkerRole
 logger = logging.getLogger(__name__)
 
 SEND_TIMEOUT_MS = 2000
+# What the engine process sends: EngineReady (or EngineFailed) once, then outputs and stats.
+FROM_ENGINE = (EngineReady, EngineFailed, EngineStats, StepOutputs)
 # Exit codes (negative signal numbers) of an engine that was stopped, not crashed.
 STOP_SIGNALS = (-signal.SIGTERM, -signal.SIGINT)
 
@@ -92,8 +95,8 @@ class EngineClient:
         self._scratch = tempfile.TemporaryDirectory(prefix="pdserve-ipc-")
         self._sync_context = zmq.Context()
         self._async_context = zmq.asyncio.Context()
-        self._push: zmq.Socket | None = None
-        self._pull: zmq.asyncio.Socket | None = None
+        self._push: Channel | None = None
+        self._pull: Channel | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
         self._reader: asyncio.Task | None = None
 
@@ -109,11 +112,9 @@ class EngineClient:
         self._generation += 1
         requests_addr = f"ipc://{os.path.join(self._scratch.name, f'requests-{self._generation}')}"
         outputs_addr = f"ipc://{os.path.join(self._scratch.name, f'outputs-{self._generation}')}"
-        self._push = self._sync_context.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-        self._push.setsockopt(zmq.LINGER, 0)
+        self._push = Channel(self._sync_context, zmq.PUSH, send_timeout_ms=SEND_TIMEOUT_MS)
         self._push.bind(requests_addr)
-        self._pull = self._async_context.socket(zmq.PULL)
+        self._pull = Channel(self._async_context, zmq.PULL, accepts=FROM_ENGINE)
         self._pull.bind(outputs_addr)
         spawn = multiprocessing.get_context("spawn")
         self._process = spawn.Process(
@@ -133,8 +134,8 @@ class EngineClient:
                 raise EngineUnavailable(
                     f"engine not ready after {self.options.start_timeout_s:.0f} s"
                 )
-            if await self._pull.poll(timeout=200):
-                msg = decode(await self._pull.recv(), (EngineReady, EngineFailed, EngineStats))
+            if await self._pull.socket.poll(timeout=200):
+                msg = (await self._pull.receive_async()).msg
                 if isinstance(msg, EngineFailed):
                     raise EngineUnavailable(f"engine failed to start: {msg.reason}")
                 if isinstance(msg, EngineReady):
@@ -172,9 +173,9 @@ class EngineClient:
         await asyncio.to_thread(process.join, 10)
 
     def _close_sockets(self) -> None:
-        for socket in (self._push, self._pull):
-            if socket is not None:
-                socket.close(0)
+        for channel in (self._push, self._pull):
+            if channel is not None:
+                channel.close()
 
     async def shutdown(self) -> None:
         if self._reader is not None:
@@ -183,7 +184,7 @@ class EngineClient:
                 await self._reader
         if self._process is not None and self._process.is_alive():
             with contextlib.suppress(zmq.ZMQError):
-                self._push.send(encode(Shutdown("front end stopping")))
+                self._push.send(Shutdown("front end stopping"))
             await asyncio.to_thread(self._process.join, 10)
             if self._process.is_alive():
                 self._process.kill()
@@ -269,7 +270,7 @@ class EngineClient:
             # NOTE: a failed (or restarting) engine holds none of our requests any more.
             raise EngineUnavailable(self.failure)
         try:
-            self._push.send(encode(msg))
+            self._push.send(msg)
         except zmq.Again:
             self._mark_failed("engine not accepting requests (send timed out)")
             raise EngineUnavailable(self.failure) from None
@@ -281,13 +282,12 @@ class EngineClient:
             if self.failure is not None:
                 await self._restart()
                 continue
-            if not await self._pull.poll(timeout=1000):
+            if not await self._pull.socket.poll(timeout=1000):
                 self._check_alive()
                 continue
-            data = await self._pull.recv()
             self._last_message = time.monotonic()
             try:
-                msg = decode(data, (StepOutputs, EngineStats, EngineFailed))
+                msg = (await self._pull.receive_async()).msg
             except ProtocolError as e:
                 logger.error("dropped a malformed message from the engine: %s", e)
                 continue
@@ -295,7 +295,7 @@ class EngineClient:
                 self._mark_failed(f"engine failed: {_one_line(msg.reason)}")
             elif isinstance(msg, EngineStats):
                 self._set_stats(msg)
-            else:
+            elif isinstance(msg, StepOutputs):  # NOTE: EngineReady comes once, read by _spawn
                 self._set_stats(msg.stats)
                 for output in msg.outputs:
                     queue = self._queues.get(output.request_id)

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import os
 import time
+from typing import get_args
 
 import zmq
 
@@ -31,7 +32,8 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.handoff import Handoff, WorkerFactory
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
-from pdserve.protocol.codec import ProtocolError, decode, encode
+from pdserve.protocol.channel import Channel
+from pdserve.protocol.codec import ProtocolError
 from pdserve.protocol.engine_messages import (
     AbortRequest,
     EngineFailed,
@@ -62,28 +64,26 @@ def run_engine_process(
     until told to shut down."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s engine: %(message)s")
     context = zmq.Context()
-    inbox = context.socket(zmq.PULL)
+    inbox = Channel(context, zmq.PULL, accepts=get_args(Message))
     inbox.connect(requests_addr)
-    outbox = context.socket(zmq.PUSH)
-    outbox.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-    outbox.setsockopt(zmq.LINGER, 0)
+    outbox = Channel(context, zmq.PUSH, send_timeout_ms=SEND_TIMEOUT_MS)
     outbox.connect(outputs_addr)
     try:
         handoff = build_worker(config)
     except Exception as e:
-        outbox.send(encode(EngineFailed(short_reason(e))))
+        outbox.send(EngineFailed(short_reason(e)))
         raise
-    outbox.send(encode(_ready(handoff)))
+    outbox.send(_ready(handoff))
     try:
         EngineLoop(handoff).run(inbox, outbox)
     except Exception as e:
         # NOTE: the traceback is logged here (raise); the front end gets one line.
-        outbox.send(encode(EngineFailed(short_reason(e))))
+        outbox.send(EngineFailed(short_reason(e)))
         raise
     finally:
         handoff.stop()
-        inbox.close(0)
-        outbox.close(0)
+        inbox.close()
+        outbox.close()
         context.term()
 
 
@@ -131,11 +131,11 @@ class EngineLoop:
             return None
         return StepOutputs(outputs, self._stats())
 
-    def run(self, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+    def run(self, inbox: Channel, outbox: Channel) -> None:
         """Receive from the front end, tick, send, until shut down (or the front end is
         gone); heartbeats while idle."""
         poller = zmq.Poller()
-        poller.register(inbox, zmq.POLLIN)
+        poller.register(inbox.socket, zmq.POLLIN)
         parent_pid = os.getppid()
         last_sent = 0.0
         while self.running:
@@ -249,23 +249,22 @@ class EngineLoop:
             disagg=self.handoff.stats(),
         )
 
-    def _send(self, outbox: zmq.Socket, msg: StepOutputs | EngineStats) -> None:
+    def _send(self, outbox: Channel, msg: StepOutputs | EngineStats) -> None:
         try:
-            outbox.send(encode(msg))
+            outbox.send(msg)
         except zmq.Again:
             # The front end stopped reading for SEND_TIMEOUT_MS: it is gone or wedged.
             logger.error("front end not receiving; shutting the engine down")
             self.running = False
 
 
-def _receive(poller: zmq.Poller, inbox: zmq.Socket, timeout_ms: int) -> list[Message]:
+def _receive(poller: zmq.Poller, inbox: Channel, timeout_ms: int) -> list[Message]:
     """What came in within `timeout_ms` (then all that is queued), decoded."""
     messages = []
     while poller.poll(timeout_ms):
         timeout_ms = 0
-        data = inbox.recv()
         try:
-            messages.append(decode(data, (GenerateRequest, AbortRequest, FailRoom, Shutdown)))
+            messages.append(inbox.receive().msg)
         except ProtocolError as e:
             logger.warning("dropped a malformed message: %s", e)
     return messages
