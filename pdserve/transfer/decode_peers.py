@@ -17,17 +17,21 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from pdserve.protocol.codec import encode
+from pdserve.protocol.channel import Channel
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.protocol.transfer_messages import (
     AbortRoom,
     Heartbeat,
     Hello,
     HelloReply,
+    KVChunk,
+    MetadataHeader,
     NotRegistered,
     Register,
     RegisterAck,
     RegisterRejected,
+    RoomDone,
+    SendReady,
     TransferRequest,
 )
 from pdserve.transfer.endpoint import Peer
@@ -42,10 +46,24 @@ from pdserve.transfer.peer_auth import (
 )
 from pdserve.transfer.wire_limits import max_prefill_frame_bytes
 
+# What a prefill worker sends us.
+FROM_PREFILL = (
+    HelloReply,
+    NotRegistered,
+    RegisterAck,
+    RegisterRejected,
+    KVChunk,
+    MetadataHeader,
+    RoomDone,
+    AbortRoom,
+    Heartbeat,
+    SendReady,
+)
+
 
 @dataclass
 class PrefillPeer(Peer):
-    socket: zmq.Socket | None = None
+    channel: Channel | None = None
     nonce: bytes = b""  # our Hello's nonce while the handshake is under way
     instance: int | None = None  # the prefill process we registered with
     waiting: list = field(default_factory=list)  # messages held until registered
@@ -63,17 +81,19 @@ class PrefillPeers:
             return peer
         if len(self.peers) >= self.config.max_peers and not self._close_an_idle_peer():
             return None
-        socket = self.context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
         frame_limit = max_prefill_frame_bytes(self.config.chunk_bytes, self.metadata_spec.nbytes)
-        socket.setsockopt(zmq.MAXMSGSIZE, frame_limit)
-        if address.startswith("tcp://["):
-            socket.setsockopt(zmq.IPV6, 1)
-        socket.connect(address)
-        peer = PrefillPeer(address, Outbox(self.config.peer_timeout_s), socket=socket)
+        channel = Channel(
+            self.context,
+            zmq.DEALER,
+            FROM_PREFILL,
+            max_payload_frames=1,  # a KV chunk's bytes, or a metadata record's tensors
+            max_message_bytes=frame_limit,
+        )
+        channel.connect(address)
+        peer = PrefillPeer(address, Outbox(self.config.peer_timeout_s), channel=channel)
         self.peers[address] = peer
-        self._by_socket[socket] = peer
-        self.io.poller.register(socket, zmq.POLLIN)
+        self._by_socket[channel.socket] = peer
+        self.io.poller.register(channel.socket, zmq.POLLIN)
         self._hello(peer)
         return peer if self.peers.get(address) is peer else None
 
@@ -85,15 +105,15 @@ class PrefillPeers:
         return True
 
     def _socket_of(self, peer: PrefillPeer) -> zmq.Socket:
-        return peer.socket
+        return peer.channel.socket
 
     def _frames(self, peer: PrefillPeer, msg, payload: tuple) -> list:
-        return [encode(msg), *payload]
+        return peer.channel.frames(msg, *payload)
 
     def _closed(self, peer: PrefillPeer) -> None:
-        del self._by_socket[peer.socket]
-        self.io.poller.unregister(peer.socket)
-        peer.socket.close(0)
+        del self._by_socket[peer.channel.socket]
+        self.io.poller.unregister(peer.channel.socket)
+        peer.channel.close()
 
     def _hello(self, peer: PrefillPeer) -> None:
         peer.nonce, peer.registered = new_nonce(), False

@@ -15,22 +15,15 @@ import time
 import torch
 import zmq
 
-from pdserve.protocol.codec import ProtocolError, decode
+from pdserve.protocol.codec import ProtocolError
 from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import (
     AbortRoom,
-    Heartbeat,
-    HelloReply,
-    KVChunk,
     KVLayout,
     MetadataHeader,
-    NotRegistered,
-    RegisterAck,
-    RegisterRejected,
     RoomAck,
     RoomDone,
-    SendReady,
 )
 from pdserve.transfer.buffer_pool import BufferPool
 from pdserve.transfer.config import TransferConfig
@@ -43,19 +36,6 @@ from pdserve.transfer.peer_allow import zmq_endpoint
 from pdserve.transfer.prefill_side import peer_failure_kind
 from pdserve.transfer.receiver_room import ReceiverRoom
 from pdserve.transfer.tcp_plane import TcpPlane
-
-_FROM_PREFILL = (
-    HelloReply,
-    NotRegistered,
-    RegisterAck,
-    RegisterRejected,
-    KVChunk,
-    MetadataHeader,
-    RoomDone,
-    AbortRoom,
-    Heartbeat,
-    SendReady,
-)
 
 
 class DecodeTransferClient(PrefillPeers, Endpoint):
@@ -95,7 +75,7 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         self.io.stop()
         self.plane.close()
         for peer in self.peers.values():
-            peer.socket.close(0)
+            peer.channel.close()
         self.context.term()
 
     def receiver(
@@ -146,16 +126,16 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         peer = self._by_socket.get(socket)
         while peer is not None and self.peers.get(peer.key) is peer:
             try:
-                frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                received = peer.channel.receive(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            peer.last_seen = time.monotonic()
-            try:
-                msg = decode(frames[0].bytes, _FROM_PREFILL)
             except ProtocolError as e:
+                peer.last_seen = time.monotonic()
                 self.malformed(peer, str(e))
                 continue
-            self._handle(peer, msg, frames[1] if len(frames) > 1 else None)
+            peer.last_seen = time.monotonic()
+            payload = received.payload[0] if received.payload else None
+            self._handle(peer, received.msg, payload)
 
     def _handle(self, peer, msg, payload) -> None:
         if self._handshake(peer, msg) or self.plane.handle(peer, msg, payload):

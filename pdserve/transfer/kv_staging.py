@@ -9,9 +9,19 @@ ids with one `index_copy_` per pool. Both sides must have pools of the same shap
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from pdserve.engine.kv_pool import KVPool
+
+class PagedKV(Protocol):
+    """What staging reads of a KV pool (the engine's KVPool is one): its storage is
+    [2 (K, V), layers, pages, ...] on `device`."""
+
+    storage: torch.Tensor
+    device: torch.device
+    num_pages: int
+    nbytes: int
 
 
 class StagingError(ValueError):
@@ -19,7 +29,7 @@ class StagingError(ValueError):
 
 
 class KVStager:
-    def __init__(self, pools: list[KVPool]):
+    def __init__(self, pools: list[PagedKV]):
         if not pools:
             raise StagingError("at least one KV pool is needed")
         self.pools = pools
@@ -66,7 +76,7 @@ class KVStager:
             yield pool, ids, part.view(rows.shape[0], len(ids), rows.shape[2])
             offset += nbytes
 
-    def _index(self, pool: KVPool, ids: list[int]) -> torch.Tensor:
+    def _index(self, pool: PagedKV, ids: list[int]) -> torch.Tensor:
         if any(not 0 <= p < pool.num_pages for p in ids):
             raise StagingError(f"page ids outside [0, {pool.num_pages}): {ids[:8]}")
         return torch.tensor(ids, dtype=torch.int64, device=self.device)
@@ -76,7 +86,7 @@ class KVStager:
             raise StagingError(f"{len(page_ids)} page lists for {len(self.pools)} pools")
 
 
-def _rows(pool: KVPool) -> torch.Tensor:
+def _rows(pool: PagedKV) -> torch.Tensor:
     """The pool as [2 * layers, pages, words]: one row per (K or V, layer) and page, in the
     widest integer word that divides a page's row. Same bytes as `storage` (so the same wire
     layout, [2, layers, pages, ...] order); copying 8-byte words instead of bf16 elements

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.dtypes import parse_dtype
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import MetadataHeader
 
@@ -46,7 +45,7 @@ class MetadataRecord:
                 self.hidden_states,
                 "hidden_states",
                 (spec.hidden_size,),
-                parse_dtype(spec.hidden_dtype),
+                _dtype(spec.hidden_dtype),
             )
         elif self.hidden_states is not None:
             raise MetadataMismatch(
@@ -103,7 +102,7 @@ class MetadataRecord:
             record.topk_p = data[offset : offset + 4 * spec.topk].view(torch.float32)
             offset += 4 * spec.topk
         if spec.hidden_size is not None:
-            record.hidden_states = data[offset:].view(parse_dtype(spec.hidden_dtype))
+            record.hidden_states = data[offset:].view(_dtype(spec.hidden_dtype))
         return record
 
 
@@ -120,3 +119,11 @@ def _expect(tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> No
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:
     flat = tensor.detach().contiguous().view(-1)
     return flat.view(torch.uint8).cpu().numpy().tobytes()
+
+
+def _dtype(name: str | None) -> torch.dtype:
+    """The torch dtype the handshake named ("bfloat16", ...)."""
+    dtype = getattr(torch, name or "", None)
+    if not isinstance(dtype, torch.dtype):
+        raise MetadataMismatch(f"unknown hidden_dtype {name!r} in the metadata spec")
+    return dtype

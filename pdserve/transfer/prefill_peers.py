@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import zmq
 
-from pdserve.protocol.codec import encode
 from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.transfer_messages import (
     Hello,
@@ -77,7 +76,7 @@ class DecodePeers:
             self.send(peer, msg)
             return
         with contextlib.suppress(zmq.ZMQError):  # it left, or cannot take it: best effort
-            self.socket.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
+            self.channel.send(msg, to=identity, flags=zmq.NOBLOCK)
 
     def _not_registered(self, identity: bytes, room: int) -> None:
         self._reply(identity, NotRegistered(self.instance, room))

@@ -18,7 +18,8 @@ import secrets
 import torch
 import zmq
 
-from pdserve.protocol.codec import ProtocolError, decode, encode
+from pdserve.protocol.channel import Channel
+from pdserve.protocol.codec import ProtocolError
 from pdserve.protocol.failures import Failure, FailureKind
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import (
@@ -88,24 +89,23 @@ class PrefillTransferServer(DecodePeers, Endpoint):
 
     def start(self) -> int:
         """Bind the bootstrap endpoint (port 0 picks a free one); return the port."""
-        self.socket = self.context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_DECODE_MESSAGE_BYTES)
+        self.channel = Channel(
+            self.context, zmq.ROUTER, _FROM_DECODE, max_message_bytes=MAX_DECODE_MESSAGE_BYTES
+        )
         host, port = self.config.bootstrap_host, self.config.bootstrap_port
         if port == 0:
-            self.port = self.socket.bind_to_random_port(f"tcp://{host}")
+            self.port = self.channel.bind_random_port(f"tcp://{host}")
         else:
-            self.socket.bind(f"tcp://{host}:{port}")
+            self.channel.bind(f"tcp://{host}:{port}")
             self.port = port
-        self.io.poller.register(self.socket, zmq.POLLIN)
+        self.io.poller.register(self.channel.socket, zmq.POLLIN)
         self.io.start(self._on_socket, self.tick, tick_s=0.05)
         return self.port
 
     def stop(self) -> None:
         self.io.stop()
         self.plane.close()
-        self.socket.close(0)
+        self.channel.close()
         self.context.term()
 
     def sender(self, room: int) -> SenderRoom:
@@ -133,27 +133,21 @@ class PrefillTransferServer(DecodePeers, Endpoint):
     # ---- IO thread -------------------------------------------------------------------
 
     def _socket_of(self, peer: Peer) -> zmq.Socket:
-        return self.socket
+        return self.channel.socket
 
     def _frames(self, peer: Peer, msg, payload: tuple) -> list:
-        return [peer.key, encode(msg), *payload]
+        return self.channel.frames(msg, *payload, to=peer.key)
 
     def _on_socket(self, socket: zmq.Socket) -> None:
         while True:
             try:
-                frames = socket.recv_multipart(zmq.NOBLOCK, copy=True)
+                received = self.channel.receive(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 2:
-                self.malformed(None, f"a message of {len(frames) - 1} frames (expected 1)")
-                continue
-            identity, body = frames
-            try:
-                msg = decode(body, _FROM_DECODE)
             except ProtocolError as e:
-                self.malformed(self.peers.get(identity), str(e))
+                self.malformed(None, str(e))
                 continue
-            self._on_message(identity, msg)
+            self._on_message(received.sender, received.msg)
 
     def _handle(self, peer: Peer, msg) -> None:
         """A message from a registered peer."""

@@ -140,7 +140,7 @@ def test_a_fake_prefill_never_sees_the_token_and_its_socket_is_closed(zmq_contex
 def test_a_frame_over_the_size_limit_is_dropped_before_it_is_buffered(zmq_context):
     pair = start_pair(CONFIG)
     try:
-        limit = pair.server.socket.getsockopt(zmq.MAXMSGSIZE)
+        limit = pair.server.channel.socket.getsockopt(zmq.MAXMSGSIZE)
         assert limit == MAX_DECODE_MESSAGE_BYTES < 8 << 20
         payload = bytes(256 << 20)
         rss_before = _rss_bytes()
