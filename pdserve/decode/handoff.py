@@ -21,14 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.disagg.handoff_common import (
-    FailureCounts,
-    engine_transfer_layout,
-    failed_output,
-    room_in_use,
-)
+from pdserve.disagg.handoff_base import DisaggHandoff, PendingRequest
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.handoff import Handoff
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
@@ -36,33 +30,26 @@ from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.speculative.state import DraftBatch
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.decode_side import DecodeTransferClient
-from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.peer_allow import PeerNotAllowed
 from pdserve.transfer.receiver_room import ReceiverRoom
-from pdserve.transfer.room_state import Tombstones, TransferState
+from pdserve.transfer.room_state import TransferState
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Pending:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
+class _Pending(PendingRequest):
     bootstrap: Bootstrap
     queued_at: float = field(default_factory=time.monotonic)
     pages: list[int] = field(default_factory=list)
     receiver: ReceiverRoom | None = None
 
 
-class DecodeHandoff(Handoff):
+class DecodeHandoff(DisaggHandoff):
     role = "decode"
 
     def __init__(self, engine, config: TransferConfig):
-        super().__init__(engine)
-        self.config = config
-        self.metrics = TransferMetrics()
-        self.transfer = engine_transfer_layout(engine)
+        super().__init__(engine, config)
         self.stager = self.transfer.stager
         # NOTE: tcp and gloo receive into host memory (commit copies to the pool's device).
         receive_device = engine.device if config.backend == "nccl" else torch.device("cpu")
@@ -78,11 +65,6 @@ class DecodeHandoff(Handoff):
         self.client.start()
         self.prealloc: OrderedDict[str, _Pending] = OrderedDict()
         self.transferring: dict[str, _Pending] = {}
-        self.failures = FailureCounts()
-        self._rooms: set[int] = set()
-        # Rooms that ended here lately: a refusal the front end reports for one afterwards
-        # (the failure output it turned into an error) is not a second failure.
-        self._ended = Tombstones(config.tombstone_ttl_s)
 
     # ---- requests --------------------------------------------------------------------
 
@@ -90,8 +72,8 @@ class DecodeHandoff(Handoff):
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, bootstrap: Bootstrap
     ) -> RequestOutput | None:
         """Queue a request for pages; returns a failure output if it is refused at once."""
-        if bootstrap.room in self._rooms:
-            return room_in_use(request_id, prompt_ids, bootstrap.room)
+        if bootstrap.room in self.rooms_in_use:
+            return self.room_in_use(request_id, prompt_ids, bootstrap.room)
         try:
             self.engine.validate_prompt(prompt_ids)
             # NOTE: resolved once here; the address, never the name again, is contacted.
@@ -99,23 +81,22 @@ class DecodeHandoff(Handoff):
         except (InvalidRequestError, PeerNotAllowed) as e:
             message = f"decode rejected the request: {e}"
             failure = Failure(FailureKind.INVALID, FailureStage.BOOTSTRAP, message)
-            self._ended.add(bootstrap.room)
-            self.failures.add(failure)
-            return failed_output(request_id, prompt_ids, failure)
+            self.ended.add(bootstrap.room)
+            return self.refused(request_id, prompt_ids, failure)
         bootstrap = dataclasses.replace(bootstrap, host=address)
-        self._rooms.add(bootstrap.room)
+        self.rooms_in_use.add(bootstrap.room)
         self.prealloc[request_id] = _Pending(request_id, prompt_ids, params, bootstrap)
         return None
 
     def fail_room(self, msg: FailRoom) -> None:
         """Tell the prefill worker that we refused this room's request (we reserved nothing),
         so its leg ends now instead of at its deadline."""
-        if msg.room in self._rooms or not msg.host:
+        if msg.room in self.rooms_in_use or not msg.host:
             return  # a live request owns it: not ours to fail
         failure = Failure(msg.kind, FailureStage.BOOTSTRAP, f"decode refused it: {msg.reason}")
-        if msg.room not in self._ended:  # else it failed, and was counted, here already
-            self._ended.add(msg.room)
-            self.failures.add(failure)
+        if msg.room not in self.ended:  # else it failed, and was counted, here already
+            self.ended.add(msg.room)
+            self.failures[failure.label] += 1
         try:
             self.client.abort_room(msg.room, msg.host, msg.port, failure.kind, failure.message)
         except PeerNotAllowed as e:
@@ -124,7 +105,7 @@ class DecodeHandoff(Handoff):
     def abort(self, request_id: str) -> bool:
         pending = self.prealloc.pop(request_id, None)
         if pending is not None:
-            self._rooms.discard(pending.bootstrap.room)
+            self.rooms_in_use.discard(pending.bootstrap.room)
             return True
         pending = self.transferring.get(request_id)
         if pending is None:
@@ -160,15 +141,14 @@ class DecodeHandoff(Handoff):
         for pending in list(self.prealloc.values()):
             if now - pending.queued_at > self.config.progress_timeout_s:
                 del self.prealloc[pending.request_id]
-                self._rooms.discard(pending.bootstrap.room)
-                self._ended.add(pending.bootstrap.room)
+                self.rooms_in_use.discard(pending.bootstrap.room)
+                self.ended.add(pending.bootstrap.room)
                 message = (
                     f"no KV pages free on the decode worker for "
                     f"{self.config.progress_timeout_s:g} s (timed out waiting)"
                 )
                 failure = Failure(FailureKind.NO_PAGES, FailureStage.BOOTSTRAP, message)
-                self.failures.add(failure)
-                outputs.append(failed_output(pending.request_id, pending.prompt_ids, failure))
+                outputs.append(self.refused(pending.request_id, pending.prompt_ids, failure))
         while self.prealloc:
             running = len(self.engine.scheduler.running) + len(self.engine.scheduler.waiting)
             if running + len(self.transferring) >= self.engine.config.max_running_requests:
@@ -257,10 +237,9 @@ class DecodeHandoff(Handoff):
     # ---- endings ---------------------------------------------------------------------
 
     def _fail(self, pending: _Pending, failure: Failure) -> RequestOutput:
-        self.failures.add(failure)
         logger.warning("request %s failed: %s", pending.request_id, failure.message)
         self._end(pending)
-        return failed_output(pending.request_id, pending.prompt_ids, failure)
+        return self.refused(pending.request_id, pending.prompt_ids, failure)
 
     def _end(self, pending: _Pending) -> None:
         self.transferring.pop(pending.request_id, None)
@@ -268,19 +247,14 @@ class DecodeHandoff(Handoff):
             self.engine.free_pages(pending.pages)
             pending.pages = []
         self.client.release(pending.bootstrap.room)
-        self._rooms.discard(pending.bootstrap.room)
-        self._ended.add(pending.bootstrap.room)
+        self.rooms_in_use.discard(pending.bootstrap.room)
+        self.ended.add(pending.bootstrap.room)
 
     # ---- reporting -------------------------------------------------------------------
 
     def stats(self) -> DisaggStats:
-        return DisaggStats(
-            num_prealloc=len(self.prealloc),
-            num_transferring=len(self.transferring),
-            bytes_received=self.metrics.bytes_received,
-            transfers_succeeded=self.metrics.rooms_succeeded,
-            transfer_latencies=self.metrics.take_latencies(),
-            failures=dict(self.failures.counts),
+        return self.transfer_stats(
+            num_prealloc=len(self.prealloc), num_transferring=len(self.transferring)
         )
 
     def stop(self) -> None:

@@ -1,14 +1,11 @@
-"""What the prefill and decode handoffs share: the engine's KV layout for the handshake,
-failure outputs, and failure counting by stage and kind. Bookkeeping here is torch-free."""
+"""The engine's KV layout as both handoffs move it: the layout compared at registration, the
+metadata record's sizes, and the pools whose pages travel."""
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
-from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.page_allocator import pages_needed
-from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
 from pdserve.transfer.handshake import model_fingerprint
@@ -69,31 +66,3 @@ def engine_transfer_layout(engine) -> EngineTransferLayout:
         spec=spec,
     )
     return EngineTransferLayout(layout, metadata, KVStager([pool, *draft_pools]))
-
-
-class FailureCounts:
-    """Failures by their label, "stage/kind" (a closed set: metric labels stay bounded)."""
-
-    def __init__(self) -> None:
-        self.counts: Counter[str] = Counter()
-
-    def add(self, failure: Failure) -> None:
-        self.counts[failure.label] += 1
-
-
-def room_in_use(request_id: str, prompt_ids: list[int], room: int) -> RequestOutput:
-    message = f"bootstrap_room {room} is already in use"
-    failure = Failure(FailureKind.INVALID, FailureStage.BOOTSTRAP, message)
-    return failed_output(request_id, prompt_ids, failure)
-
-
-def failed_output(request_id: str, prompt_ids: list[int], failure: Failure) -> RequestOutput:
-    return RequestOutput(
-        request_id=request_id,
-        prompt_token_ids=prompt_ids,
-        token_ids=[],
-        new_token_ids=[],
-        finished=True,
-        finish_reason="abort",
-        failure=failure,
-    )

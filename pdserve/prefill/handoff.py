@@ -17,14 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.disagg.handoff_common import (
-    FailureCounts,
-    engine_transfer_layout,
-    failed_output,
-    room_in_use,
-)
+from pdserve.disagg.handoff_base import DisaggHandoff, PendingRequest
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.handoff import Handoff
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.page_allocator import pages_needed
 from pdserve.engine.sampling_params import SamplingParams
@@ -32,33 +26,26 @@ from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.metadata import MetadataRecord
-from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.prefill_side import PrefillTransferServer, SenderRoom
-from pdserve.transfer.room_state import Tombstones, TransferState
+from pdserve.transfer.room_state import TransferState
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Pending:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
+class _Pending(PendingRequest):
     sender: SenderRoom
     first: RequestOutput | None = None  # the first-token output, reported when the room ends
     started: bool = False  # the engine began computing it (it left the engine's queue)
 
 
-class PrefillHandoff(Handoff):
+class PrefillHandoff(DisaggHandoff):
     role = "prefill"
 
     def __init__(self, engine, config: TransferConfig):
-        super().__init__(engine)
-        self.config = config
-        self.metrics = TransferMetrics()
+        super().__init__(engine, config)
         # NOTE: tcp sends from host memory; nccl from the GPU; gloo (CPU stand-in) from host.
         self.send_device = engine.device if config.backend == "nccl" else torch.device("cpu")
-        self.transfer = engine_transfer_layout(engine)
         self.server = PrefillTransferServer(
             config,
             self.transfer.layout,
@@ -74,11 +61,6 @@ class PrefillHandoff(Handoff):
         self.bootstrapping: dict[str, _Pending] = {}
         self.prefilling: dict[str, _Pending] = {}
         self.sending: dict[str, _Pending] = {}
-        self.failures = FailureCounts()
-        self._rooms: set[int] = set()
-        # Rooms that ended here lately: a refusal the front end reports for one afterwards
-        # (the failure output it turned into an error) is not a second failure.
-        self._ended = Tombstones(config.tombstone_ttl_s)
 
     # ---- requests --------------------------------------------------------------------
 
@@ -87,8 +69,8 @@ class PrefillHandoff(Handoff):
     ) -> RequestOutput | None:
         """Queue a request; returns a failure output if it is refused at once (the room is
         failed too, so the decode side is told)."""
-        if bootstrap.room in self._rooms:
-            return room_in_use(request_id, prompt_ids, bootstrap.room)
+        if bootstrap.room in self.rooms_in_use:
+            return self.room_in_use(request_id, prompt_ids, bootstrap.room)
         sender = self.server.sender(bootstrap.room)
         try:
             self.engine.validate_prompt(prompt_ids)
@@ -96,22 +78,21 @@ class PrefillHandoff(Handoff):
             failure = _rejected(e)
             sender.abort(failure.kind, failure.message)
             self.server.release(bootstrap.room)
-            self._ended.add(bootstrap.room)
-            self.failures.add(failure)
-            return failed_output(request_id, prompt_ids, failure)
-        self._rooms.add(bootstrap.room)
+            self.ended.add(bootstrap.room)
+            return self.refused(request_id, prompt_ids, failure)
+        self.rooms_in_use.add(bootstrap.room)
         self.bootstrapping[request_id] = _Pending(request_id, prompt_ids, params, sender)
         return None
 
     def fail_room(self, msg: FailRoom) -> None:
         """Fail a room whose request never reached us (the front end refused it)."""
-        if msg.room in self._rooms or msg.room in self._ended:
+        if msg.room in self.rooms_in_use or msg.room in self.ended:
             return  # a live request owns it, or it already failed (and counted) here
-        self._ended.add(msg.room)
+        self.ended.add(msg.room)
         failure = Failure(msg.kind, FailureStage.BOOTSTRAP, f"prefill refused it: {msg.reason}")
         self.server.sender(msg.room).abort(failure.kind, failure.message)
         self.server.release(msg.room)
-        self.failures.add(failure)
+        self.failures[failure.label] += 1
 
     def abort(self, request_id: str) -> bool:
         for queue in (self.bootstrapping, self.prefilling, self.sending):
@@ -191,9 +172,8 @@ class PrefillHandoff(Handoff):
         except InvalidRequestError as e:
             failure = _rejected(e)
             pending.sender.abort(failure.kind, failure.message)
-            self.failures.add(failure)
             self._release_room(pending)
-            outputs.append(failed_output(pending.request_id, pending.prompt_ids, failure))
+            outputs.append(self.refused(pending.request_id, pending.prompt_ids, failure))
             return
         self.prefilling[pending.request_id] = pending
 
@@ -204,7 +184,7 @@ class PrefillHandoff(Handoff):
             failure = output.failure or Failure(FailureKind.INTERNAL, FailureStage.ENGINE, message)
             pending.sender.abort(failure.kind, failure.message)
             self._release_room(pending)
-            passed.append(failed_output(pending.request_id, pending.prompt_ids, failure))
+            passed.append(self.refused(pending.request_id, pending.prompt_ids, failure))
             return
         request = self.engine.held[pending.request_id]
         pages = self.transfer.transfer_pages(self.engine, request.pages, len(pending.prompt_ids))
@@ -233,10 +213,9 @@ class PrefillHandoff(Handoff):
 
     def _fail(self, queue: dict, pending: _Pending) -> RequestOutput:
         failure = pending.sender.failure
-        self.failures.add(failure)
         logger.warning("request %s failed: %s", pending.request_id, failure.message)
         self._end(queue, pending)
-        return failed_output(pending.request_id, pending.prompt_ids, failure)
+        return self.refused(pending.request_id, pending.prompt_ids, failure)
 
     def _end(self, queue: dict, pending: _Pending) -> None:
         queue.pop(pending.request_id, None)
@@ -246,20 +225,16 @@ class PrefillHandoff(Handoff):
 
     def _release_room(self, pending: _Pending) -> None:
         self.server.release(pending.sender.room)
-        self._rooms.discard(pending.sender.room)
-        self._ended.add(pending.sender.room)
+        self.rooms_in_use.discard(pending.sender.room)
+        self.ended.add(pending.sender.room)
 
     # ---- reporting -------------------------------------------------------------------
 
     def stats(self) -> DisaggStats:
-        return DisaggStats(
+        return self.transfer_stats(
             num_bootstrapping=len(self.bootstrapping),
             num_prefilling=len(self.prefilling),
             num_transferring=len(self.sending),
-            bytes_sent=self.metrics.bytes_sent,
-            transfers_succeeded=self.metrics.rooms_succeeded,
-            transfer_latencies=self.metrics.take_latencies(),
-            failures=dict(self.failures.counts),
         )
 
     def stop(self) -> None:

@@ -94,8 +94,9 @@ class DisaggStats:
     bytes_received: int = 0
     transfers_succeeded: int = 0
     transfer_latencies: list[float] = field(default_factory=list)
-    # "stage/reason" -> count; stage is bootstrap (before KV moved) or transfer.
+    # Failure.label ("stage/kind") -> count.
     failures: dict[str, int] = field(default_factory=dict)
+    malformed_messages: int = 0  # peer messages dropped by the schema checks
 
 
 @message("engine_stats")

@@ -34,16 +34,9 @@ from pdserve.protocol.transfer_messages import (
     SendReady,
     TransferRequest,
 )
+from pdserve.transfer import peer_auth
 from pdserve.transfer.endpoint import Peer
 from pdserve.transfer.outbox import Outbox
-from pdserve.transfer.peer_auth import (
-    NonceError,
-    check_nonce,
-    decode_proof,
-    new_nonce,
-    prefill_proof,
-    proof_ok,
-)
 from pdserve.transfer.wire_limits import max_prefill_frame_bytes
 
 # What a prefill worker sends us.
@@ -116,7 +109,7 @@ class PrefillPeers:
         peer.channel.close()
 
     def _hello(self, peer: PrefillPeer) -> None:
-        peer.nonce, peer.registered = new_nonce(), False
+        peer.nonce, peer.registered = peer_auth.new_nonce(), False
         self.send(peer, Hello(self.decode_id, peer.nonce))
 
     def _deliver(self, peer: PrefillPeer, msg) -> None:
@@ -155,12 +148,12 @@ class PrefillPeers:
         if peer.registered or not peer.nonce:
             return  # not an answer to a Hello of ours
         try:
-            check_nonce(msg.nonce)
-        except NonceError as e:
+            peer_auth.check_nonce(msg.nonce)
+        except peer_auth.NonceError as e:
             self.drop_peer(peer, FailureKind.HANDSHAKE, f"handshake failed: {e}")
             return
-        expected = prefill_proof(self.config.auth_token, peer.nonce, msg.nonce)
-        if not proof_ok(expected, msg.proof):
+        expected = peer_auth.prefill_proof(self.config.auth_token, peer.nonce, msg.nonce)
+        if not peer_auth.proof_ok(expected, msg.proof):
             reason = (
                 "handshake failed: authentication failed: it did not prove it holds the "
                 "transfer token"
@@ -173,7 +166,7 @@ class PrefillPeers:
                     message = f"prefill worker at {peer.key} restarted; the room was lost"
                     self.fail_room(room, FailureKind.PEER_LOST, message, notify=False)
         peer.instance = msg.instance
-        proof = decode_proof(self.config.auth_token, msg.nonce, peer.nonce)
+        proof = peer_auth.decode_proof(self.config.auth_token, msg.nonce, peer.nonce)
         peer.nonce = b""
         register = Register(self.decode_id, self.layout, proof, backend=self.config.backend)
         self.send(peer, self.plane.registration(peer, register))

@@ -26,17 +26,10 @@ from pdserve.protocol.transfer_messages import (
     RegisterRejected,
     TransferRequest,
 )
+from pdserve.transfer import peer_auth
 from pdserve.transfer.endpoint import Peer
 from pdserve.transfer.handshake import layout_mismatches
 from pdserve.transfer.outbox import Outbox
-from pdserve.transfer.peer_auth import (
-    NonceError,
-    check_nonce,
-    decode_proof,
-    new_nonce,
-    prefill_proof,
-    proof_ok,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -83,19 +76,19 @@ class DecodePeers:
 
     def _hello(self, identity: bytes, msg: Hello) -> None:
         try:
-            check_nonce(msg.nonce)
-        except NonceError as e:
+            peer_auth.check_nonce(msg.nonce)
+        except peer_auth.NonceError as e:
             self.malformed(None, str(e))
             return
         if identity not in self.peers and not self._make_room_for_a_peer():
             self.bad_messages.warning("refused a decode connection: %d peers", len(self.peers))
             return
         # NOTE: a connection greets again only before it registered: it has no rooms yet.
-        nonce = new_nonce()
+        nonce = peer_auth.new_nonce()
         outbox = Outbox(self.config.peer_timeout_s)
         peer = DecodePeer(identity, outbox, decode_nonce=msg.nonce, prefill_nonce=nonce)
         self.peers[identity] = peer
-        proof = prefill_proof(self.config.auth_token, msg.nonce, nonce)
+        proof = peer_auth.prefill_proof(self.config.auth_token, msg.nonce, nonce)
         self._reply(identity, HelloReply(self.prefill_id, self.instance, nonce, proof))
 
     def _make_room_for_a_peer(self) -> bool:
@@ -109,8 +102,10 @@ class DecodePeers:
         return True
 
     def _register(self, peer: DecodePeer, msg: Register) -> None:
-        expected = decode_proof(self.config.auth_token, peer.prefill_nonce, peer.decode_nonce)
-        authenticated = proof_ok(expected, msg.proof)
+        expected = peer_auth.decode_proof(
+            self.config.auth_token, peer.prefill_nonce, peer.decode_nonce
+        )
+        authenticated = peer_auth.proof_ok(expected, msg.proof)
         if not authenticated:
             reason = "authentication failed: wrong or missing transfer token"
         elif msg.backend != self.config.backend:

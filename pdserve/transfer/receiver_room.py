@@ -10,20 +10,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.protocol.failures import Failure, FailureKind
+from pdserve.protocol.failures import FailureKind
 from pdserve.transfer.buffer_pool import BufferPool
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metadata import MetadataRecord
-from pdserve.transfer.room_state import RoomState, TransferState
+from pdserve.transfer.room_state import Room, RoomState, TransferState
 
 if TYPE_CHECKING:
     from pdserve.transfer.decode_side import DecodeTransferClient
     from pdserve.transfer.endpoint import Peer
 
 
-class ReceiverRoom:
-    claimed = True  # the decode worker's own request: it releases the room
-
+class ReceiverRoom(Room):
     def __init__(
         self,
         client: DecodeTransferClient,
@@ -32,14 +30,13 @@ class ReceiverRoom:
         draft_page_ids: list[int],
         expected_bytes: int,
     ):
+        super().__init__(room, RoomState(room, progress_timeout_s=client.config.progress_timeout_s))
         self._client = client
         self._buffers: BufferPool = client.buffers
-        self.room = room
         self.peer: Peer | None = None
         self.page_ids = page_ids
         self.draft_page_ids = draft_page_ids
         self.expected_bytes = expected_bytes
-        self._state = RoomState(room, progress_timeout_s=client.config.progress_timeout_s)
         # NOTE: until the first byte, the room waits for the prefill worker's queue too.
         self._state.hold(client.config.queue_timeout_s)
         self._buffer: torch.Tensor | None = None
@@ -54,17 +51,6 @@ class ReceiverRoom:
         # it was sent again after that prefill worker asked us to register first.
         self.instance: int | None = None
         self.retried = False
-
-    def poll(self) -> TransferState:
-        return self._state.state
-
-    @property
-    def done(self) -> bool:
-        return self._state.done
-
-    @property
-    def failure(self) -> Failure | None:
-        return self._state.failure
 
     # ---- the decode worker's thread --------------------------------------------------
 
@@ -155,12 +141,6 @@ class ReceiverRoom:
         self._state.advance(TransferState.SUCCESS)
         self.stamps["success"] = time.monotonic()
         return None
-
-    def fail(self, kind: FailureKind, message: str) -> bool:
-        return self._state.fail(kind, message)
-
-    def check_deadline(self) -> bool:
-        return self._state.check_deadline()
 
     def drop_buffer(self) -> None:
         """Recycle an ended room's buffer, unless it is there to be committed. (A receive

@@ -103,6 +103,34 @@ class RoomState:
         )
 
 
+class Room:
+    """A room on either side: its number and state. Only the room changes its state (the
+    endpoint calls `fail`, `check_deadline` and the side's own methods); any thread reads."""
+
+    claimed = True  # a worker's own request asked for it (that worker releases it)
+
+    def __init__(self, room: int, state: RoomState):
+        self.room = room
+        self._state = state
+
+    def poll(self) -> TransferState:
+        return self._state.state
+
+    @property
+    def done(self) -> bool:
+        return self._state.done
+
+    @property
+    def failure(self) -> Failure | None:
+        return self._state.failure
+
+    def fail(self, kind: FailureKind, message: str) -> bool:
+        return self._state.fail(kind, message)
+
+    def check_deadline(self) -> bool:
+        return self._state.check_deadline()
+
+
 class Tombstones:
     """Rooms that ended recently, remembered for `ttl_s` (at most `capacity` of them), with
     the failure of those that failed (so a late peer can still be told why)."""

@@ -10,20 +10,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.protocol.failures import Failure, FailureKind
+from pdserve.protocol.failures import FailureKind
 from pdserve.transfer.metadata import MetadataRecord
-from pdserve.transfer.room_state import RoomState, TransferState
+from pdserve.transfer.room_state import Room, RoomState, TransferState
 
 if TYPE_CHECKING:
     from pdserve.transfer.endpoint import Peer
     from pdserve.transfer.prefill_side import PrefillTransferServer
 
 
-class SenderRoom:
+class SenderRoom(Room):
     def __init__(self, server: PrefillTransferServer, room: int, state: RoomState):
+        super().__init__(room, state)
         self._server = server
-        self.room = room
-        self._state = state
         self.peer: Peer | None = None
         self._buffer: torch.Tensor | None = None
         # Asked for by this worker's own request (not only by a decode peer's transfer request).
@@ -31,17 +30,6 @@ class SenderRoom:
         self.started_at = time.monotonic()
         # When each protocol step happened (monotonic clock), for latency breakdowns.
         self.stamps: dict[str, float] = {}
-
-    def poll(self) -> TransferState:
-        return self._state.state
-
-    @property
-    def done(self) -> bool:
-        return self._state.done
-
-    @property
-    def failure(self) -> Failure | None:
-        return self._state.failure
 
     # ---- the prefill worker's thread -------------------------------------------------
 
@@ -93,12 +81,6 @@ class SenderRoom:
         if self._state.state is not TransferState.TRANSFERRING:
             return False
         return self._state.advance(TransferState.SUCCESS)
-
-    def fail(self, kind: FailureKind, message: str) -> bool:
-        return self._state.fail(kind, message)
-
-    def check_deadline(self) -> bool:
-        return self._state.check_deadline()
 
     def drop_buffer(self) -> None:
         self._buffer = None

@@ -132,7 +132,7 @@ def test_decode_waiting_for_pages_times_out_with_a_reason(pair):
     decode.add("starved", [5, 6, 7], GREEDY, boot(prefill, 3))
     outputs = drive(prefill, decode, until=lambda o: finished(o, "starved"))
     assert "no KV pages free" in outputs["starved"][-1].error
-    assert decode.failures.counts["bootstrap/no_pages"] == 1
+    assert decode.failures["bootstrap/no_pages"] == 1
     decode.engine.free_pages(held)
 
 

@@ -1,0 +1,72 @@
+"""What the prefill and decode handoffs keep alike: the transfer settings and counters, the
+engine's transfer layout, the rooms in use, the rooms that ended lately, failures counted by
+label, and the one way a request is refused (a failure output, counted once)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from pdserve.disagg.handoff_common import engine_transfer_layout
+from pdserve.engine.handoff import Handoff
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.engine_messages import DisaggStats
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage
+from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.metrics import TransferMetrics
+from pdserve.transfer.room_state import Tombstones
+
+
+@dataclass
+class PendingRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class DisaggHandoff(Handoff):
+    def __init__(self, engine, config: TransferConfig):
+        super().__init__(engine)
+        self.config = config
+        self.metrics = TransferMetrics()
+        self.transfer = engine_transfer_layout(engine)
+        self.failures: Counter[str] = Counter()  # by Failure.label, "stage/kind"
+        self.rooms_in_use: set[int] = set()
+        # Rooms that ended here lately: a refusal the front end reports for one afterwards
+        # (the failure output it turned into an error) is not a second failure.
+        self.ended = Tombstones(config.tombstone_ttl_s)
+
+    def refused(self, request_id: str, prompt_ids: list[int], failure: Failure) -> RequestOutput:
+        """The output of a request that failed here (counted once, by its label)."""
+        self.failures[failure.label] += 1
+        return failed_output(request_id, prompt_ids, failure)
+
+    def room_in_use(self, request_id: str, prompt_ids: list[int], room: int) -> RequestOutput:
+        message = f"bootstrap_room {room} is already in use"
+        failure = Failure(FailureKind.INVALID, FailureStage.BOOTSTRAP, message)
+        return failed_output(request_id, prompt_ids, failure)  # NOTE: not this room's failure
+
+    def transfer_stats(self, **queues: int) -> DisaggStats:
+        """The role's queue sizes, with the counters both roles report."""
+        return DisaggStats(
+            **queues,
+            bytes_sent=self.metrics.bytes_sent,
+            bytes_received=self.metrics.bytes_received,
+            transfers_succeeded=self.metrics.rooms_succeeded,
+            transfer_latencies=self.metrics.take_latencies(),
+            failures=dict(self.failures),
+            malformed_messages=self.metrics.malformed_messages,
+        )
+
+
+def failed_output(request_id: str, prompt_ids: list[int], failure: Failure) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        prompt_token_ids=prompt_ids,
+        token_ids=[],
+        new_token_ids=[],
+        finished=True,
+        finish_reason="abort",
+        failure=failure,
+    )
