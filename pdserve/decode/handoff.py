@@ -27,12 +27,14 @@ from pdserve.disagg.handoff_common import (
     failed_output,
     failure_kind,
     room_in_use,
+    transfer_failure,
 )
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.handoff import Handoff
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.speculative.state import DraftBatch
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.decode_side import DecodeTransferClient
@@ -101,7 +103,8 @@ class DecodeHandoff(Handoff):
             reason = f"decode rejected the request: {e}"
             self._ended.add(bootstrap.room)
             self.failures.add("bootstrap", "rejected")
-            return failed_output(request_id, prompt_ids, reason, "invalid")
+            failure = Failure(FailureKind.INVALID, FailureStage.BOOTSTRAP, reason)
+            return failed_output(request_id, prompt_ids, failure)
         bootstrap = dataclasses.replace(bootstrap, host=address)
         self._rooms.add(bootstrap.room)
         self.prealloc[request_id] = _Pending(request_id, prompt_ids, params, bootstrap)
@@ -170,7 +173,8 @@ class DecodeHandoff(Handoff):
                     f"{self.config.progress_timeout_s:g} s (timed out waiting)"
                 )
                 self.failures.add("bootstrap", reason)
-                outputs.append(failed_output(pending.request_id, pending.prompt_ids, reason))
+                failure = transfer_failure(reason, "bootstrap")
+                outputs.append(failed_output(pending.request_id, pending.prompt_ids, failure))
         while self.prealloc:
             running = len(self.engine.scheduler.running) + len(self.engine.scheduler.waiting)
             if running + len(self.transferring) >= self.engine.config.max_running_requests:
@@ -255,12 +259,15 @@ class DecodeHandoff(Handoff):
     # ---- endings ---------------------------------------------------------------------
 
     def _fail(self, pending: _Pending, reason: str) -> RequestOutput:
-        self.failures.add("transfer" if pending.moved_bytes else "bootstrap", reason)
+        stage = "transfer" if pending.moved_bytes else "bootstrap"
+        self.failures.add(stage, reason)
         logger.warning("request %s failed: %s", pending.request_id, reason)
         self._end(pending)
-        # A prompt prefill rejected is the request's fault, not a worker's: no retry helps.
-        kind = "invalid" if failure_kind(reason) == "rejected" else "unavailable"
-        return failed_output(pending.request_id, pending.prompt_ids, reason, kind)
+        failure = transfer_failure(reason, stage)
+        if failure_kind(reason) == "rejected":
+            # A prompt prefill rejected is the request's fault, not a worker's: no retry helps.
+            failure = Failure(FailureKind.INVALID, failure.stage, reason)
+        return failed_output(pending.request_id, pending.prompt_ids, failure)
 
     def _end(self, pending: _Pending) -> None:
         self.transferring.pop(pending.request_id, None)

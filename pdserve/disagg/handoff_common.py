@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.page_allocator import pages_needed
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
 from pdserve.transfer.handshake import model_fingerprint
@@ -93,6 +94,19 @@ def failure_kind(reason: str) -> str:
     return "error"
 
 
+# NOTE: until the transfer reports typed failures, its text reason's kind (`failure_kind`)
+# names the FailureKind; the two kinds that are not FailureKinds map here.
+_UNAVAILABLE_KINDS = {"rejected": FailureKind.ABORTED, "error": FailureKind.TRANSFER}
+
+
+def transfer_failure(reason: str, stage: str) -> Failure:
+    """A room that failed on a worker's side or in the transfer (stage: "bootstrap" or
+    "transfer"): a kind that a retry on another pair may fix. A peer's rejection is the peer
+    ending the room (ABORTED); whether the request itself was at fault is the caller's call."""
+    kind = failure_kind(reason)
+    return Failure(_UNAVAILABLE_KINDS.get(kind) or FailureKind(kind), FailureStage(stage), reason)
+
+
 class FailureCounts:
     """Failures by "stage/kind": stage is `bootstrap` (before any KV moved) or `transfer`."""
 
@@ -105,14 +119,12 @@ class FailureCounts:
 
 def room_in_use(request_id: str, prompt_ids: list[int], room: int) -> RequestOutput:
     reason = f"bootstrap_room {room} is already in use"
-    return failed_output(request_id, prompt_ids, reason, "invalid")
+    failure = Failure(FailureKind.INVALID, FailureStage.BOOTSTRAP, reason)
+    return failed_output(request_id, prompt_ids, failure)
 
 
-def failed_output(
-    request_id: str, prompt_ids: list[int], reason: str, kind: str = "unavailable"
-) -> RequestOutput:
-    """kind: "invalid" when the request itself is at fault, "unavailable" when a worker or
-    the transfer failed (a retry on another pair may succeed)."""
+def failed_output(request_id: str, prompt_ids: list[int], failure: Failure) -> RequestOutput:
+    """The last output of a request that failed in its handoff."""
     return RequestOutput(
         request_id=request_id,
         prompt_token_ids=prompt_ids,
@@ -120,6 +132,5 @@ def failed_output(
         new_token_ids=[],
         finished=True,
         finish_reason="abort",
-        error=reason,
-        error_kind=kind,
+        failure=failure,
     )

@@ -22,6 +22,7 @@ from pdserve.disagg.handoff_common import (
     engine_transfer_layout,
     failed_output,
     room_in_use,
+    transfer_failure,
 )
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.handoff import Handoff
@@ -29,6 +30,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.page_allocator import pages_needed
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.metadata import MetadataRecord
 from pdserve.transfer.metrics import TransferMetrics
@@ -97,7 +99,8 @@ class PrefillHandoff(Handoff):
             self.server.release(bootstrap.room)
             self._ended.add(bootstrap.room)
             self.failures.add("bootstrap", reason)
-            return failed_output(request_id, prompt_ids, reason, "invalid")
+            failure = Failure(FailureKind.INVALID, FailureStage.BOOTSTRAP, reason)
+            return failed_output(request_id, prompt_ids, failure)
         self._rooms.add(bootstrap.room)
         self.bootstrapping[request_id] = _Pending(request_id, prompt_ids, params, sender)
         return None
@@ -190,17 +193,22 @@ class PrefillHandoff(Handoff):
             pending.sender.abort(reason)
             self.failures.add("bootstrap", reason)
             self._release_room(pending)
-            outputs.append(failed_output(pending.request_id, pending.prompt_ids, reason, "invalid"))
+            failure = Failure(FailureKind.INVALID, FailureStage.BOOTSTRAP, reason)
+            outputs.append(failed_output(pending.request_id, pending.prompt_ids, failure))
             return
         self.prefilling[pending.request_id] = pending
 
     def _send(self, pending: _Pending, output: RequestOutput, passed: list) -> None:
         del self.prefilling[pending.request_id]
-        if output.error is not None or pending.request_id not in self.engine.held:
-            reason = output.error or "prefill ended without a first token"
-            pending.sender.abort(reason)
+        if output.failure is not None or pending.request_id not in self.engine.held:
+            # The engine's own failure, as it gave it; a prefill it ended without a first
+            # token is the engine's fault as well.
+            failure = output.failure or Failure(
+                FailureKind.INTERNAL, FailureStage.ENGINE, "prefill ended without a first token"
+            )
+            pending.sender.abort(failure.message)
             self._release_room(pending)
-            passed.append(failed_output(pending.request_id, pending.prompt_ids, reason))
+            passed.append(failed_output(pending.request_id, pending.prompt_ids, failure))
             return
         request = self.engine.held[pending.request_id]
         pages = self.transfer.transfer_pages(self.engine, request.pages, len(pending.prompt_ids))
@@ -232,7 +240,8 @@ class PrefillHandoff(Handoff):
         self.failures.add(stage, reason)
         logger.warning("request %s failed: %s", pending.request_id, reason)
         self._end(queue, pending)
-        return failed_output(pending.request_id, pending.prompt_ids, reason)
+        failure = transfer_failure(reason, stage)
+        return failed_output(pending.request_id, pending.prompt_ids, failure)
 
     def _end(self, queue: dict, pending: _Pending) -> None:
         queue.pop(pending.request_id, None)

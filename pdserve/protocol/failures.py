@@ -41,6 +41,7 @@ OUTCOMES: dict[FailureKind, Outcome] = {
     FailureKind.INTERNAL: Outcome(500, False),
 }
 
+
 class FailureStage(enum.StrEnum):
     BOOTSTRAP = "bootstrap"  # before any KV moved (handshake, reservation, queue)
     TRANSFER = "transfer"  # while the KV moved

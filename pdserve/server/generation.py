@@ -20,8 +20,9 @@ from typing import Any
 from pdserve.engine.detokenizer import RequestDetokenizer
 from pdserve.engine.sampling_params import INT64_MIN, InvalidSamplingParams, SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, TokenOutput
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.server.engine_client import DuplicateRequestId, EngineClient, EngineUnavailable
-from pdserve.server.errors import APIError, bad_request
+from pdserve.server.errors import APIError, bad_request, failure_error
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.role import WorkerRole
 
@@ -69,7 +70,7 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 def check_capacity(state: ServerState, new_requests: int) -> None:
     if not state.client.healthy:
-        raise APIError(503, f"engine unavailable: {state.client.health_detail}")
+        raise failure_error(_engine_unavailable(state.client.health_detail))
     waiting = state.client.num_in_flight - state.client.stats.num_running
     if waiting + new_requests > state.max_queued_requests:
         raise APIError(
@@ -258,7 +259,7 @@ async def run_one(
         outputs = state.client.generate(request_id, prompt_ids, sampling, bootstrap)
         async for output in outputs:
             now = time.monotonic()
-            if output.error is not None:
+            if output.failure is not None:
                 raise _output_error(state, output)
             if output.new_token_ids:
                 if first:
@@ -279,7 +280,7 @@ async def run_one(
                     )
             yield output, detokenizer.take_output(output.new_token_ids, finished=output.finished)
     except EngineUnavailable as e:
-        raise APIError(503, f"engine unavailable: {e}") from None
+        raise failure_error(_engine_unavailable(str(e))) from None
     except DuplicateRequestId as e:
         raise bad_request(str(e), param="rid") from None
     finally:
@@ -301,16 +302,17 @@ def abort_room(state: ServerState, room: int, reason: str, host: Any, port: Any)
 
 
 def _output_error(state: ServerState, output: TokenOutput) -> APIError:
-    """A failed request's error, by the kind the engine (or the client) gave it."""
+    """A failed request's error: its failure's kind gives the status (protocol/failures.py)
+    and is the error's `code`, from which a router decides on a retry."""
+    failure = output.failure
     if not state.client.healthy:
-        return APIError(503, f"engine unavailable: {output.error}")
-    if output.error_kind == "unavailable":
-        return APIError(503, output.error, code="transfer_failed")
-    if output.error_kind == "internal":
-        return APIError(500, output.error, code="engine_error")
-    if output.error_kind == "invalid":
-        return bad_request(output.error)
-    return APIError(500 if output.num_output_tokens else 400, output.error)
+        # NOTE: whatever this request's own failure said, the engine is gone now.
+        failure = _engine_unavailable(failure.message)
+    return failure_error(failure)
+
+
+def _engine_unavailable(reason: str) -> Failure:
+    return Failure(FailureKind.UNAVAILABLE, FailureStage.ENGINE, f"engine unavailable: {reason}")
 
 
 async def run_many(
