@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.disagg.handoff_base import DisaggHandoff, PendingRequest
+from pdserve.disagg.handoff_base import DisaggHandoff, PendingRequest, refusal_message
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -93,7 +93,7 @@ class DecodeHandoff(DisaggHandoff):
         so its leg ends now instead of at its deadline."""
         if msg.room in self.rooms_in_use or not msg.host:
             return  # a live request owns it: not ours to fail
-        failure = Failure(msg.kind, FailureStage.BOOTSTRAP, f"decode refused it: {msg.reason}")
+        failure = Failure(msg.kind, FailureStage.BOOTSTRAP, refusal_message("decode", msg))
         if msg.room not in self.ended:  # else it failed, and was counted, here already
             self.ended.add(msg.room)
             self.failures[failure.label] += 1

@@ -11,7 +11,7 @@ from pdserve.disagg.handoff_common import engine_transfer_layout
 from pdserve.engine.handoff import Handoff
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.protocol.engine_messages import DisaggStats
+from pdserve.protocol.engine_messages import DisaggStats, FailRoom
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.metrics import TransferMetrics
@@ -70,3 +70,9 @@ def failed_output(request_id: str, prompt_ids: list[int], failure: Failure) -> R
         finish_reason="abort",
         failure=failure,
     )
+
+
+def refusal_message(role: str, msg: FailRoom) -> str:
+    """Why a room the front end refused (or a router gave up on) ended, naming this worker."""
+    verb = "rejected the request" if msg.kind is FailureKind.INVALID else "ended the room"
+    return f"{role} {verb}: {msg.reason}"

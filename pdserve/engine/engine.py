@@ -40,6 +40,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from pdserve.engine.speculator import Draft, Emitted, Proposals, Speculator
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 
 logger = logging.getLogger(__name__)
 
@@ -440,6 +441,7 @@ class Engine:
                     request.token_ids.pop()
             self.in_flight = None
         self.current_batch = None
+        failure = Failure(FailureKind.INTERNAL, FailureStage.ENGINE, reason)
         outputs = []
         for request in touched:
             if not request.finished:
@@ -448,10 +450,8 @@ class Engine:
                 request.detokenizer = None
             elif request.request_id in self.held:
                 self.release_held(request.request_id)
-            request.error = reason
-            output = self._output(request, [])
-            output.error_kind = "internal"
-            outputs.append(output)
+            request.failure = failure
+            outputs.append(self._output(request, []))
         return outputs
 
     def _sample(
@@ -549,7 +549,7 @@ class Engine:
             finished=request.finished,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             stop_reason=request.stop_reason,
-            error=request.error,
+            failure=request.failure,
             logprobs=request.logprobs if want_logprobs else None,
             top_logprobs=request.top_logprobs if want_top else None,
             new_logprobs=(

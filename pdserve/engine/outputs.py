@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.protocol.failures import Failure
+
 
 @dataclass
 class RequestOutput:
@@ -24,11 +26,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    error: str | None = None
-    # Why it failed, for the HTTP edge: "invalid" (the request; 400), "unavailable" (a
-    # worker or transfer failed; 503, worth a retry elsewhere) or "internal" (an engine step
-    # raised; 500, the engine carries on).
-    error_kind: str | None = None
+    # Why it failed, if it did: its kind decides the HTTP status and whether a router retries
+    # (protocol/failures.py).
+    failure: Failure | None = None
     # Every output token's logprob and top-N so far (for offline use: `LLM.generate`).
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
@@ -43,3 +43,8 @@ class RequestOutput:
     # Speculative decoding: verify steps so far and the tokens they emitted.
     spec_verify_ct: int = 0
     spec_emitted_tokens: int = 0
+
+    @property
+    def error(self) -> str | None:
+        """The failure's message, None if the request did not fail."""
+        return None if self.failure is None else self.failure.message

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.failures import Failure
 
 
 class RequestStatus(enum.Enum):
@@ -48,7 +49,7 @@ class Request:
     finish_reason: FinishReason | None = None
     # The stop token id or stop string that ended the request, as vLLM reports it.
     stop_reason: int | str | None = None
-    error: str | None = None
+    failure: Failure | None = None  # set when the engine failed it
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_preemptions: int = 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.disagg.handoff_base import DisaggHandoff, PendingRequest
+from pdserve.disagg.handoff_base import DisaggHandoff, PendingRequest, refusal_message
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.page_allocator import pages_needed
@@ -89,7 +89,7 @@ class PrefillHandoff(DisaggHandoff):
         if msg.room in self.rooms_in_use or msg.room in self.ended:
             return  # a live request owns it, or it already failed (and counted) here
         self.ended.add(msg.room)
-        failure = Failure(msg.kind, FailureStage.BOOTSTRAP, f"prefill refused it: {msg.reason}")
+        failure = Failure(msg.kind, FailureStage.BOOTSTRAP, refusal_message("prefill", msg))
         self.server.sender(msg.room).abort(failure.kind, failure.message)
         self.server.release(msg.room)
         self.failures[failure.label] += 1

@@ -11,7 +11,7 @@ from dataclasses import field
 from typing import Any
 
 from pdserve.protocol.codec import message
-from pdserve.protocol.failures import FailureKind
+from pdserve.protocol.failures import Failure, FailureKind
 
 
 @message("bootstrap")
@@ -71,14 +71,18 @@ class TokenOutput:
     num_output_tokens: int
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    error: str | None = None
-    error_kind: str | None = None  # "invalid" or "unavailable" (see RequestOutput)
+    failure: Failure | None = None
     # One entry per new token: its logprob, and (token id, logprob) pairs of the top-N.
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[list[list[int | float]]] | None = None
     # Speculative decoding, cumulative: verify steps and the tokens they emitted.
     spec_verify_ct: int = 0
     spec_emitted_tokens: int = 0
+
+    @property
+    def error(self) -> str | None:
+        """The failure's message, None if the request did not fail."""
+        return None if self.failure is None else self.failure.message
 
 
 @message("disagg_stats")

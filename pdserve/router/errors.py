@@ -10,6 +10,7 @@ from starlette.requests import Request
 
 from pdserve.protocol import api_errors
 from pdserve.protocol.api_errors import framework_error_body, internal_error_body
+from pdserve.protocol.failures import Outcome, outcome_of_code
 
 
 def error_body(
@@ -44,9 +45,19 @@ async def internal_error_handler(_request: Request, _exc: Exception) -> JSONResp
 _EVENT_STATUS = {"invalid_request_error": 400, "rate_limit_error": 429}
 
 
-def event_status(error: dict) -> int:
-    """A worker's SSE error event's status: 400 or 429 for the request's errors, else 503."""
-    return _EVENT_STATUS.get(error.get("type"), 503)
+def worker_outcome(error: object, status: int | None = None) -> Outcome:
+    """What a worker's error (the `error` object of its answer, or of an SSE event, which has
+    no status) means here: the outcome table's status and retry for its `code` when that is a
+    FailureKind (protocol/failures.py). Any other error keeps its status (an event's: 400 or
+    429 by its type, else 503) and is retried when that is a 5xx: the worker failed, not the
+    request."""
+    error = error if isinstance(error, dict) else {}
+    outcome = outcome_of_code(error.get("code"))
+    if outcome is not None:
+        return outcome
+    if status is None:
+        status = _EVENT_STATUS.get(error.get("type"), 503)
+    return Outcome(status, status >= 500)
 
 
 def error_event(status: int, message: str, code: str | None = None) -> bytes:

@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.router.errors import event_status
+from pdserve.router.errors import worker_outcome
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_N = 128  # the workers' bound on n
@@ -153,7 +153,7 @@ class RoomFailed(Exception):
     def __init__(self, error: dict):
         super().__init__(str(error.get("message")))
         self.event = _event({"error": error})
-        self.status = event_status(error)
+        self.status = worker_outcome(error).status
 
 
 @dataclass

@@ -5,12 +5,13 @@ the decode leg's response, streamed when asked. The prefill leg is sent without 
 that its status tells whether the KV handoff succeeded (it ends when the room does).
 
 Failure rules: when one leg fails, the other is cancelled (closing its connection aborts it on
-the worker, which frees its pages). A failure that a new pair may fix (a worker unreachable or
-a transfer failed: 5xx) is retried once with a new pair and room, but only while nothing was
-sent to the client; a stream that breaks later ends with an SSE error event. A 4xx is the
-request's (or, 429, a full worker's) answer: passed on as it is, never retried. A request that
-outlives `request_timeout_s` fails with 504. A client that disconnects, at any point, cancels
-both legs.
+the worker, which frees its pages). A failure that a new pair may fix is retried once with a
+new pair and room, but only while nothing was sent to the client; a stream that breaks later
+ends with an SSE error event. Which failures those are, a worker's error says by its `code`, a
+FailureKind whose entry in protocol/failures.py's table gives the status and the retry; an
+error without one is retried when it is a 5xx (a worker unreachable or failed), and a 4xx (the
+request's, or, 429, a full worker's answer) is passed on as it is. A request that outlives
+`request_timeout_s` fails with 504. A client that disconnects, at any point, cancels both legs.
 
 Connections: a pooled keep-alive connection the worker already closed fails before any
 response byte; the leg is sent once more on a new connection before that counts as a failure,
@@ -33,7 +34,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import LegError, error_event, error_response, event_status
+from pdserve.router.errors import LegError, error_event, error_response, worker_outcome
 from pdserve.router.fanout import (
     DONE,
     SSE_EVENT_END,
@@ -461,11 +462,13 @@ def _reply(headers: dict[str, str]) -> dict[str, str]:
 def _leg_error(role: str, status: int, content: bytes) -> LegError:
     try:
         body = json.loads(content)
-        message = body["error"]["message"]
+        error = body["error"]
+        message = error["message"]
     except (ValueError, KeyError, TypeError):
-        body, message = None, content[:200].decode(errors="replace") or f"HTTP {status}"
-    # NOTE: 4xx is the request's fault (a new pair answers the same); 5xx is a worker's.
-    return LegError(role, status, body, message, retryable=status >= 500)
+        body, error = None, None
+        message = content[:200].decode(errors="replace") or f"HTTP {status}"
+    outcome = worker_outcome(error, status)
+    return LegError(role, outcome.status, body, message, outcome.retryable)
 
 
 def _raise_if_error_event(role: str, head: bytes) -> None:
@@ -479,5 +482,5 @@ def _raise_if_error_event(role: str, head: bytes) -> None:
         return
     if isinstance(event, dict) and isinstance(event.get("error"), dict):
         error = event["error"]
-        status = event_status(error)
-        raise LegError(role, status, event, str(error.get("message")), retryable=status >= 500)
+        outcome = worker_outcome(error)
+        raise LegError(role, outcome.status, event, str(error.get("message")), outcome.retryable)

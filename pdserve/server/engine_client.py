@@ -41,6 +41,7 @@ from pdserve.protocol.engine_messages import (
     StepOutputs,
     TokenOutput,
 )
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.server.engine_process import run_engine_process
 from pdserve.server.restart_budget import RestartBudget
 from pdserve.server.role import WorkerRole
@@ -247,9 +248,17 @@ class EngineClient:
             if not finished:
                 self.abort(request_id)
 
-    def fail_room(self, room: int, reason: str, host: str = "", port: int = 0) -> None:
+    def fail_room(
+        self,
+        room: int,
+        reason: str,
+        host: str = "",
+        port: int = 0,
+        *,
+        kind: FailureKind = FailureKind.INVALID,
+    ) -> None:
         with contextlib.suppress(EngineUnavailable):
-            self._send(FailRoom(room, reason, host, port))
+            self._send(FailRoom(room, reason, host, port, kind))
 
     def abort(self, request_id: str) -> None:
         with contextlib.suppress(EngineUnavailable):
@@ -333,10 +342,8 @@ class EngineClient:
 
 def _failed(request_id: str, reason: str) -> TokenOutput:
     """The last output of a request that ended outside the engine (it is worth a retry)."""
-    return TokenOutput(
-        request_id, [], True, 0, 0, finish_reason="abort", error=reason,
-        error_kind="unavailable",
-    )  # fmt: skip
+    failure = Failure(FailureKind.UNAVAILABLE, FailureStage.ENGINE, reason)
+    return TokenOutput(request_id, [], True, 0, 0, finish_reason="abort", failure=failure)
 
 
 def _one_line(reason: str, limit: int = 200) -> str:

@@ -45,6 +45,7 @@ from pdserve.protocol.engine_messages import (
     StepOutputs,
     TokenOutput,
 )
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 
 logger = logging.getLogger(__name__)
 
@@ -230,11 +231,11 @@ class EngineLoop:
             refused = self.handoff.add(msg.request_id, msg.prompt_token_ids, params, msg.bootstrap)
             return [] if refused is None else [_to_wire(refused)]
         except (InvalidRequestError, InvalidSamplingParams, TypeError) as e:
-            return [_failed(msg, str(e))]
+            return [_failed(msg, Failure(FailureKind.INVALID, FailureStage.ENGINE, str(e)))]
         except Exception as e:
             logger.exception("could not add request %s", msg.request_id)
             reason = f"the engine could not take this request: {short_reason(e)}"
-            return [_failed(msg, reason, "internal")]
+            return [_failed(msg, Failure(FailureKind.INTERNAL, FailureStage.ENGINE, reason))]
 
     def _stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
@@ -294,12 +295,11 @@ def _failed_output(output: RequestOutput, reason: str) -> RequestOutput:
         new_top_logprobs=None if output.new_top_logprobs is None else [],
         finished=True,
         finish_reason="abort",
-        error=reason,
-        error_kind="internal",
+        failure=Failure(FailureKind.INTERNAL, FailureStage.ENGINE, reason),
     )
 
 
-def _failed(msg: GenerateRequest, reason: str, kind: str = "invalid") -> TokenOutput:
+def _failed(msg: GenerateRequest, failure: Failure) -> TokenOutput:
     return TokenOutput(
         request_id=msg.request_id,
         new_token_ids=[],
@@ -307,8 +307,7 @@ def _failed(msg: GenerateRequest, reason: str, kind: str = "invalid") -> TokenOu
         num_prompt_tokens=len(msg.prompt_token_ids),
         num_output_tokens=0,
         finish_reason="abort",
-        error=reason,
-        error_kind=kind,
+        failure=failure,
     )
 
 
@@ -324,8 +323,7 @@ def _to_wire(output: RequestOutput) -> TokenOutput:
         num_output_tokens=len(output.token_ids),
         finish_reason=output.finish_reason,
         stop_reason=output.stop_reason,
-        error=output.error,
-        error_kind=output.error_kind,
+        failure=output.failure,
         new_logprobs=output.new_logprobs,
         new_top_logprobs=top,
         spec_verify_ct=output.spec_verify_ct,

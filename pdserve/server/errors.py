@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.protocol.api_errors import error_body, framework_error_body, internal_error_body
+from pdserve.protocol.failures import Failure
 
 
 class APIError(Exception):
@@ -38,6 +39,12 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
+
+
+def failure_error(failure: Failure) -> APIError:
+    """A request's typed failure: the status its kind has in the outcome table, the kind as
+    the `code` (a router reads it to decide on a retry)."""
+    return APIError(failure.status, failure.message, code=failure.kind.value)
 
 
 async def api_error_handler(_request: Request, exc: APIError) -> JSONResponse:

@@ -20,8 +20,9 @@ from typing import Any
 from pdserve.engine.detokenizer import RequestDetokenizer
 from pdserve.engine.sampling_params import INT64_MIN, InvalidSamplingParams, SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, TokenOutput
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.server.engine_client import DuplicateRequestId, EngineClient, EngineUnavailable
-from pdserve.server.errors import APIError, bad_request
+from pdserve.server.errors import APIError, bad_request, failure_error
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.role import WorkerRole
 
@@ -69,7 +70,7 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 def check_capacity(state: ServerState, new_requests: int) -> None:
     if not state.client.healthy:
-        raise APIError(503, f"engine unavailable: {state.client.health_detail}")
+        raise failure_error(_engine_unavailable(state.client.health_detail))
     waiting = state.client.num_in_flight - state.client.stats.num_running
     if waiting + new_requests > state.max_queued_requests:
         raise APIError(
@@ -181,16 +182,32 @@ def bootstrap_of(
     return Bootstrap(host, port, room)
 
 
-def refuse_room(state: ServerState, room: Any, reason: str, host: Any, port: Any) -> None:
+def refuse_room(
+    state: ServerState,
+    room: Any,
+    reason: str,
+    host: Any,
+    port: Any,
+    kind: FailureKind = FailureKind.INVALID,
+) -> None:
     """A worker that refuses a disaggregated request before its engine sees it still fails
     the room, so the other side stops waiting at once (docs/architecture.md §3): a prefill
-    worker fails its own room, a decode worker tells the prefill worker at host:port."""
+    worker fails its own room, a decode worker tells the prefill worker at host:port. `kind`:
+    INVALID for a request at fault, else what ended it (a router giving up: ABORTED)."""
     if not state.role.disaggregated or not isinstance(room, int) or not 0 <= room <= MAX_ROOM:
         return
     if state.role.kind == "prefill":
-        state.client.fail_room(room, reason)
+        state.client.fail_room(room, reason, kind=kind)
     elif isinstance(host, str) and host and isinstance(port, int) and 0 < port < 65536:
-        state.client.fail_room(room, reason, host, port)
+        state.client.fail_room(room, reason, host, port, kind=kind)
+
+
+def _refusal_kind(status: int) -> FailureKind:
+    """The failure a refused request passes to its room: the request's fault (4xx) stays
+    INVALID everywhere; 429 and 5xx are this worker's state (a retry elsewhere may pass)."""
+    if status == 429:
+        return FailureKind.NO_PAGES
+    return FailureKind.INVALID if status < 500 else FailureKind.UNAVAILABLE
 
 
 def fails_room_on_error(handler):
@@ -203,7 +220,7 @@ def fails_room_on_error(handler):
         except APIError as e:
             state = request.app.state.pdserve
             boot = (body.bootstrap_room, e.message, body.bootstrap_host, body.bootstrap_port)
-            refuse_room(state, *boot)
+            refuse_room(state, *boot, kind=_refusal_kind(e.status))
             raise
 
     return endpoint
@@ -258,7 +275,7 @@ async def run_one(
         outputs = state.client.generate(request_id, prompt_ids, sampling, bootstrap)
         async for output in outputs:
             now = time.monotonic()
-            if output.error is not None:
+            if output.failure is not None:
                 raise _output_error(state, output)
             if output.new_token_ids:
                 if first:
@@ -279,7 +296,7 @@ async def run_one(
                     )
             yield output, detokenizer.take_output(output.new_token_ids, finished=output.finished)
     except EngineUnavailable as e:
-        raise APIError(503, f"engine unavailable: {e}") from None
+        raise failure_error(_engine_unavailable(str(e))) from None
     except DuplicateRequestId as e:
         raise bad_request(str(e), param="rid") from None
     finally:
@@ -296,21 +313,22 @@ def abort_room(state: ServerState, room: int, reason: str, host: Any, port: Any)
     request_id = state.rooms.get(room)
     if request_id is not None and state.client.cancel(request_id, reason):
         return True
-    refuse_room(state, room, reason, host, port)
+    refuse_room(state, room, reason, host, port, kind=FailureKind.ABORTED)
     return False
 
 
 def _output_error(state: ServerState, output: TokenOutput) -> APIError:
-    """A failed request's error, by the kind the engine (or the client) gave it."""
+    """A failed request's error: its failure's kind gives the status (protocol/failures.py)
+    and is the error's `code`, from which a router decides on a retry."""
+    failure = output.failure
     if not state.client.healthy:
-        return APIError(503, f"engine unavailable: {output.error}")
-    if output.error_kind == "unavailable":
-        return APIError(503, output.error, code="transfer_failed")
-    if output.error_kind == "internal":
-        return APIError(500, output.error, code="engine_error")
-    if output.error_kind == "invalid":
-        return bad_request(output.error)
-    return APIError(500 if output.num_output_tokens else 400, output.error)
+        # NOTE: whatever this request's own failure said, the engine is gone now.
+        failure = _engine_unavailable(failure.message)
+    return failure_error(failure)
+
+
+def _engine_unavailable(reason: str) -> Failure:
+    return Failure(FailureKind.UNAVAILABLE, FailureStage.ENGINE, f"engine unavailable: {reason}")
 
 
 async def run_many(

@@ -102,7 +102,8 @@ class ServerMetrics:
 
 
 class _DisaggMetrics:
-    """Prefill/decode handoff: queue sizes, KV bytes and latency, failures by stage/reason."""
+    """Prefill/decode handoff: queue sizes, KV bytes and latency, failures by stage and kind
+    (`protocol/failures.py`), malformed peer messages."""
 
     def __init__(self, gauge, counter, histogram, model_labels: dict[str, str]):
         self._model = model_labels
@@ -129,8 +130,12 @@ class _DisaggMetrics:
         )
         self.failures = counter(
             "kv_transfer_failures_total",
-            "Failed rooms by stage (bootstrap, transfer) and reason",
-            ("stage", "reason"),
+            "Failed rooms by stage (bootstrap, transfer, engine) and failure kind",
+            ("stage", "kind"),
+        )
+        self.malformed = counter(
+            "kv_transfer_malformed_messages_total",
+            "Peer messages dropped because they failed the schema checks",
         )
         self._seen: dict[str, float] = {}
 
@@ -142,9 +147,10 @@ class _DisaggMetrics:
         self._advance(self.bytes, "sent", stats.bytes_sent, direction="sent")
         self._advance(self.bytes, "received", stats.bytes_received, direction="received")
         self._advance(None, "succeeded", stats.transfers_succeeded)
+        self._advance(self.malformed, "malformed", stats.malformed_messages)
         for key, count in stats.failures.items():
-            stage, _, reason = key.partition("/")
-            self._advance(self.failures, key, count, stage=stage, reason=reason)
+            stage, _, kind = key.partition("/")
+            self._advance(self.failures, key, count, stage=stage, kind=kind)
         for latency in stats.transfer_latencies:
             self.latency.observe(latency)
         self.set_queues(stats)

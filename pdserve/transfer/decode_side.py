@@ -33,7 +33,6 @@ from pdserve.transfer.endpoint import Endpoint
 from pdserve.transfer.metadata import MetadataMismatch, MetadataRecord
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.peer_allow import zmq_endpoint
-from pdserve.transfer.prefill_side import peer_failure_kind
 from pdserve.transfer.receiver_room import ReceiverRoom
 from pdserve.transfer.tcp_plane import TcpPlane
 
@@ -144,8 +143,7 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         if room is None:
             return  # late message for a finished, aborted or foreign room: ignore
         if isinstance(msg, AbortRoom):
-            kind = peer_failure_kind(msg.failure)
-            self.fail_room(room, kind, f"prefill: {msg.failure.message}", notify=False)
+            self.fail_room(room, *self.peer_failure(msg.failure), notify=False)
         elif isinstance(msg, MetadataHeader):
             try:
                 data = payload.bytes if payload is not None else b""

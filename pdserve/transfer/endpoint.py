@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from pdserve.protocol.failures import FailureKind
+from pdserve.protocol.failures import Failure, FailureKind
 from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.protocol.transfer_messages import AbortRoom, Heartbeat
 from pdserve.transfer.config import TransferConfig
@@ -138,6 +138,18 @@ class Endpoint:
         peer.outbox.clear()
         self.plane.forget(peer)
         self._closed(peer)
+
+    def peer_failure(self, failure: Failure) -> tuple[FailureKind, str]:
+        """A peer's failure as this side's: the request's fault stays so (INVALID), the peer's
+        own trouble (INTERNAL, UNAVAILABLE) ended our room (ABORTED), the rest keep their
+        kind; the message names the peer's side."""
+        kind = failure.kind
+        if kind in (FailureKind.INTERNAL, FailureKind.UNAVAILABLE):
+            kind = FailureKind.ABORTED
+        message = failure.message
+        if not message.startswith(self.peer_side):
+            message = f"{self.peer_side}: {message}"
+        return kind, message
 
     def malformed(self, peer: Peer | None, problem: str) -> None:
         self.metrics.malformed_messages += 1

@@ -46,15 +46,7 @@ _FROM_DECODE = (Hello, Register, TransferRequest, AbortRoom, RoomAck, Heartbeat,
 # Pages of one room when the caller does not say (a 1M-token prompt in 16-token pages).
 DEFAULT_MAX_ROOM_PAGES = 1 << 16
 
-__all__ = ["PrefillTransferServer", "SenderRoom", "peer_failure_kind"]
-
-
-def peer_failure_kind(failure: Failure) -> FailureKind:
-    """A peer's failure as this side's: the request's fault stays so (INVALID), the peer's
-    own trouble (INTERNAL, UNAVAILABLE) ended our room (ABORTED), the rest keep their kind."""
-    if failure.kind in (FailureKind.INTERNAL, FailureKind.UNAVAILABLE):
-        return FailureKind.ABORTED
-    return failure.kind
+__all__ = ["PrefillTransferServer", "SenderRoom"]
 
 
 class PrefillTransferServer(DecodePeers, Endpoint):
@@ -167,7 +159,7 @@ class PrefillTransferServer(DecodePeers, Endpoint):
             self.plane.handle(peer, msg, None)
 
     def _abort_from_peer(self, msg: AbortRoom) -> None:
-        kind, message = peer_failure_kind(msg.failure), f"decode: {msg.failure.message}"
+        kind, message = self.peer_failure(msg.failure)
         room = self.rooms.get(msg.room)
         if room is not None:
             self.fail_room(room, kind, message, notify=False)

@@ -248,7 +248,8 @@ def test_prefill_rejection_fails_the_decode_room_at_once(shared):
 @pytest.mark.parametrize("prefill_first", [True, False])
 def test_decode_rejection_ends_the_prefill_leg_at_once(shared, prefill_first):
     """Both legs sent directly: decode refuses (too many tokens for its context, which the
-    prefill worker does not check) and tells the prefill worker, whichever leg came first."""
+    prefill worker does not check) and tells the prefill worker, whichever leg came first; the
+    prefill leg ends with the same kind of failure (400, invalid)."""
     prefill, decode = shared.prefill[0], shared.decode[0]
     body = _direct_body(
         _generate_body([9, 9, 9], max_new_tokens=5000), shared, room=4242 + prefill_first
@@ -261,8 +262,10 @@ def test_decode_rejection_ends_the_prefill_leg_at_once(shared, prefill_first):
         assert decode.post("/generate", body).status_code == 400
         join_prefill = _in_background(lambda: prefill.post("/generate", body))
     response, seconds = join_prefill()
-    assert response.status_code == 503, response.text
-    assert "decode rejected the request" in response.json()["error"]["message"]
+    # The request is at fault wherever it was found: the prefill leg is refused as it is.
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "decode rejected the request" in error["message"] and error["code"] == "invalid"
     assert seconds < 5  # the transfer deadline is 10 s: decode said so
     shared.wait_all_free()
 

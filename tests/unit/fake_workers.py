@@ -11,7 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.router.config import RouterConfig
+from pdserve.server.errors import failure_error
 
 Leg = Callable[[dict], Awaitable[httpx.Response]]
 
@@ -23,6 +25,23 @@ def completion(text: str = "ok") -> httpx.Response:
 def worker_error(status: int, message: str, kind: str, code: str | None = None) -> httpx.Response:
     error = {"message": message, "type": kind, "param": None, "code": code}
     return httpx.Response(status, json={"error": error})
+
+
+def failed_answer(kind: FailureKind, stream: bool = False) -> httpx.Response:
+    """A worker's answer to a request that failed with `kind`, made as a worker makes it
+    (server/errors.failure_error): the JSON error, or a stream whose first event is it."""
+    error = failure_error(Failure(kind, FailureStage.TRANSFER, f"the room failed ({kind})"))
+    if stream:
+        return httpx.Response(200, content=(error.sse() + "data: [DONE]\n\n").encode())
+    return httpx.Response(error.status, json=error.body())
+
+
+def router_metric(client, name: str) -> float:
+    """A router metric's value, read from its /metrics (`client`: a TestClient)."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(f"pdserve_router:{name} "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
 
 
 class FakeWorkers:

@@ -17,6 +17,7 @@ from pdserve.protocol.engine_messages import (
     Shutdown,
     TokenOutput,
 )
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.server.engine_process import MAX_CONSECUTIVE_FAILURES, EngineLoop
 
 DEVICE_LOST = "the engine failed while running this request: RuntimeError: device lost"
@@ -65,8 +66,8 @@ def test_a_failed_step_fails_its_requests_and_frees_their_pages(engine, loop, mo
     outputs = tick(loop)
     assert sorted(o.request_id for o in outputs) == ["a", "b"]
     for output in outputs:
-        assert output.finished and output.error_kind == "internal"
-        assert output.error == DEVICE_LOST
+        assert output.finished
+        assert output.failure == Failure(FailureKind.INTERNAL, FailureStage.ENGINE, DEVICE_LOST)
     assert engine.allocator.num_used == 0
     assert not engine.has_unfinished()
     outputs = tick(loop, generate("c", [5, 6, 7], 3))
@@ -81,14 +82,14 @@ def test_a_request_admitted_in_the_failed_step_is_failed_too(engine, loop, monke
     break_next_steps(monkeypatch, engine, 1)
     outputs = tick(loop, generate("fresh", [5, 6, 7]))
     assert [o.request_id for o in outputs] == ["fresh"]
-    assert outputs[0].error_kind == "internal"
+    assert outputs[0].failure.kind is FailureKind.INTERNAL
     assert engine.allocator.num_used == 0 and not engine.requests
 
 
 def test_consecutive_failures_end_the_loop(engine, loop, monkeypatch):
     break_next_steps(monkeypatch, engine, MAX_CONSECUTIVE_FAILURES)
     for i in range(MAX_CONSECUTIVE_FAILURES - 1):
-        assert tick(loop, generate(f"x{i}", [5, 6]))[0].error_kind == "internal"
+        assert tick(loop, generate(f"x{i}", [5, 6]))[0].failure.kind is FailureKind.INTERNAL
     with pytest.raises(RuntimeError, match="device lost"):
         tick(loop, generate("last", [5, 6]))
     engine.abort_request("last")
@@ -98,7 +99,7 @@ def test_consecutive_failures_end_the_loop(engine, loop, monkeypatch):
 def test_a_step_that_succeeds_resets_the_failure_count(engine, loop, monkeypatch):
     break_next_steps(monkeypatch, engine, MAX_CONSECUTIVE_FAILURES - 1)
     for i in range(MAX_CONSECUTIVE_FAILURES - 1):
-        assert tick(loop, generate(f"y{i}", [5, 6]))[0].error_kind == "internal"
+        assert tick(loop, generate(f"y{i}", [5, 6]))[0].failure.kind is FailureKind.INTERNAL
     outputs = tick(loop, generate("fine", [5, 6], 1))
     assert outputs[0].error is None and loop.consecutive_failures == 0
 
@@ -135,7 +136,7 @@ def test_a_handoff_that_fails_on_a_steps_outputs_fails_their_requests(engine):
     outputs = tick(loop, generate("a", [5, 6, 7]), generate("b", [8, 9]))
     assert sorted(o.request_id for o in outputs) == ["a", "b"]
     for output in outputs:
-        assert output.finished and output.error_kind == "internal"
+        assert output.finished and output.failure.kind is FailureKind.INTERNAL
         assert output.error == (
             "the engine failed while running this request: RuntimeError: on_step broke"
         )
@@ -157,7 +158,7 @@ def test_a_handoff_whose_poll_keeps_failing_ends_the_loop(engine):
 
 def test_a_colocated_worker_refuses_bootstrap_fields(engine, loop):
     (output,) = tick(loop, generate("pd", [5, 6], bootstrap=Bootstrap("127.0.0.1", 8998, 1)))
-    assert output.finished and output.error_kind == "invalid"
+    assert output.finished and output.failure.kind is FailureKind.INVALID
     assert output.error == "this is a colocated worker: requests must not carry bootstrap fields"
     assert not engine.has_unfinished()
 
@@ -167,7 +168,7 @@ def test_invalid_sampling_settings_are_refused_not_raised(engine, loop):
     unknown = GenerateRequest("unknown", [5, 6], {"max_new_tokens": 4, "beam_width": 2})
     outputs = tick(loop, bad, unknown)
     assert [o.request_id for o in outputs] == ["bad", "unknown"]
-    assert all(o.finished and o.error_kind == "invalid" for o in outputs)
+    assert all(o.finished and o.failure.kind is FailureKind.INVALID for o in outputs)
     assert "temperature" in outputs[0].error and "beam_width" in outputs[1].error
 
 
@@ -196,7 +197,7 @@ def test_a_failed_overlapped_step_fails_the_step_in_flight_too(tiny_model_dirs, 
     outputs = engine.fail_step("the engine failed")
     assert sorted(o.request_id for o in outputs) == ["a", "b"]
     for output in outputs:
-        assert output.finished and output.error_kind == "internal"
+        assert output.finished and output.failure.kind is FailureKind.INTERNAL
         assert output.token_ids and all(t >= 0 for t in output.token_ids)
     assert engine.in_flight is None and not engine.has_unfinished()
     assert engine.allocator.num_used == 0

@@ -7,6 +7,7 @@ import msgpack
 import pytest
 
 from pdserve.protocol.codec import PROTOCOL_VERSION, ProtocolError, decode, encode
+from pdserve.protocol.engine_messages import TokenOutput
 from pdserve.protocol.failures import (
     OUTCOMES,
     Failure,
@@ -54,3 +55,14 @@ def test_outcome_of_code_knows_only_failure_kinds():
     assert outcome_of_code("invalid") == OUTCOMES[FailureKind.INVALID]
     assert outcome_of_code("rate_limited") is None
     assert outcome_of_code(None) is None
+
+
+def test_an_engine_output_carries_its_failure_typed():
+    failure = Failure(FailureKind.NO_PAGES, FailureStage.BOOTSTRAP, "no KV pages free for 5 s")
+    output = decode(encode(TokenOutput("r", [], True, 3, 0, "abort", failure=failure)))
+    assert output.failure == failure and type(output.failure.kind) is FailureKind
+    assert output.error == failure.message
+    body = {"request_id": "r", "new_token_ids": [], "finished": True, "num_prompt_tokens": 3}
+    body |= {"num_output_tokens": 0, "failure": {"kind": "gone", "stage": "engine", "message": ""}}
+    with pytest.raises(ProtocolError, match="not one of"):
+        decode(msgpack.packb({"t": "token_output", "v": PROTOCOL_VERSION, "b": body}))

@@ -20,6 +20,7 @@ from pdserve.protocol.engine_messages import (
     GenerateRequest,
     TokenOutput,
 )
+from pdserve.protocol.failures import FailureKind
 from pdserve.server.engine_process import EngineLoop
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.peer_allow import PeerAllowList, parse_allow_list
@@ -132,6 +133,7 @@ def test_decode_waiting_for_pages_times_out_with_a_reason(pair):
     decode.add("starved", [5, 6, 7], GREEDY, boot(prefill, 3))
     outputs = drive(prefill, decode, until=lambda o: finished(o, "starved"))
     assert "no KV pages free" in outputs["starved"][-1].error
+    assert outputs["starved"][-1].failure.label == "bootstrap/no_pages"
     assert decode.failures["bootstrap/no_pages"] == 1
     decode.engine.free_pages(held)
 
@@ -161,10 +163,10 @@ def test_refused_prompt_fails_the_decode_room_at_once(pair):
     too_long = [7] * prefill.engine.max_model_len
     decode.add("d", [5, 6], GREEDY, boot(prefill, 8))
     refused = prefill.add("p", too_long, GREEDY, boot(prefill, 8))
-    assert refused.error_kind == "invalid" and "maximum context length" in refused.error
+    assert refused.failure.kind is FailureKind.INVALID and "maximum context length" in refused.error
     outputs = drive(prefill, decode, until=lambda o: finished(o, "d"), deadline_s=2)
     assert "prefill rejected" in outputs["d"][-1].error
-    assert outputs["d"][-1].error_kind == "invalid"
+    assert outputs["d"][-1].failure.kind is FailureKind.INVALID
     assert decode.engine.allocator.num_used == 0
 
 
@@ -179,9 +181,13 @@ def test_fail_room_from_the_front_end_reaches_decode(pair):
 def test_a_room_in_use_is_refused(pair):
     prefill, decode, _ = pair
     assert decode.add("a", [5], GREEDY, boot(prefill, 10)) is None
-    assert "already in use" in decode.add("b", [5], GREEDY, boot(prefill, 10)).error
     assert prefill.add("pa", [5], GREEDY, boot(prefill, 10)) is None
-    assert "already in use" in prefill.add("pb", [5], GREEDY, boot(prefill, 10)).error
+    for refused in (
+        decode.add("b", [5], GREEDY, boot(prefill, 10)),
+        prefill.add("pb", [5], GREEDY, boot(prefill, 10)),
+    ):
+        assert "already in use" in refused.error
+        assert refused.failure.label == "bootstrap/invalid"
 
 
 def test_decode_refusal_fails_the_prefill_room(pair):
@@ -197,7 +203,8 @@ def test_a_bootstrap_host_outside_the_allow_list_is_refused_as_invalid(pair):
     prefill, decode, _ = pair
     decode.client.allow_list = PeerAllowList(parse_allow_list(["10.0.0.0/8"]))
     refused = decode.add("d", [5, 6], GREEDY, boot(prefill, 12))
-    assert refused.error_kind == "invalid" and "bootstrap_host '127.0.0.1'" in refused.error
+    assert refused.failure.kind is FailureKind.INVALID
+    assert "bootstrap_host '127.0.0.1'" in refused.error
     # The front end then reports the refusal; still nothing is contacted.
     decode.fail_room(FailRoom(12, refused.error, "127.0.0.1", prefill.bootstrap_port))
     decode.poll()
@@ -214,15 +221,15 @@ def test_a_refused_room_counts_as_one_failure_on_each_side(pair):
     prefill.fail_room(FailRoom(13, refused.error))
     host, port = "127.0.0.1", prefill.bootstrap_port
     decode.fail_room(FailRoom(13, outputs["d"][-1].error, host, port))
-    assert sum(prefill.failures.counts.values()) == 1
-    assert sum(decode.failures.counts.values()) == 1
+    assert sum(prefill.failures.values()) == 1
+    assert sum(decode.failures.values()) == 1
 
 
 def test_a_disaggregated_worker_refuses_a_request_without_bootstrap_fields(pair):
     prefill, decode, _ = pair
     for handoff in (prefill, decode):
         (output,) = EngineLoop(handoff).tick([generate("plain", [5, 6], GREEDY, None)]).outputs
-        assert output.finished and output.error_kind == "invalid"
+        assert output.finished and output.failure.kind is FailureKind.INVALID
         assert output.error.startswith("this is a disaggregated worker: requests need")
     assert not prefill.bootstrapping and not decode.prealloc
 

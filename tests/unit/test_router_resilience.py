@@ -21,17 +21,16 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.proxy import Proxy
 from pdserve.router.workers import Role, Worker, WorkerPool
 from pdserve.server.local_process import LocalServer
-from tests.unit.fake_workers import FakeWorkers, KeepAliveDropper, completion, worker_error
+from tests.unit.fake_workers import (
+    FakeWorkers,
+    KeepAliveDropper,
+    completion,
+    router_metric,
+    worker_error,
+)
 from tests.waiting import wait_until
 
 BODY = {"prompt": "hi", "max_tokens": 2}
-
-
-def _metric(client: TestClient, name: str) -> float:
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith(f"pdserve_router:{name} "):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
 
 
 def _healthy(client: TestClient) -> dict[str, list[bool]]:
@@ -54,7 +53,7 @@ def test_a_worker_that_drops_reused_connections_stays_in_rotation():
                 response = client.post("/v1/completions", json=BODY)
                 assert response.status_code == 200, (i, response.text)
             assert _healthy(client) == {"prefill": [True], "decode": [True]}
-            assert _metric(client, "retries_total") == 0
+            assert router_metric(client, "retries_total") == 0
 
 
 def test_a_worker_that_fails_every_time_leaves_rotation_after_failures_in_a_row():
@@ -68,7 +67,7 @@ def test_a_worker_that_fails_every_time_leaves_rotation_after_failures_in_a_row(
             response = client.post("/v1/completions", json=BODY)
             assert response.status_code == 502
             assert "unreachable: RemoteProtocolError" in response.json()["error"]["message"]
-            assert _metric(client, "retries_total") == 1
+            assert router_metric(client, "retries_total") == 1
             assert _healthy(client) == {"prefill": [False], "decode": [True]}
             response = client.post("/v1/completions", json=BODY)
             assert response.status_code == 503
@@ -102,7 +101,7 @@ def test_a_full_worker_answers_429_through_the_router_without_a_retry(stream):
         response = client.post("/v1/completions", json={**BODY, "stream": stream})
         assert response.status_code == 429
         assert response.json()["error"]["code"] == "rate_limit_exceeded"
-        assert _metric(client, "retries_total") == 0
+        assert router_metric(client, "retries_total") == 0
         assert _healthy(client) == {"prefill": [True], "decode": [True]}
     assert fakes.posts.count("decode") == 1
 
@@ -116,7 +115,7 @@ def test_a_request_error_from_prefill_is_not_retried_and_evicts_nobody():
         for _ in range(3):
             response = client.post("/v1/completions", json={**BODY, "seed": 2**64})
             assert response.status_code == 400 and "seed" in response.json()["error"]["message"]
-        assert _metric(client, "retries_total") == 0
+        assert router_metric(client, "retries_total") == 0
         assert _healthy(client) == {"prefill": [True], "decode": [True]}
 
 

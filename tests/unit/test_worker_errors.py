@@ -1,15 +1,23 @@
 """A worker's errors that no engine is needed for: the HTTP framework's own (a crash in a
-handler) in OpenAI's shape. The app is built but not started (no engine process)."""
+handler) in OpenAI's shape, and an engine's typed failures as HTTP errors (a fake engine
+client). The app is built but not started (no engine process)."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
+import pytest
 from fastapi.testclient import TestClient
 
 from pdserve.colocated.worker import build_worker
 from pdserve.engine.config import EngineConfig
+from pdserve.protocol.api_errors import error_type
+from pdserve.protocol.engine_messages import TokenOutput
+from pdserve.protocol.failures import OUTCOMES, Failure, FailureKind, FailureStage
 from pdserve.server.app import build_app
+from pdserve.server.generation import ServerState
+from pdserve.server.metrics import ServerMetrics
 from pdserve.server.role import WorkerRole
 
 COLOCATED = WorkerRole("colocated", build_worker)
@@ -55,3 +63,84 @@ def test_a_field_of_several_types_is_named_with_the_types_it_takes():
         "/v1/completions", json={"prompt": "x", "stream_options": {"include_usage": 1}}
     )
     assert nested.json()["error"]["param"] == "stream_options.include_usage"
+
+
+class FailingEngine:
+    """What the HTTP layer uses of an EngineClient; every request fails with `failure`, and
+    with `dies` the engine is gone (unhealthy) by the time the failure arrives."""
+
+    def __init__(self):
+        self.failure: Failure | None = None
+        self.dies = False
+        self.healthy = True
+        self.health_detail = "running"
+        self.num_in_flight = 0
+        self.stats = SimpleNamespace(num_running=0)
+        self.ready = SimpleNamespace(vocab_size=64, model_path="unused")
+
+    async def generate(self, request_id, prompt_ids, sampling, bootstrap=None):
+        self.healthy = not self.dies
+        yield TokenOutput(
+            request_id, [], True, len(prompt_ids), 0, finish_reason="abort", failure=self.failure
+        )
+
+    def cancel(self, request_id: str, reason: str) -> bool:
+        return False
+
+
+class LetterTokenizer:
+    def decode(self, token_ids, skip_special_tokens=True, **kwargs) -> str:
+        return "".join(chr(97 + t % 26) for t in token_ids)
+
+
+@pytest.fixture(scope="module")
+def failing_worker():
+    app = build_app(EngineConfig(model_path="unused"), COLOCATED)
+    engine = FailingEngine()
+    app.state.pdserve = ServerState(
+        client=engine,
+        tokenizer=LetterTokenizer(),
+        served_model_name="tiny",
+        max_model_len=32,
+        metrics=ServerMetrics("tiny"),
+        max_queued_requests=4,
+        role=COLOCATED,
+    )
+    return TestClient(app), engine  # NOTE: no lifespan, so no engine process starts
+
+
+def _first_event(response) -> dict:
+    return json.loads(next(line for line in response.iter_lines() if line)[len("data: ") :])
+
+
+@pytest.mark.parametrize("kind", list(FailureKind))
+def test_an_engine_failure_answers_with_its_kinds_status_and_code(failing_worker, kind):
+    client, engine = failing_worker
+    engine.failure = Failure(kind, FailureStage.ENGINE, f"the request failed ({kind})")
+    status = OUTCOMES[kind].status
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+    response = client.post("/generate", json=body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"] == {
+        "message": engine.failure.message,
+        "type": error_type(status),
+        "param": None,
+        "code": kind.value,
+    }
+    body = {"prompt": [1, 2], "max_tokens": 2, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as streamed:
+        assert streamed.status_code == 200
+        assert _first_event(streamed)["error"]["code"] == kind.value
+
+
+def test_a_failure_after_the_engine_died_is_unavailable(failing_worker):
+    client, engine = failing_worker
+    engine.failure = Failure(FailureKind.INTERNAL, FailureStage.ENGINE, "step raised")
+    engine.dies = True
+    try:
+        response = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+    finally:
+        engine.dies, engine.healthy = False, True
+    assert response.status_code == OUTCOMES[FailureKind.UNAVAILABLE].status, response.text
+    error = response.json()["error"]
+    assert error["code"] == "unavailable" and error["message"] == "engine unavailable: step raised"
