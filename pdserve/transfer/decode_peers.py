@@ -112,7 +112,7 @@ class PrefillPeers:
         peer.nonce, peer.registered = peer_auth.new_nonce(), False
         self.send(peer, Hello(self.decode_id, peer.nonce))
 
-    def _deliver(self, peer: PrefillPeer, msg) -> None:
+    def deliver(self, peer: PrefillPeer, msg) -> None:
         """Send once the peer is registered; hold it until then."""
         if not peer.registered:
             peer.waiting.append(msg)
@@ -130,7 +130,7 @@ class PrefillPeers:
     def _tell_abort(self, address: str, room: int, kind: FailureKind, message: str) -> None:
         peer = self._peer(address)
         if peer is not None:
-            self._deliver(peer, AbortRoom(room, Failure(kind, FailureStage.BOOTSTRAP, message)))
+            self.deliver(peer, AbortRoom(room, Failure(kind, FailureStage.BOOTSTRAP, message)))
 
     def _handshake(self, peer: PrefillPeer, msg) -> bool:
         """Handle a handshake or liveness message; False for any other."""
@@ -173,7 +173,7 @@ class PrefillPeers:
         peer.registered = True
         waiting, peer.waiting = peer.waiting, []
         for held in waiting:
-            self._deliver(peer, held)
+            self.deliver(peer, held)
 
     def _not_registered(self, peer: PrefillPeer, msg: NotRegistered) -> None:
         """The prefill worker does not know this connection: greet it again, and send the

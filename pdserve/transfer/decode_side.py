@@ -119,7 +119,7 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
             self.fail_room(receiver, FailureKind.PEER_LOST, message, notify=False)
             return
         self.attach(receiver, peer)
-        self._deliver(peer, self._transfer_request(receiver))
+        self.deliver(peer, self._transfer_request(receiver))
 
     def _on_socket(self, socket: zmq.Socket) -> None:
         peer = self._by_socket.get(socket)

@@ -94,6 +94,11 @@ class Endpoint:
             return False
         return True
 
+    def deliver(self, peer: Peer, msg) -> None:
+        """Send a message about a room; a side whose connections register after they open
+        (decode) holds it until then."""
+        self.send(peer, msg)
+
     def attach(self, room, peer: Peer) -> None:
         room.attach(peer)
         peer.rooms.add(room.room)
@@ -118,7 +123,7 @@ class Endpoint:
     def end_room(self, room, *, notify: bool = False) -> None:
         """A room ended: tell its peer why (if asked), free its buffer, leave a tombstone."""
         if notify and room.peer is not None and room.failure is not None:
-            self.send(room.peer, AbortRoom(room.room, room.failure))
+            self.deliver(room.peer, AbortRoom(room.room, room.failure))
         room.drop_buffer()
         self.tombstones.add(room.room, room.failure)
         if room.peer is not None:
