@@ -199,7 +199,7 @@ class PrefillTransferServer(DecodePeers, Endpoint):
     def send_room(self, room: SenderRoom, kv: torch.Tensor, header, payload: bytes) -> None:
         if room.done:
             return
-        problem = room.begin_send(kv)
+        problem = room.begin_send()
         if problem is not None:
             self.fail_room(room, FailureKind.INTERNAL, problem, notify=True)
             return

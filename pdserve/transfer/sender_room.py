@@ -67,13 +67,16 @@ class SenderRoom(Room):
             self._state.advance(TransferState.WAITING_FOR_INPUT)
             self._state.hold(self._server.config.queue_timeout_s)
 
-    def begin_send(self, kv: torch.Tensor) -> str | None:
-        """Move to TRANSFERRING, keeping `kv` until the room ends; why not, if it cannot."""
+    def begin_send(self) -> str | None:
+        """Move to TRANSFERRING; why not, if it cannot."""
         if self.peer is None or self._state.state is not TransferState.WAITING_FOR_INPUT:
             return f"send() in state {self._state.state.name}"
         self._state.advance(TransferState.TRANSFERRING)
-        self._buffer = kv
         return None
+
+    def keep(self, kv: torch.Tensor) -> None:
+        """Keep `kv` alive until the room ends (frames sent zero-copy are views of it)."""
+        self._buffer = kv
 
     def acked(self) -> bool:
         """Decode has the room whole; False if it had ended otherwise."""

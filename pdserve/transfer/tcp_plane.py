@@ -26,8 +26,9 @@ class TcpPlane:
         self.endpoint = endpoint
 
     def send(self, room, kv, header, payload: bytes) -> None:
-        """Sender: the room is TRANSFERRING and keeps `kv` until it ends."""
+        """Sender: the room is TRANSFERRING."""
         endpoint, peer = self.endpoint, room.peer
+        room.keep(kv)  # NOTE: the frames are zero-copy views: kept until the room ends
         view = memoryview(kv.numpy())
         total = kv.numel()
         for offset in range(0, total, endpoint.config.chunk_bytes):
