@@ -187,8 +187,8 @@ class PrefillTransferServer(DecodePeers, Endpoint):
         longest = max(msg.num_pages, msg.num_draft_pages)
         if longest > self.max_room_pages:
             message = (
-                f"prefill rejected the request: transfer request for {longest} pages exceeds "
-                f"{self.max_room_pages}, what a prompt within its max_model_len needs"
+                f"prefill rejected the request: the prompt exceeds this prefill worker's context "
+                f"length (its KV needs {longest} pages, at most {self.max_room_pages})"
             )
             self.refuse_room(peer, msg.room, FailureKind.INVALID, message)
             return

@@ -223,6 +223,8 @@ def test_a_fanout_client_that_leaves_mid_stream_ends_every_room(shared):
 
 
 def test_prefill_rejects_an_oversize_prompt(shared):
+    # NOTE: either leg may answer first: the prefill leg (the prompt is too long) or the decode
+    # leg (prefill refused its transfer request, too many pages); both name the context length.
     started = time.monotonic()
     response = shared.router.post("/generate", _generate_body(TOO_LONG_FOR_PREFILL))
     assert response.status_code == 400
