@@ -50,7 +50,8 @@ class Peer:
     rooms: set[int] = field(default_factory=set)
 
     def __str__(self) -> str:
-        return self.name or str(self.key)
+        """Its worker id, else its address (decode side) or "(unregistered)" (prefill side)."""
+        return self.name or (self.key if isinstance(self.key, str) else "(unregistered)")
 
 
 class Endpoint:
