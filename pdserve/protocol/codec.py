@@ -119,10 +119,7 @@ def _build(cls: type[M], body: Any, where: str) -> M:
             values[name] = check(body[name], path)
         elif required:
             raise ProtocolError(f"{where}: missing field {name!r}")
-    try:
-        return cls(**values)
-    except ValueError as e:  # a message's own checks (__post_init__)
-        raise ProtocolError(f"{where}: {e}") from None
+    return cls(**values)
 
 
 def _shape_matches(value: Any, hint: Any) -> bool:

@@ -59,10 +59,6 @@ class Failure:
         return OUTCOMES[self.kind].status
 
     @property
-    def retryable(self) -> bool:
-        return OUTCOMES[self.kind].retryable
-
-    @property
     def label(self) -> str:
         """The metric label, "stage/kind": a closed set."""
         return f"{self.stage.value}/{self.kind.value}"
