@@ -1,94 +1,163 @@
 """`pdserve launch`: a whole disaggregated deployment on this machine.
 
 Starts the prefill and decode workers, waits until they are healthy, starts the router in
-front, prints its URL and a ready-to-paste curl command, and stops everything on Ctrl-C or
-SIGTERM. A child that exits is restarted on the same ports, as a container supervisor would
-(`--max-restarts` within `RESTART_WINDOW_S`; past that everything stops): the router's health
-checks take it out of rotation and put it back, and decode workers re-register with a restarted
-prefill worker. Every child runs in its own process group and exits by itself if this process
-dies (`PDSERVE_EXIT_WITH_PARENT`), so nothing is left behind.
+front, prints its URL, the workers' and a ready-to-paste curl command, and stops everything
+on Ctrl-C or SIGTERM. Every flag a worker or the router takes is handed on to it, rebuilt from
+the settings it parsed to (`protocol.flags.to_argv`); secrets go through the environment.
+
+Each child's output goes to its own log file and, prefixed with its name, to this process's
+stderr; a child that fails to start is reported as one line naming it, its URL, the cause
+(its last error line) and its log. A child that exits later is restarted on the same ports,
+as a container supervisor would (`--max-restarts` within `RESTART_WINDOW_S`; past that
+everything stops): the router's health checks take it out of rotation and put it back, and
+decode workers re-register with a restarted prefill worker. Every child runs in its own
+process group and exits by itself if this process dies (`PDSERVE_EXIT_WITH_PARENT`), so
+nothing is left behind.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
+from dataclasses import dataclass
 
 import httpx
 
+from pdserve.engine.config import EngineConfig
+from pdserve.protocol.flags import option, secret_env, to_argv
+from pdserve.protocol.http_settings import WORKER_ONLY, HttpSettings
+from pdserve.router.config import RouterConfig
 from pdserve.server.local_process import LocalServer, ServerStartError, free_port
 from pdserve.server.restart_budget import RestartBudget
-
-ENGINE_FLAGS = (
-    "dtype",
-    "device",
-    "page_size",
-    "kv_cache_memory",
-    "gpu_memory_utilization",
-    "max_running_requests",
-    "chunked_prefill_size",
-    "max_prefill_tokens",
-    "max_model_len",
-    "seed",
-    "speculative_algorithm",
-    "speculative_draft_model_path",
-    "speculative_num_steps",
-    "speculative_eagle_topk",
-    "speculative_num_draft_tokens",
-)
-
-
-def engine_argv(args: argparse.Namespace, model_path: str) -> list[str]:
-    argv = ["--model-path", model_path]
-    for name in ENGINE_FLAGS:
-        value = getattr(args, name)
-        if value is not None:
-            argv += [f"--{name.replace('_', '-')}", str(value)]
-    return argv
-
+from pdserve.transfer.config import TransferConfig
 
 RESTART_WINDOW_S = 600.0
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    num_prefill: int = option(1, "prefill workers")
+    num_decode: int = option(1, "decode workers")
+    gpus: tuple[str, ...] | None = option(
+        None,
+        "comma-separated GPU ids; worker k (prefill first) runs on gpus[k % len]",
+        separator=",",
+    )
+    start_timeout: float = option(600.0, "seconds to wait for healthy workers")
+    max_restarts: int = option(
+        3,
+        "restart a worker or the router that exits, on the same ports, at most this many "
+        "times in 10 minutes; past that, stop everything (0: stop at the first exit)",
+    )
+    check: bool = option(
+        False, "send the example request through the router, print the answer, stop everything"
+    )
+    log_dir: str | None = option(
+        None, "where each process's log file goes (default: a new temporary directory)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("--num-prefill and --num-decode must be at least 1")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.start_timeout <= 0:
+            raise ValueError(f"--start-timeout must be positive, got {self.start_timeout}")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything launch starts, as settings: `http` is the router's (its port) and what the
+    workers share with it (API key, shutdown timeout, model name, queue bound); `router`
+    holds the router's flags (its workers are filled in at start)."""
+
+    launch: LaunchConfig
+    http: HttpSettings
+    engine: EngineConfig
+    transfer: TransferConfig
+    router: dict
+    log_level: str
+
+    def worker_argv(self, kind: str) -> list[str]:
+        skip = ("bootstrap_port",) if kind == "decode" else ("bootstrap_port", "bootstrap_allow")
+        argv = [kind, "--model-path", self.engine.model_path, *to_argv(self.engine)]
+        if self.engine.speculative is not None:
+            argv += to_argv(self.engine.speculative)
+        argv += to_argv(self.http, skip=("host", "port"))
+        return argv + to_argv(self.transfer, skip=skip)
+
+    def router_argv(self, prefill: list[tuple[str, int]], decode: list[str]) -> list[str]:
+        config = RouterConfig(prefill=tuple(prefill), decode=tuple(decode), **self.router)
+        argv = ["router", *to_argv(self.http, skip=("host", "port", *WORKER_ONLY))]
+        argv += ["--prefill-policy", config.prefill_policy]
+        argv += ["--decode-policy", config.decode_policy, *to_argv(config)]
+        for url, port in prefill:
+            argv += ["--prefill", url, str(port)]
+        for url in decode:
+            argv += ["--decode", url]
+        return argv
+
+    @property
+    def child_env(self) -> dict[str, str]:
+        """The secrets, handed on through the environment (never on a command line)."""
+        return {**secret_env(self.http), **secret_env(self.transfer)}
 
 
 class Deployment:
     """The children of one launch: workers first, the router last; stopped in reverse."""
 
-    def __init__(self, max_restarts: int = 0) -> None:
+    def __init__(self, plan: LaunchPlan, log_dir: str) -> None:
+        self.plan = plan
+        self.log_dir = log_dir
         self.children: list[tuple[str, LocalServer]] = []
-        self.max_restarts = max_restarts
         self._budgets: dict[str, RestartBudget] = {}
+        self._echo_lock = threading.Lock()
 
-    def start(self, name: str, role_args: list[str], *, port: int | None, host: str, env=None):
-        server = LocalServer(role_args, port=port, host=host, log_level="warning", env=env)
+    def start(self, name: str, argv: list[str], port: int, env: dict[str, str]) -> LocalServer:
+        server = LocalServer(
+            argv,
+            port=port,
+            host=self.plan.http.host,
+            log_level=self.plan.log_level,
+            env={**self.plan.child_env, **env},
+            log_path=os.path.join(self.log_dir, name.replace(" ", "-") + ".log"),
+            echo=lambda line, name=name: self._echo(name, line),
+        )
         self.children.append((name, server))
         return server
+
+    def _echo(self, name: str, line: str) -> None:
+        with self._echo_lock:
+            sys.stderr.write(f"[{name}] {line}")
+            sys.stderr.flush()
 
     def wait_healthy(self, deadline_s: float) -> None:
         for name, server in self.children:
             try:
                 server.wait_healthy(deadline_s)
             except ServerStartError as e:
-                raise ServerStartError(f"{name}: {e}") from None
+                raise ServerStartError(f"{name} ({server.url}) {e}") from None
 
     def supervise(self) -> str | None:
         """Restart every child that exited; return why the deployment must stop instead (a
         child that exited more often than its restart budget allows), else None."""
+        max_restarts = self.plan.launch.max_restarts
         for name, server in self.children:
             code = server.process.poll()
             if code is None:
                 continue
             if name not in self._budgets:
-                self._budgets[name] = RestartBudget(self.max_restarts, RESTART_WINDOW_S)
-            budget = self._budgets[name]
-            if not budget.take(time.monotonic()):
+                self._budgets[name] = RestartBudget(max_restarts, RESTART_WINDOW_S)
+            if not self._budgets[name].take(time.monotonic()):
                 return (
-                    f"{name} exited with code {code} (restarted {self.max_restarts} times "
-                    f"within {RESTART_WINDOW_S:.0f} s already)"
+                    f"{name} exited with code {code} (restarted {max_restarts} times within "
+                    f"{RESTART_WINDOW_S:.0f} s already; log: {server.log_path})"
                 )
             print(f"{name} exited with code {code}; restarting it", file=sys.stderr, flush=True)
             server.restart()
@@ -99,33 +168,28 @@ class Deployment:
             server.stop()
 
 
-def launch_from_args(args: argparse.Namespace) -> int:
-    if args.num_prefill < 1 or args.num_decode < 1:
-        print("error: --num-prefill and --num-decode must be at least 1", file=sys.stderr)
-        return 2
-    if args.max_restarts < 0:
-        print(f"error: --max-restarts must be >= 0, got {args.max_restarts}", file=sys.stderr)
-        return 2
-    model_path = args.model_path
-    if model_path is None:
-        from pdserve.engine.tiny_model import default_model_dir
-
-        model_path = str(default_model_dir())
-    gpus = [g for g in (args.gpus or "").split(",") if g.strip()]
+def launch(plan: LaunchPlan) -> int:
+    config = plan.launch
+    log_dir = config.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-")
+    os.makedirs(log_dir, exist_ok=True)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
 
-    deployment = Deployment(args.max_restarts)
+    deployment = Deployment(plan, log_dir)
     try:
-        router_args = _start_workers(deployment, args, model_path, gpus)
-        print(f"starting {args.num_prefill} prefill + {args.num_decode} decode workers ...")
-        deployment.wait_healthy(args.start_timeout)
-        router = deployment.start("router", router_args, port=args.port, host=args.host)
+        print(
+            f"starting {config.num_prefill} prefill + {config.num_decode} decode workers "
+            f"(logs in {log_dir}) ...",
+            flush=True,
+        )
+        router_argv = _start_workers(deployment)
+        deployment.wait_healthy(config.start_timeout)
+        router = deployment.start("router", router_argv, plan.http.port, {})
         router.wait_healthy(60)
-        _print_ready(router.url, args.num_prefill, args.num_decode)
-        if args.check:
-            return _check(router.url)
+        _print_ready(deployment, router.url)
+        if config.check:
+            return _check(router.url, plan.http.api_key)
         while not stop.is_set():
             failure = deployment.supervise()
             if failure is not None:
@@ -141,46 +205,52 @@ def launch_from_args(args: argparse.Namespace) -> int:
         deployment.stop()
 
 
-def _start_workers(deployment: Deployment, args, model_path: str, gpus: list[str]) -> list[str]:
+def _start_workers(deployment: Deployment) -> list[str]:
     """Start every worker; return the router's arguments naming them."""
-    router_args = ["router", "--policy", args.policy]
-    engine = engine_argv(args, model_path)
-    transfer = ["--transfer-backend", args.transfer_backend]
-    for k in range(args.num_prefill + args.num_decode):
-        kind = "prefill" if k < args.num_prefill else "decode"
-        index = k if kind == "prefill" else k - args.num_prefill
-        role_args = [kind, *engine, *transfer]
-        env = {"CUDA_VISIBLE_DEVICES": gpus[k % len(gpus)]} if gpus else None
+    plan, config = deployment.plan, deployment.plan.launch
+    host = plan.http.host
+    prefill, decode = [], []
+    for k in range(config.num_prefill + config.num_decode):
+        kind = "prefill" if k < config.num_prefill else "decode"
+        index = k if kind == "prefill" else k - config.num_prefill
+        argv = plan.worker_argv(kind)
+        env = {"CUDA_VISIBLE_DEVICES": config.gpus[k % len(config.gpus)]} if config.gpus else {}
         if kind == "prefill":
-            bootstrap_port = free_port(args.host)
-            role_args += ["--bootstrap-port", str(bootstrap_port)]
-        server = deployment.start(
-            f"{kind} worker {index}", role_args, port=free_port(args.host), host=args.host, env=env
-        )
+            bootstrap_port = free_port(host)
+            argv += ["--bootstrap-port", str(bootstrap_port)]
+        server = deployment.start(f"{kind} {index}", argv, free_port(host), env)
         if kind == "prefill":
-            router_args += ["--prefill", server.url, str(bootstrap_port)]
+            prefill.append((server.url, bootstrap_port))
         else:
-            router_args += ["--decode", server.url]
-    return router_args
+            decode.append(server.url)
+    return plan.router_argv(prefill, decode)
 
 
 EXAMPLE = {"prompt": "Hello, my name is", "max_tokens": 32, "temperature": 0}
 
 
-def _print_ready(url: str, num_prefill: int, num_decode: int) -> None:
-    print(
-        f"\npdserve is ready at {url} ({num_prefill} prefill + {num_decode} decode workers)\n"
-        "try:\n"
-        f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
-        f"    -d '{json.dumps(EXAMPLE)}'\n"
+def _print_ready(deployment: Deployment, url: str) -> None:
+    lines = [f"\npdserve is ready at {url}"]
+    for name, server in deployment.children:
+        lines.append(f"  {name:<10} {server.url}  log: {server.log_path}")
+    key = deployment.plan.http.api_key
+    auth = ""
+    if key:
+        shown = "$PDSERVE_API_KEY" if os.environ.get("PDSERVE_API_KEY") == key else "<--api-key>"
+        auth = f' -H "Authorization: Bearer {shown}"'
+    lines += [
+        "try:",
+        f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\",
+        f"    -d '{json.dumps(EXAMPLE)}'",
         "Ctrl-C stops everything.\n",
-        flush=True,
-    )
+    ]
+    print("\n".join(lines), flush=True)
 
 
-def _check(url: str) -> int:
+def _check(url: str, api_key: str | None) -> int:
     """--check: send the example request through the router, print the answer, stop."""
-    response = httpx.post(url + "/v1/completions", json=EXAMPLE, timeout=120)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.post(url + "/v1/completions", json=EXAMPLE, headers=headers, timeout=120)
     print(f"check: HTTP {response.status_code}: {response.text}", flush=True)
     return 0 if response.status_code == 200 else 1
 
@@ -197,3 +267,8 @@ def watch_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def replace_served_name(http: HttpSettings, name: str) -> HttpSettings:
+    """The model name every worker serves: --served-model-name, else `name`."""
+    return dataclasses.replace(http, served_model_name=http.served_model_name or name)

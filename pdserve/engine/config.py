@@ -1,13 +1,15 @@
 """Engine configuration: one frozen dataclass, validated on construction.
 
-Role configs (serve, prefill, decode) will *have* an EngineConfig; the CLI builds it in one
-place (`pdserve.cli`).
+Role configs (serve, prefill, decode) *have* an EngineConfig. Each field that is a
+command-line flag declares it here (`protocol.flags.option`); `pdserve.commands` builds the
+config from the parsed flags.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.protocol.flags import option
 from pdserve.protocol.spec_settings import SpecSettings
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -33,20 +35,40 @@ class EngineConfig:
     """
 
     model_path: str
-    dtype: str = "auto"
-    device: str = "auto"
-    page_size: int = 16
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.85
-    max_running_requests: int = 256
-    chunked_prefill_size: int = 8192
-    max_prefill_tokens: int = 16384
-    max_model_len: int | None = None
-    seed: int = 0
-    attention_backend: str = "auto"
-    cuda_graph_max_bs: int = 256
-    disable_cuda_graph: bool = False
-    disable_overlap_schedule: bool = False
+    dtype: str = option(
+        "auto",
+        "weights and activations; auto: float32 on CPU, the checkpoint's half type on GPU",
+        choices=DTYPES,
+    )
+    device: str = option("auto", "auto, cpu, cuda or cuda:N")
+    page_size: int = option(16, "tokens per KV page")
+    kv_cache_memory: int | None = option(
+        None, "bytes of KV cache (default: sized from --gpu-memory-utilization)"
+    )
+    gpu_memory_utilization: float = option(
+        0.85, "fraction of GPU memory for weights, activations and KV cache"
+    )
+    max_running_requests: int = option(256, "requests decoded together at most")
+    chunked_prefill_size: int = option(
+        8192, "prefill tokens per step; longer prompts are split (<= 0: never split)"
+    )
+    max_prefill_tokens: int = option(16384, "prefill tokens per step when chunking is off")
+    max_model_len: int | None = option(
+        None, "context length (default: the model's max_position_embeddings)"
+    )
+    seed: int = option(0, "the engine's random seed (requests without a seed sample from it)")
+    attention_backend: str = option(
+        "auto",
+        "attention kernels: auto is Triton on CUDA and the torch reference on CPU",
+        choices=ATTENTION_BACKENDS,
+    )
+    cuda_graph_max_bs: int = option(
+        256, "largest decode batch replayed from a captured CUDA graph (Triton attention)"
+    )
+    disable_cuda_graph: bool = option(False, "run every decode step eagerly")
+    disable_overlap_schedule: bool = option(
+        False, "schedule each step after the previous one's tokens are back (no overlap)"
+    )
     cpu_kv_cache_cap: int = 1 << 30
     speculative: SpecSettings | None = None
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.protocol.flags import option
+
 MAX_TOPK = 16  # the most topk entries a metadata record (and a tree level) carries
 
 
@@ -23,11 +25,25 @@ class SpecSettings:
     num_draft_tokens: tokens verified per step, the last committed one included (None: steps
     + 1 for a chain, min(steps x topk, what the tree holds) + 1 for a tree)."""
 
-    algorithm: str
-    draft_model_path: str | None = None
-    num_steps: int = 3
-    eagle_topk: int = 1
-    num_draft_tokens: int | None = None
+    algorithm: str = option(
+        help="EAGLE, EAGLE3, STANDALONE, NGRAM or a registered plugin (default: off)",
+        name="--speculative-algorithm",
+    )
+    draft_model_path: str | None = option(
+        None,
+        "the draft model (EAGLE/EAGLE3 head, or a small LLM for STANDALONE)",
+        name="--speculative-draft-model-path",
+    )
+    num_steps: int = option(3, "draft steps", name="--speculative-num-steps")
+    eagle_topk: int = option(
+        1, "branches per draft step; 1 drafts a chain, more a tree", name="--speculative-eagle-topk"
+    )
+    num_draft_tokens: int | None = option(
+        None,
+        "tokens verified per step, the last committed one included (default: num-steps + 1 "
+        "for a chain, min(num-steps x topk, tree size) + 1 for a tree)",
+        name="--speculative-num-draft-tokens",
+    )
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens is None and self.num_steps >= 1 and self.eagle_topk >= 1:

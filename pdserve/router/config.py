@@ -1,10 +1,12 @@
-"""Router settings: the workers, pairing policies, deadlines. One frozen dataclass, built from
-the command line in `pdserve.cli`. Torch-free."""
+"""Router settings: the workers, pairing policies, deadlines. One frozen dataclass whose
+fields declare their own flags (`protocol.flags`); `pdserve.commands.router` adds the worker
+lists and policies, which take several values each. Torch-free."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.protocol.flags import option
 from pdserve.protocol.strict_json import MAX_BODY_BYTES as DEFAULT_MAX_BODY_BYTES
 from pdserve.router.discovery import ServiceName
 from pdserve.router.policies import POLICIES
@@ -33,16 +35,48 @@ class RouterConfig:
     prefill_policy: str = "round_robin"
     decode_policy: str = "round_robin"
     api_key: str | None = None
-    request_timeout_s: float = 600.0
-    connect_timeout_s: float = 5.0
-    dead_worker_timeout_s: float = 15.0
-    health_check_interval_s: float = 2.0
-    health_check_timeout_s: float = 2.0
+    request_timeout_s: float = option(
+        600.0,
+        "seconds a request may take, both legs and all of its stream",
+        name="--request-timeout",
+    )
+    connect_timeout_s: float = option(
+        5.0,
+        "seconds to open a connection to a worker before it counts as unreachable",
+        name="--connect-timeout",
+    )
+    dead_worker_timeout_s: float = option(
+        15.0,
+        "seconds after which a connection to a worker that stopped answering (host or link "
+        "down: no TCP keepalive replies, data unacknowledged) fails",
+        name="--dead-worker-timeout",
+    )
+    health_check_interval_s: float = option(
+        2.0, "seconds between health checks of every worker", name="--health-check-interval"
+    )
+    health_check_timeout_s: float = option(
+        2.0,
+        "seconds a worker's /health (and a DNS lookup) may take",
+        name="--health-check-timeout",
+    )
     health_failure_threshold: int = 2
     max_retries: int = 1
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_requests_per_worker: int = 0
-    max_rooms_per_request: int = 256
+    max_body_bytes: int = option(
+        DEFAULT_MAX_BODY_BYTES,
+        "request bodies over this many bytes are refused with 413 as they stream in",
+        name="--max-body-size",
+        metavar="BYTES",
+    )
+    max_requests_per_worker: int = option(
+        0,
+        "requests this router keeps in flight on one worker at most; when every worker of a "
+        "role is at it, new requests get 429 (0: no bound)",
+    )
+    max_rooms_per_request: int = option(
+        256,
+        "a request with several prompts or n > 1 takes one prefill/decode room per (prompt, "
+        "choice); requests asking for more get 400",
+    )
 
     def __post_init__(self) -> None:
         if not self.prefill and not self.prefill_services:

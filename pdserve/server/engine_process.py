@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import time
 from typing import get_args
 
@@ -63,7 +64,8 @@ def run_engine_process(
 ) -> None:
     """Process entry point: build the worker (its engine and handoff), announce it, serve
     until told to shut down."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s engine: %(message)s")
+    level = os.environ.get("PDSERVE_LOG_LEVEL", "info").upper()
+    logging.basicConfig(level=level, format="%(levelname)s engine: %(message)s")
     context = zmq.Context()
     inbox = Channel(context, zmq.PULL, accepts=get_args(Message))
     inbox.connect(requests_addr)
@@ -72,8 +74,13 @@ def run_engine_process(
     try:
         handoff = build_worker(config)
     except Exception as e:
+        # NOTE: the front end reports the one line; the traceback is for --log-level debug.
+        logger.debug("engine failed to start", exc_info=True)
         outbox.send(EngineFailed(short_reason(e)))
-        raise
+        outbox.close()
+        inbox.close()
+        context.term()
+        sys.exit(1)
     outbox.send(_ready(handoff))
     try:
         EngineLoop(handoff).run(inbox, outbox)

@@ -9,7 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -68,9 +70,13 @@ class LocalServer:
         log_level: str = "warning",
         host: str = "127.0.0.1",
         env: dict[str, str] | None = None,
+        log_path: str | None = None,
+        echo: Callable[[str], None] | None = None,
     ):
         """env: extra environment for the child. The child exits by itself if this process
-        dies (see `pdserve.launch.watch_parent`)."""
+        dies (see `pdserve.launch.watch_parent`). log_path: the child's output (stdout and
+        stderr) is appended there, each line also handed to `echo`; without it the child
+        writes to this process's stdout and stderr."""
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         command = [
@@ -87,10 +93,50 @@ class LocalServer:
         ]
         self._command = command
         self._env = {**os.environ, **(env or {}), "PDSERVE_EXIT_WITH_PARENT": str(os.getpid())}
+        self.log_path = log_path
+        self._echo = echo
         self.process = self._spawn()
 
     def _spawn(self) -> subprocess.Popen:
-        return subprocess.Popen(self._command, start_new_session=True, env=self._env)
+        if self.log_path is None:
+            return subprocess.Popen(self._command, start_new_session=True, env=self._env)
+        process = subprocess.Popen(
+            self._command,
+            start_new_session=True,
+            env=self._env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        )
+        self._copier = threading.Thread(
+            target=self._copy_output, args=(process,), name="child-log", daemon=True
+        )
+        self._copier.start()
+        return process
+
+    def _copy_output(self, process: subprocess.Popen) -> None:
+        with open(self.log_path, "a") as log:
+            for line in process.stdout:
+                log.write(line)
+                log.flush()
+                if self._echo is not None:
+                    self._echo(line)
+        process.stdout.close()
+
+    def failure_cause(self) -> str:
+        """The child's last error line (else its last line) from its log, and where the log
+        is; empty without a log."""
+        if self.log_path is None:
+            return ""
+        try:
+            with open(self.log_path, errors="replace") as log:
+                lines = [line.strip() for line in log.readlines()[-200:] if line.strip()]
+        except OSError:
+            return f" (log: {self.log_path})"
+        errors = [line for line in lines if line.lower().startswith(("error", "critical"))]
+        cause = (errors or lines or [""])[-1].removeprefix("error: ")
+        return f": {cause} (full log: {self.log_path})" if cause else f" (log: {self.log_path})"
 
     def restart(self, cleanup_deadline_s: float = 10.0) -> None:
         """Start the same command again, on the same ports, after the process exited (what a
@@ -105,7 +151,13 @@ class LocalServer:
         deadline = time.monotonic() + deadline_s
         while True:
             if self.process.poll() is not None:
-                raise ServerStartError(f"exited with code {self.process.returncode} on start")
+                if self.log_path is not None:
+                    # NOTE: its last lines may still be on their way to the log (EOF comes
+                    # once its engine process, which shares the pipe, is gone too).
+                    self._copier.join(timeout=2.0)
+                raise ServerStartError(
+                    f"exited with code {self.process.returncode} on start{self.failure_cause()}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return self

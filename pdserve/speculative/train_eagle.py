@@ -32,38 +32,11 @@ from pdserve.engine.forward_batch import Capture, ForwardBatch
 from pdserve.engine.page_allocator import pages_needed
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.speculative.checkpoints import build_draft_model, eagle_draft_config, save_draft
+from pdserve.speculative.train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
 STEP_DECAY = 0.8
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    model_path: str
-    out_dir: str
-    num_sequences: int = 256
-    prompt_len: int = 16
-    gen_len: int = 112
-    steps: int = 1500
-    batch_size: int = 16
-    lr: float = 1e-3
-    ttt_steps: int = 4
-    aux_layer_ids: tuple[int, ...] | None = None
-    draft_vocab_size: int = 4096
-    device: str = "auto"
-    dtype: str = "auto"
-    seed: int = 0
-    eval_fraction: float = 0.1
-
-    def __post_init__(self) -> None:
-        for name in ("num_sequences", "prompt_len", "gen_len", "steps", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be at least 1")
-        if not 1 <= self.ttt_steps <= 16:
-            raise ValueError("ttt-steps must be in [1, 16]")
-        if self.num_sequences < 2:
-            raise ValueError("num-sequences must be at least 2 (one is held out)")
 
 
 @dataclass

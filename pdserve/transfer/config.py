@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.protocol.flags import option
 from pdserve.transfer.peer_allow import PeerAllowList, default_allow_list, parse_allow_list
 
 BACKENDS = ("tcp", "nccl", "gloo")
@@ -20,23 +21,53 @@ class TransferConfig:
         registration or transfer request; it is never sent.
     bootstrap_allow: addresses/CIDRs a decode worker may contact (None: loopback and this
         host's attached networks, see peer_allow).
-    max_peers: connections to peer workers kept at once (a bound on bookkeeping)."""
+    max_peers: connections to peer workers kept at once (a bound on bookkeeping).
+    heartbeat_interval_s: None sends one every quarter of `peer_timeout_s`, at most 1 s."""
 
-    backend: str = "tcp"
-    bootstrap_host: str = "127.0.0.1"
-    bootstrap_port: int = 8998
-    progress_timeout_s: float = 30.0
-    heartbeat_interval_s: float = 1.0
-    peer_timeout_s: float = 5.0
+    backend: str = option(
+        "tcp",
+        "tcp (ZMQ, anywhere), nccl (GPU to GPU), gloo (CPU stand-in for nccl)",
+        name="--transfer-backend",
+        choices=BACKENDS,
+    )
+    bootstrap_host: str = option(
+        "127.0.0.1",
+        "address for transfer endpoints (default: --host); use this node's reachable address "
+        "across nodes",
+    )
+    bootstrap_port: int = option(
+        8998, "where decode workers fetch KV from this prefill worker (0: pick a free port)"
+    )
+    progress_timeout_s: float = option(
+        30.0, "seconds a room may make no progress before it fails", name="--transfer-timeout"
+    )
+    heartbeat_interval_s: float | None = None
+    peer_timeout_s: float = option(
+        5.0,
+        "seconds of silence after which a peer worker counts as dead",
+        name="--transfer-peer-timeout",
+    )
     tombstone_ttl_s: float = 120.0
     chunk_bytes: int = 64 << 20
     send_timeout_s: float = 5.0
-    auth_token: str = ""
+    auth_token: str = option(
+        "",
+        "shared secret both workers present",
+        name="--transfer-token",
+        secret_env="PDSERVE_TRANSFER_TOKEN",
+    )
     queue_timeout_s: float = 120.0
-    bootstrap_allow: tuple[str, ...] | None = None
+    bootstrap_allow: tuple[str, ...] | None = option(
+        None,
+        "comma-separated addresses/CIDRs of prefill workers this decode worker may contact "
+        "(default: loopback and this host's attached networks)",
+        separator=",",
+    )
     max_peers: int = 256
 
     def __post_init__(self) -> None:
+        if self.heartbeat_interval_s is None:
+            object.__setattr__(self, "heartbeat_interval_s", min(1.0, self.peer_timeout_s / 4))
         if self.bootstrap_host in WILDCARD_HOSTS:
             raise ValueError(
                 f"the bootstrap host {self.bootstrap_host!r} is told to peer workers, so it "

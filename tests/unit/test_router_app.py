@@ -20,7 +20,7 @@ UNREACHABLE = "http://127.0.0.1:9"  # discard port: nothing listens
 
 def test_router_and_cli_import_without_torch():
     code = (
-        "import sys, pdserve.router.app, pdserve.cli, pdserve.launch; "
+        "import sys, pdserve.router.app, pdserve.cli, pdserve.launch, pdserve.commands.router; "
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
@@ -45,7 +45,8 @@ def test_router_config_names_what_is_wrong():
 
 
 def test_router_cli_passes_the_limits():
-    from pdserve.cli import build_parser, router_config_from_args
+    from pdserve.cli import build_parser
+    from pdserve.commands.router import router_config_from_args
 
     workers = ["--prefill", "http://a:1", "8998", "--decode", "http://b:2"]
     limits = ["--max-body-size", "1024", "--max-requests-per-worker", "8"]

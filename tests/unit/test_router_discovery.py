@@ -176,18 +176,19 @@ def test_bootstrap_host_must_be_an_address_peers_can_reach():
 
 
 def test_api_key_comes_from_the_environment_when_no_flag_is_given(monkeypatch):
-    from pdserve.cli import build_parser, router_config_from_args
+    from pdserve.cli import build_parser
+    from pdserve.commands.common import http_settings_from_args
 
     args = build_parser().parse_args(
         ["router", "--prefill-service", "p:1", "--decode", "http://d:2"]
     )
     monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
-    assert router_config_from_args(args).api_key == "from-env"
+    assert http_settings_from_args(args, port=8000).api_key == "from-env"
     args.api_key = "from-flag"
-    assert router_config_from_args(args).api_key == "from-flag"
+    assert http_settings_from_args(args, port=8000).api_key == "from-flag"
     monkeypatch.delenv("PDSERVE_API_KEY")
     args.api_key = None
-    assert router_config_from_args(args).api_key is None
+    assert http_settings_from_args(args, port=8000).api_key is None
 
 
 def test_router_cli_names_what_is_missing_or_malformed(capsys):

@@ -171,11 +171,11 @@ def test_auto_is_torch_on_cpu_and_triton_needs_cuda_or_the_interpreter(monkeypat
 def test_the_cli_flag_reaches_the_engine_config():
     import argparse
 
-    from pdserve.cli import add_engine_args, engine_config_from_args
+    from pdserve.commands.common import add_engine_flags, engine_config_from_args
 
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
+    add_engine_flags(parser)
     args = parser.parse_args(["--attention-backend", "torch", "--model-path", "m"])
-    assert engine_config_from_args(args).attention_backend == "torch"
+    assert engine_config_from_args(args, "m").attention_backend == "torch"
     with pytest.raises(SystemExit):
         parser.parse_args(["--attention-backend", "flash"])

@@ -1,0 +1,202 @@
+"""What several subcommands share: the model argument, the engine flags, `--log-level`, port
+checks, and running an HTTP app so that a start-up failure is one line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+
+from pdserve.engine.config import EngineConfig
+from pdserve.protocol.flags import add_flags, given, settings_from_args
+from pdserve.protocol.http_settings import HttpSettings
+from pdserve.protocol.spec_settings import SpecSettings, SpeculativeConfigError
+
+logger = logging.getLogger("pdserve")
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+BUILT_IN_MODEL_NAME = "tiny-llama"
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default, except where the help already says it (flags declared on
+    settings dataclasses do) or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        shown = action.default not in (None, False, argparse.SUPPRESS, [], ())
+        if shown and "default" not in text and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+def add_log_level(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    """`--log-level`, on the top-level parser (default) and on each subcommand (given there,
+    it wins)."""
+    parser.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default=default if default is not None else argparse.SUPPRESS,
+        help="how much to log" + (" (default: %(default)s)" if default else ""),
+    )
+
+
+# --- the model and the engine ----------------------------------------------------------------
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The model as a positional argument (as `vllm serve MODEL`) or `--model-path`."""
+    parser.add_argument(
+        "model", nargs="?", default=None, help="the model directory (same as --model-path)"
+    )
+    parser.add_argument(
+        "--model-path", default=None, help="HF model directory (default: the built-in tiny model)"
+    )
+
+
+def model_path_from(args: argparse.Namespace) -> tuple[str, str]:
+    """(the model directory, the name it is served as by default); the built-in tiny model
+    when none is given. Checks that the directory holds a model pdserve can run."""
+    if args.model and args.model_path and args.model != args.model_path:
+        raise ValueError(
+            f"the model is given twice: {args.model!r} and --model-path {args.model_path!r}"
+        )
+    given_path = args.model or args.model_path
+    if given_path is None:
+        from pdserve.engine.tiny_model import default_model_dir
+
+        return str(default_model_dir()), BUILT_IN_MODEL_NAME
+    check_model_dir(given_path)
+    return given_path, given_path
+
+
+def check_model_dir(path: str) -> None:
+    """A model directory pdserve can load: it exists, has a config.json, and names a
+    supported architecture (read from config.json alone, before any process starts)."""
+    from pdserve.engine.model_config import ModelConfig
+
+    if not os.path.isdir(path):
+        raise ValueError(f"model directory {path!r} does not exist")
+    try:
+        ModelConfig.from_pretrained(path)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot serve {path!r}: {e}") from None
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    add_model_args(parser)
+    add_flags(parser.add_argument_group("engine"), EngineConfig, skip=("model_path",))
+    add_flags(parser.add_argument_group("speculative decoding (SGLang's flags)"), SpecSettings)
+
+
+def engine_config_from_args(args: argparse.Namespace, model_path: str) -> EngineConfig:
+    return settings_from_args(
+        EngineConfig, args, model_path=model_path, speculative=spec_settings_from_args(args)
+    )
+
+
+def spec_settings_from_args(args: argparse.Namespace) -> SpecSettings | None:
+    """SpecSettings from the --speculative-* flags, None when speculation is off. The
+    algorithm is looked up (and its draft checked) here, before any worker process starts."""
+    values = given(SpecSettings, args)
+    algorithm = values.pop("algorithm", None)
+    if algorithm is None:
+        if values:
+            raise SpeculativeConfigError(
+                "--speculative-* settings given without --speculative-algorithm"
+            )
+        return None
+    from pdserve.speculative import registry
+
+    # NOTE: built-in names in any case, as SGLang takes them; plugins by their exact name.
+    if algorithm.upper() in registry.RESERVED:
+        algorithm = algorithm.upper()
+    settings = SpecSettings(algorithm, **values)
+    try:
+        registry.get(settings.algorithm)(settings)
+    except registry.UnknownAlgorithm as e:
+        raise SpeculativeConfigError(e.args[0]) from None
+    return settings
+
+
+# --- HTTP processes --------------------------------------------------------------------------
+
+
+def add_http_flags(
+    parser: argparse.ArgumentParser, *, port: int, skip: tuple[str, ...] = ()
+) -> None:
+    add_flags(parser.add_argument_group("server"), HttpSettings, skip=skip, defaults={"port": port})
+
+
+def http_settings_from_args(args: argparse.Namespace, *, port: int) -> HttpSettings:
+    return settings_from_args(HttpSettings, args, defaults={"port": port})
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """Refuse a port something else holds, before anything slow (a model load) starts."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"{flag} {port} on {host} is not free: {e.strerror}") from None
+
+
+PROBE_PATHS = ("/health", "/health_generate", "/liveness", "/metrics")
+
+
+def _not_a_probe(record: logging.LogRecord) -> bool:
+    """Access lines for probes and scrapes (every few seconds each) only at debug level."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    # NOTE: uvicorn's access record: (client, method, path, http version, status).
+    return not (len(args) >= 3 and str(args[2]).split("?")[0] in PROBE_PATHS)
+
+
+class StartupFailed(RuntimeError):
+    """The app could not start (its engine did not come up); the message says why."""
+
+
+def serve_http(app, settings: HttpSettings, log_level: str) -> int:
+    """Serve `app` until SIGTERM/SIGINT. Its start-up (the engine process) runs before the
+    socket is bound, and a failure there is one `error:` line (the traceback at debug
+    level), exit code 1."""
+    import uvicorn
+
+    if logging.getLevelName(log_level.upper()) > logging.DEBUG:
+        logging.getLogger("uvicorn.access").addFilter(_not_a_probe)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=log_level,
+        lifespan="off",  # NOTE: run below, so that its failure is ours to report
+        timeout_graceful_shutdown=settings.shutdown_timeout,
+    )
+
+    async def run() -> None:
+        try:
+            lifespan = app.router.lifespan_context(app)
+            await lifespan.__aenter__()
+        except Exception as e:
+            logger.debug("start-up failed", exc_info=True)
+            raise StartupFailed(str(e)) from None
+        try:
+            await uvicorn.Server(config).serve()
+        finally:
+            await lifespan.__aexit__(None, None, None)
+
+    # NOTE: uvicorn's own loop (uvloop when installed), as uvicorn.run would pick it.
+    loop_factory = config.get_loop_factory() if hasattr(config, "get_loop_factory") else None
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(run())
+    except StartupFailed as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0

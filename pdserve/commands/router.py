@@ -1,0 +1,113 @@
+"""`pdserve router`: the OpenAI front end over prefill and decode workers. Torch-free."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+
+from pdserve.commands.common import (
+    add_http_flags,
+    check_port_free,
+    http_settings_from_args,
+    serve_http,
+)
+from pdserve.protocol.flags import add_flags, given
+from pdserve.protocol.http_settings import WORKER_ONLY
+from pdserve.router.config import RouterConfig
+from pdserve.router.discovery import ServiceName
+from pdserve.router.policies import POLICIES
+
+ROUTER_PORT = 8000
+
+
+def add_policy_flags(parser) -> None:
+    choices = tuple(POLICIES)
+    parser.add_argument(
+        "--policy", default="round_robin", choices=choices, help="how workers are picked"
+    )
+    parser.add_argument("--prefill-policy", choices=choices, help="for prefill (default: --policy)")
+    parser.add_argument("--decode-policy", choices=choices, help="for decode (default: --policy)")
+
+
+def policies_from(args: argparse.Namespace) -> dict[str, str]:
+    return {
+        "prefill_policy": args.prefill_policy or args.policy,
+        "decode_policy": args.decode_policy or args.policy,
+    }
+
+
+def add_router_flags(parser: argparse.ArgumentParser) -> None:
+    """The router's flags less its workers (what `launch` also takes)."""
+    group = parser.add_argument_group("router")
+    add_policy_flags(group)
+    add_flags(group, RouterConfig)
+
+
+def register(subparsers, formatter) -> None:
+    parser = subparsers.add_parser(
+        "router", help="OpenAI front end over prefill and decode workers", formatter_class=formatter
+    )
+    add_http_flags(parser, port=ROUTER_PORT, skip=WORKER_ONLY)
+    workers = parser.add_argument_group("workers")
+    workers.add_argument(
+        "--prefill",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar=("URL", "BOOTSTRAP_PORT"),
+        help="a prefill worker and, optionally, its bootstrap port (default: asked from the "
+        "worker); repeat for several",
+    )
+    workers.add_argument(
+        "--decode", action="append", default=[], metavar="URL", help="repeat for several"
+    )
+    workers.add_argument(
+        "--prefill-service",
+        action="append",
+        default=[],
+        metavar="NAME:PORT",
+        help="discover prefill workers: every address NAME resolves to (e.g. a Kubernetes "
+        "headless Service) is a worker serving on PORT; re-resolved every health check",
+    )
+    workers.add_argument(
+        "--decode-service",
+        action="append",
+        default=[],
+        metavar="NAME:PORT",
+        help="discover decode workers the same way",
+    )
+    add_router_flags(parser)
+    parser.set_defaults(configure=configure)
+
+
+def router_config_from_args(args: argparse.Namespace, api_key: str | None = None) -> RouterConfig:
+    prefill = []
+    for entry in args.prefill:
+        if len(entry) > 2:
+            raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT], got {' '.join(entry)}")
+        try:
+            port = int(entry[1]) if len(entry) == 2 else None
+        except ValueError:
+            raise ValueError(
+                f"--prefill bootstrap port must be a number, got {entry[1]!r}"
+            ) from None
+        prefill.append((entry[0], port))
+    return RouterConfig(
+        prefill=tuple(prefill),
+        decode=tuple(args.decode),
+        prefill_services=tuple(ServiceName.parse(s) for s in args.prefill_service),
+        decode_services=tuple(ServiceName.parse(s) for s in args.decode_service),
+        api_key=api_key,
+        **policies_from(args),
+        **given(RouterConfig, args),
+    )
+
+
+def configure(args: argparse.Namespace) -> Callable[[], int]:
+    from pdserve.router.app import build_router_app
+
+    http = http_settings_from_args(args, port=ROUTER_PORT)
+    config = router_config_from_args(args, http.api_key)
+    check_port_free(http.host, http.port, "--port")
+    return functools.partial(serve_http, build_router_app(config), http, args.log_level)

@@ -1,0 +1,43 @@
+"""What every pdserve HTTP process (worker or router) is told about serving: where it binds,
+its API key, how long SIGTERM waits, and, for workers, the model name and queue bound.
+Torch-free: the router reads it too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.protocol.flags import option
+
+# The flags a router has no use for (it reports its workers' model and has no queue).
+WORKER_ONLY = ("served_model_name", "max_queued_requests")
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    host: str = option("127.0.0.1", "address to bind (default: loopback)")
+    port: int = option(30000, "port to serve HTTP on")
+    api_key: str | None = option(
+        None,
+        "require 'Authorization: Bearer KEY' (/health, /health_generate, /metrics and "
+        "/version stay open)",
+        secret_env="PDSERVE_API_KEY",
+    )
+    shutdown_timeout: float = option(
+        5.0,
+        "seconds in-flight requests may take to finish after SIGTERM (new connections are "
+        "refused at once); keep it under the pod's terminationGracePeriodSeconds",
+    )
+    served_model_name: str | None = option(
+        None, "model name the API reports and accepts (default: the model path)"
+    )
+    max_queued_requests: int = option(1024, "waiting requests beyond this are refused with 429")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(
+                f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}"
+            )
+        if self.max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests must be >= 1, got {self.max_queued_requests}")

@@ -1,0 +1,40 @@
+"""`pdserve train-eagle`'s settings; each field declares its flag. Torch-free, so the command
+line can be built without importing torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.protocol.flags import option
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model_path: str = option(help="the target model directory", required=True)
+    out_dir: str = option(help="where to write the draft directory", name="--out", required=True)
+    num_sequences: int = option(256, "sequences the target generates to train on")
+    prompt_len: int = option(16, "random prompt tokens")
+    gen_len: int = option(112, "tokens generated per prompt")
+    steps: int = option(1500, "optimizer steps")
+    batch_size: int = option(16, "sequences per optimizer step")
+    lr: float = option(1e-3, "learning rate")
+    ttt_steps: int = option(4, "training-time-test unroll (draft steps)")
+    aux_layer_ids: tuple[int, ...] | None = option(
+        None, "target layers the head reads (default [2, L // 2, L - 3])", name="--aux-layers"
+    )
+    draft_vocab_size: int = option(
+        4096, "the head predicts the most frequent target tokens only (d2t maps them)"
+    )
+    device: str = option("auto", "auto, cpu, cuda or cuda:N")
+    dtype: str = option("auto", "auto, float32, bfloat16 or float16")
+    seed: int = option(0, "seed for prompts, data order and initial weights")
+    eval_fraction: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("num_sequences", "prompt_len", "gen_len", "steps", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be at least 1")
+        if not 1 <= self.ttt_steps <= 16:
+            raise ValueError("ttt-steps must be in [1, 16]")
+        if self.num_sequences < 2:
+            raise ValueError("num-sequences must be at least 2 (one is held out)")
