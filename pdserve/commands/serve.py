@@ -20,7 +20,8 @@ from pdserve.commands.common import (
     model_path_from,
     serve_http,
 )
-from pdserve.protocol.flags import add_flags, settings_from_args
+from pdserve.protocol.flags import add_flags, declared, settings_from_args
+from pdserve.protocol.spec_settings import SpecSettings
 from pdserve.transfer.config import TransferConfig
 
 WORKER_PORT = 30000
@@ -78,6 +79,10 @@ def configure(args: argparse.Namespace, kind: str) -> Callable[[], int]:
 def _server_args(http, engine, transfer) -> dict:
     """The settings /server_info reports (as SGLang's does), secrets left out."""
     settings = {**dataclasses.asdict(http), **dataclasses.asdict(engine)}
+    # NOTE: flat, under the flags' names, as SGLang reports them (speculative_algorithm, ...).
+    spec = settings.pop("speculative")
+    for d in declared(SpecSettings):
+        settings[d.dest] = None if spec is None else spec[d.field]
     if transfer is not None:
         settings.update(dataclasses.asdict(transfer), transfer_backend=transfer.backend)
     for secret in ("api_key", "auth_token"):
