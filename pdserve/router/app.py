@@ -1,12 +1,12 @@
 """The router's HTTP app: OpenAI endpoints and SGLang's /generate through a prefill/decode
-pair, /v1/models and model info from the workers, /health, /liveness, /workers, /metrics.
-Torch-free.
+pair, /v1/models and model info from the workers, /health, /liveness, /workers, /metrics,
+/version. Torch-free.
 
 `/health` is 200 while at least one prefill and one decode worker are in rotation (for
 monitoring and load balancers in front of several routers); `/liveness` is 200 while this
 process serves (the probe: a router must not be restarted because its workers are down, it
-answers their absence with a clear 503). `/workers` lists the pools. `/health`, `/liveness`
-and `/metrics` stay open when an API key is set; the key is checked here and the client's
+answers their absence with a clear 503). `/workers` lists the pools. `/health`, `/liveness`,
+`/metrics` and `/version` stay open when an API key is set; the key is checked here and the client's
 Authorization header is passed on to the workers (give them the same key, or none).
 """
 
@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from pdserve import __version__
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Discovery
 from pdserve.router.errors import error_response, http_error_handler, internal_error_handler
@@ -35,7 +36,7 @@ from pdserve.router.workers import Role, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = {"/health", "/liveness", "/metrics"}
+OPEN_PATHS = {"/health", "/liveness", "/metrics", "/version"}
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
 INFO_PATHS = ("/get_model_info", "/model_info", "/get_server_info", "/server_info")
 
@@ -103,6 +104,10 @@ def build_router_app(
     @app.get("/liveness")
     async def liveness() -> Response:
         return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
 
     @app.get("/workers")
     async def workers() -> JSONResponse:
