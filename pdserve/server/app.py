@@ -71,11 +71,12 @@ def build_app(
             server_args=dict(server_args or {}),
         )
         logger.info(
-            "serving %s (%s on %s) as a %s worker%s",
+            "%s worker ready%s: serving %s (%s on %s)%s",
+            role.kind,
+            _served_at(server_args or {}),
             name,
             ready.architecture,
             ready.device,
-            role.kind,
             f", bootstrap port {ready.bootstrap_port}" if ready.bootstrap_port else "",
         )
         try:
@@ -123,3 +124,11 @@ def build_app(
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
     return app
+
+
+def _served_at(server_args: dict[str, Any]) -> str:
+    """` on http://HOST:PORT` when the command line said where it serves, else nothing."""
+    host, port = server_args.get("host"), server_args.get("port")
+    if host is None or port is None:
+        return ""
+    return f" on http://[{host}]:{port}" if ":" in host else f" on http://{host}:{port}"
