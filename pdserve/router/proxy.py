@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -34,7 +33,13 @@ from fastapi.responses import Response, StreamingResponse
 
 from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import LegError, error_event, error_response, worker_outcome
+from pdserve.router.errors import (
+    LegError,
+    error_event,
+    error_response,
+    leg_error,
+    raise_if_error_event,
+)
 from pdserve.router.fanout import (
     DONE,
     SSE_EVENT_END,
@@ -317,13 +322,13 @@ class Proxy:
         finally:
             await response.aclose()
         if response.status_code != 200:
-            raise _leg_error("prefill", response.status_code, content)
+            raise leg_error("prefill", response.status_code, content)
 
     async def _decode_leg(self, worker: Worker, endpoint, body, headers, stream):
         response = await self._send(self.decode, worker, endpoint, body, headers)
         try:
             if response.status_code != 200:
-                raise _leg_error("decode", response.status_code, await response.aread())
+                raise leg_error("decode", response.status_code, await response.aread())
             if not stream:
                 return response, await response.aread(), None
             chunks = response.aiter_bytes()
@@ -332,7 +337,7 @@ class Proxy:
                 head += chunk
                 if SSE_EVENT_END in head or len(head) > MAX_FIRST_EVENT_BYTES:
                     break
-            _raise_if_error_event("decode", head)
+            raise_if_error_event("decode", head)
             return response, head, chunks
         except httpx.HTTPError as e:
             await response.aclose()
@@ -457,30 +462,3 @@ class Proxy:
 def _reply(headers: dict[str, str]) -> dict[str, str]:
     """Response headers: the request id only (never echo the client's credentials)."""
     return {"X-Request-Id": headers["X-Request-Id"]}
-
-
-def _leg_error(role: str, status: int, content: bytes) -> LegError:
-    try:
-        body = json.loads(content)
-        error = body["error"]
-        message = error["message"]
-    except (ValueError, KeyError, TypeError):
-        body, error = None, None
-        message = content[:200].decode(errors="replace") or f"HTTP {status}"
-    outcome = worker_outcome(error, status)
-    return LegError(role, outcome.status, body, message, outcome.retryable)
-
-
-def _raise_if_error_event(role: str, head: bytes) -> None:
-    """A stream whose first event is an error failed before sending anything."""
-    first = head.split(SSE_EVENT_END, 1)[0].strip()
-    if not first.startswith(b"data:"):
-        return
-    try:
-        event = json.loads(first[5:])
-    except ValueError:
-        return
-    if isinstance(event, dict) and isinstance(event.get("error"), dict):
-        error = event["error"]
-        outcome = worker_outcome(error)
-        raise LegError(role, outcome.status, event, str(error.get("message")), outcome.retryable)
