@@ -32,6 +32,7 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 
 from pdserve.protocol.log_limit import RateLimitedLog
+from pdserve.router.access_log import AccessRecord
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import (
     LegError,
@@ -104,8 +105,10 @@ class Proxy:
         body: dict,
         headers: dict[str, str],
         client_left: Callable[[], Awaitable[None]],
+        access: AccessRecord,
     ) -> Response:
-        """client_left: returns when the client closes its connection."""
+        """client_left: returns when the client closes its connection; access: where the
+        request's pairs, retries and answer bytes are noted for its access line."""
         started = time.monotonic()
         deadline = started + self.config.request_timeout_s
         stream = body.get("stream") is True
@@ -118,7 +121,10 @@ class Proxy:
             response = error_response(e.status, str(e), code, _reply(headers), e.param)
             return self._done(endpoint, started, response)
         bodies = [part.body for part in parts]
-        attempt = asyncio.ensure_future(self._open_all(endpoint, bodies, headers, stream, deadline))
+        access.rooms = len(bodies)
+        attempt = asyncio.ensure_future(
+            self._open_all(endpoint, bodies, headers, stream, deadline, access)
+        )
         # NOTE: until the first byte, the client leaving is watched here (streaming or not):
         # every room's legs are cancelled, which aborts them on the workers; once a stream
         # has started, the streaming response notices.
@@ -138,10 +144,10 @@ class Proxy:
             return self._done(endpoint, started, rooms)
         if stream:
             if len(rooms) == 1:
-                relay = self._relay(endpoint, rooms[0], deadline, started)
+                relay = self._relay(endpoint, rooms[0], deadline, started, access)
             else:
                 merge = StreamMerge(endpoint, parts)
-                relay = self._relay_merged(endpoint, rooms, merge, deadline, started)
+                relay = self._relay_merged(endpoint, rooms, merge, deadline, started, access)
             return StreamingResponse(relay, media_type="text/event-stream", headers=_reply(headers))
         await self._close_all(rooms)
         if len(rooms) == 1:
@@ -152,6 +158,8 @@ class Proxy:
             except BadAnswer as e:
                 response = error_response(502, str(e), "worker_failed", _reply(headers))
                 return self._done(endpoint, started, response)
+        for room, legs in enumerate(rooms):
+            access.saw(room, legs.head)
         response = Response(content, media_type="application/json", headers=_reply(headers))
         return self._done(endpoint, started, response)
 
@@ -163,14 +171,16 @@ class Proxy:
     # ---- attempts --------------------------------------------------------------------
 
     async def _open_all(
-        self, endpoint, bodies, headers, stream, deadline
+        self, endpoint, bodies, headers, stream, deadline, access
     ) -> list[_Legs] | Response:
         """Open every room of a request at once: all their legs, or the first room's error
         that no retry fixed (every other room is then closed or cancelled, which aborts it on
         its workers)."""
         rooms = [
-            asyncio.ensure_future(self._attempts(endpoint, body, headers, stream, deadline))
-            for body in bodies
+            asyncio.ensure_future(
+                self._attempts(endpoint, body, headers, stream, deadline, access, room)
+            )
+            for room, body in enumerate(bodies)
         ]
         opened = False
         try:
@@ -191,8 +201,10 @@ class Proxy:
         results = await asyncio.gather(*rooms, return_exceptions=True)
         await self._close_all([r for r in results if isinstance(r, _Legs)])
 
-    async def _attempts(self, endpoint, body, headers, stream, deadline) -> _Legs | Response:
-        """Open both legs on a pair; retry once on a new pair if that may help."""
+    async def _attempts(
+        self, endpoint, body, headers, stream, deadline, access: AccessRecord, room: int
+    ) -> _Legs | Response:
+        """Open room `room`'s legs on a pair; retry once on a new pair if that may help."""
         avoid = None
         for attempt in range(self.config.max_retries + 1):
             try:
@@ -209,6 +221,7 @@ class Proxy:
             except WorkersBusy as e:
                 busy = {**_reply(headers), "Retry-After": "1"}
                 return error_response(429, str(e), "rate_limit_exceeded", busy)
+            access.paired(room, pair)
             try:
                 return await self._open(pair, endpoint, body, headers, stream, deadline)
             except LegError as e:
@@ -227,6 +240,7 @@ class Proxy:
                 if time.monotonic() >= deadline:
                     return error_response(504, "request timed out", "timeout", _reply(headers))
                 self.metrics.retries.inc()
+                access.retries += 1
                 avoid = pair
         raise AssertionError("unreachable")
 
@@ -356,14 +370,18 @@ class Proxy:
 
     # ---- streaming -------------------------------------------------------------------
 
-    async def _relay(self, endpoint, legs: _Legs, deadline, started) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, endpoint, legs: _Legs, deadline, started, access: AccessRecord
+    ) -> AsyncIterator[bytes]:
         """The decode leg's stream, as it comes; an SSE error event if it breaks."""
         status = "200"
         self.metrics.first_byte.labels(endpoint).observe(time.monotonic() - started)
         try:
+            access.saw(0, legs.head)
             yield legs.head
             async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
                 async for chunk in legs.chunks:
+                    access.saw(0, chunk)
                     yield chunk
         except TimeoutError:
             status = "504"
@@ -377,6 +395,7 @@ class Proxy:
             yield error_event(502, message, "worker_failed")
             yield b"data: [DONE]\n\n"
         finally:
+            access.stream_error = None if status == "200" else status
             self.metrics.requests.labels(endpoint, status).inc()
             self.metrics.latency.labels(endpoint).observe(time.monotonic() - started)
             # NOTE: shielded: a client that left cancels this generator, and the cleanup
@@ -384,7 +403,7 @@ class Proxy:
             await asyncio.shield(self._close(legs))
 
     async def _relay_merged(
-        self, endpoint, rooms: list[_Legs], merge: StreamMerge, deadline, started
+        self, endpoint, rooms: list[_Legs], merge: StreamMerge, deadline, started, access
     ) -> AsyncIterator[bytes]:
         """The rooms' streams as one (`fanout.StreamMerge`); when one room fails, the stream
         ends with its error and every other room is closed (aborted on its workers)."""
@@ -422,6 +441,7 @@ class Proxy:
                         message = "a decode worker ended its stream without [DONE]"
                         yield error_event(502, message, "worker_failed") + DONE
                         return
+                    access.saw(index, item)
                     try:
                         events = merge.feed(index, item)
                     except RoomFailed as e:
@@ -441,6 +461,7 @@ class Proxy:
         finally:
             for task in pumps:
                 task.cancel()
+            access.stream_error = None if status == "200" else status
             self.metrics.requests.labels(endpoint, status).inc()
             self.metrics.latency.labels(endpoint).observe(time.monotonic() - started)
             await asyncio.shield(self._close_all(rooms))
