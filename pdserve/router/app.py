@@ -1,13 +1,14 @@
 """The router's HTTP app: OpenAI endpoints and SGLang's /generate through a prefill/decode
-pair, /v1/models and model info from the workers, /health, /liveness, /workers, /metrics.
-Torch-free.
+pair, /v1/models and model info from the workers, /health, /liveness, /workers, /metrics,
+/version. Torch-free.
 
 `/health` is 200 while at least one prefill and one decode worker are in rotation (for
 monitoring and load balancers in front of several routers); `/liveness` is 200 while this
 process serves (the probe: a router must not be restarted because its workers are down, it
-answers their absence with a clear 503). `/workers` lists the pools. `/health`, `/liveness`
-and `/metrics` stay open when an API key is set; the key is checked here and the client's
-Authorization header is passed on to the workers (give them the same key, or none).
+answers their absence with a clear 503). `/workers` lists the pools. `/health`, `/liveness`,
+`/metrics` and `/version` stay open when an API key is set; the key is checked here and the
+client's Authorization header is passed on to the workers (give them the same key, or none).
+Each request to a generation endpoint gets one access line (`access_log`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from pdserve import __version__
+from pdserve.router.access_log import AccessLog, AccessRecord
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Discovery
 from pdserve.router.errors import error_response, http_error_handler, internal_error_handler
@@ -35,7 +38,7 @@ from pdserve.router.workers import Role, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = {"/health", "/liveness", "/metrics"}
+OPEN_PATHS = {"/health", "/liveness", "/metrics", "/version"}
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
 INFO_PATHS = ("/get_model_info", "/model_info", "/get_server_info", "/server_info")
 
@@ -94,6 +97,7 @@ def build_router_app(
     app.add_exception_handler(HTTPException, http_error_handler)
     app.add_exception_handler(Exception, internal_error_handler)
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=OPEN_PATHS)
+    app.add_middleware(AccessLog, paths=set(GENERATION_PATHS))  # NOTE: the outer one
 
     @app.get("/health")
     async def health() -> Response:
@@ -103,6 +107,10 @@ def build_router_app(
     @app.get("/liveness")
     async def liveness() -> Response:
         return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
 
     @app.get("/workers")
     async def workers() -> JSONResponse:
@@ -114,7 +122,8 @@ def build_router_app(
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def generation(request: Request) -> Response:
-        headers = _leg_headers(request)
+        access: AccessRecord = request.state.access
+        headers = _leg_headers(request, access.request_id)
         try:
             body = await read_json_body(request, config.max_body_bytes)
         except BadBody as e:
@@ -123,7 +132,7 @@ def build_router_app(
             return Response(status_code=499)  # NOTE: nobody is left to read it
         proxy: Proxy = request.app.state.proxy
         return await proxy.handle(
-            request.url.path, body, headers, lambda: client_left(request.receive)
+            request.url.path, body, headers, lambda: client_left(request.receive), access
         )
 
     for path in GENERATION_PATHS:
@@ -168,9 +177,11 @@ def _describe(pool: WorkerPool) -> list[dict]:
     ]
 
 
-def _leg_headers(request: Request) -> dict[str, str]:
-    """Headers for both legs (and the response): the request id, and the client's key."""
-    headers = {"X-Request-Id": request.headers.get("x-request-id") or uuid.uuid4().hex}
+def _leg_headers(request: Request, request_id: str | None = None) -> dict[str, str]:
+    """Headers for both legs (and the response): the request id (the client's, else a new
+    one), and the client's key."""
+    request_id = request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+    headers = {"X-Request-Id": request_id}
     if "authorization" in request.headers:
         headers["Authorization"] = request.headers["authorization"]
     return headers

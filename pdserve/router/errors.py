@@ -81,3 +81,31 @@ class LegError(Exception):
 
     def event(self) -> bytes:
         return f"data: {json.dumps(self.body)}\n\n".encode()
+
+
+def leg_error(role: str, status: int, content: bytes) -> LegError:
+    """A leg's answer with a status other than 200, as a LegError."""
+    try:
+        body = json.loads(content)
+        error = body["error"]
+        message = error["message"]
+    except (ValueError, KeyError, TypeError):
+        body, error = None, None
+        message = content[:200].decode(errors="replace") or f"HTTP {status}"
+    outcome = worker_outcome(error, status)
+    return LegError(role, outcome.status, body, message, outcome.retryable)
+
+
+def raise_if_error_event(role: str, head: bytes) -> None:
+    """A stream whose first event is an error failed before sending anything."""
+    first = head.split(b"\n\n", 1)[0].strip()  # NOTE: an SSE event ends with a blank line
+    if not first.startswith(b"data:"):
+        return
+    try:
+        event = json.loads(first[5:])
+    except ValueError:
+        return
+    if isinstance(event, dict) and isinstance(event.get("error"), dict):
+        error = event["error"]
+        outcome = worker_outcome(error)
+        raise LegError(role, outcome.status, event, str(error.get("message")), outcome.retryable)

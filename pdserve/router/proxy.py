@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,8 +32,15 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 
 from pdserve.protocol.log_limit import RateLimitedLog
+from pdserve.router.access_log import AccessRecord
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import LegError, error_event, error_response, worker_outcome
+from pdserve.router.errors import (
+    LegError,
+    error_event,
+    error_response,
+    leg_error,
+    raise_if_error_event,
+)
 from pdserve.router.fanout import (
     DONE,
     SSE_EVENT_END,
@@ -99,8 +105,10 @@ class Proxy:
         body: dict,
         headers: dict[str, str],
         client_left: Callable[[], Awaitable[None]],
+        access: AccessRecord,
     ) -> Response:
-        """client_left: returns when the client closes its connection."""
+        """client_left: returns when the client closes its connection; access: where the
+        request's pairs, retries and answer bytes are noted for its access line."""
         started = time.monotonic()
         deadline = started + self.config.request_timeout_s
         stream = body.get("stream") is True
@@ -113,7 +121,10 @@ class Proxy:
             response = error_response(e.status, str(e), code, _reply(headers), e.param)
             return self._done(endpoint, started, response)
         bodies = [part.body for part in parts]
-        attempt = asyncio.ensure_future(self._open_all(endpoint, bodies, headers, stream, deadline))
+        access.rooms = len(bodies)
+        attempt = asyncio.ensure_future(
+            self._open_all(endpoint, bodies, headers, stream, deadline, access)
+        )
         # NOTE: until the first byte, the client leaving is watched here (streaming or not):
         # every room's legs are cancelled, which aborts them on the workers; once a stream
         # has started, the streaming response notices.
@@ -133,10 +144,10 @@ class Proxy:
             return self._done(endpoint, started, rooms)
         if stream:
             if len(rooms) == 1:
-                relay = self._relay(endpoint, rooms[0], deadline, started)
+                relay = self._relay(endpoint, rooms[0], deadline, started, access)
             else:
                 merge = StreamMerge(endpoint, parts)
-                relay = self._relay_merged(endpoint, rooms, merge, deadline, started)
+                relay = self._relay_merged(endpoint, rooms, merge, deadline, started, access)
             return StreamingResponse(relay, media_type="text/event-stream", headers=_reply(headers))
         await self._close_all(rooms)
         if len(rooms) == 1:
@@ -147,6 +158,8 @@ class Proxy:
             except BadAnswer as e:
                 response = error_response(502, str(e), "worker_failed", _reply(headers))
                 return self._done(endpoint, started, response)
+        for room, legs in enumerate(rooms):
+            access.saw(room, legs.head)
         response = Response(content, media_type="application/json", headers=_reply(headers))
         return self._done(endpoint, started, response)
 
@@ -158,14 +171,16 @@ class Proxy:
     # ---- attempts --------------------------------------------------------------------
 
     async def _open_all(
-        self, endpoint, bodies, headers, stream, deadline
+        self, endpoint, bodies, headers, stream, deadline, access
     ) -> list[_Legs] | Response:
         """Open every room of a request at once: all their legs, or the first room's error
         that no retry fixed (every other room is then closed or cancelled, which aborts it on
         its workers)."""
         rooms = [
-            asyncio.ensure_future(self._attempts(endpoint, body, headers, stream, deadline))
-            for body in bodies
+            asyncio.ensure_future(
+                self._attempts(endpoint, body, headers, stream, deadline, access, room)
+            )
+            for room, body in enumerate(bodies)
         ]
         opened = False
         try:
@@ -186,8 +201,10 @@ class Proxy:
         results = await asyncio.gather(*rooms, return_exceptions=True)
         await self._close_all([r for r in results if isinstance(r, _Legs)])
 
-    async def _attempts(self, endpoint, body, headers, stream, deadline) -> _Legs | Response:
-        """Open both legs on a pair; retry once on a new pair if that may help."""
+    async def _attempts(
+        self, endpoint, body, headers, stream, deadline, access: AccessRecord, room: int
+    ) -> _Legs | Response:
+        """Open room `room`'s legs on a pair; retry once on a new pair if that may help."""
         avoid = None
         for attempt in range(self.config.max_retries + 1):
             try:
@@ -204,6 +221,7 @@ class Proxy:
             except WorkersBusy as e:
                 busy = {**_reply(headers), "Retry-After": "1"}
                 return error_response(429, str(e), "rate_limit_exceeded", busy)
+            access.paired(room, pair)
             try:
                 return await self._open(pair, endpoint, body, headers, stream, deadline)
             except LegError as e:
@@ -222,6 +240,7 @@ class Proxy:
                 if time.monotonic() >= deadline:
                     return error_response(504, "request timed out", "timeout", _reply(headers))
                 self.metrics.retries.inc()
+                access.retries += 1
                 avoid = pair
         raise AssertionError("unreachable")
 
@@ -317,13 +336,13 @@ class Proxy:
         finally:
             await response.aclose()
         if response.status_code != 200:
-            raise _leg_error("prefill", response.status_code, content)
+            raise leg_error("prefill", response.status_code, content)
 
     async def _decode_leg(self, worker: Worker, endpoint, body, headers, stream):
         response = await self._send(self.decode, worker, endpoint, body, headers)
         try:
             if response.status_code != 200:
-                raise _leg_error("decode", response.status_code, await response.aread())
+                raise leg_error("decode", response.status_code, await response.aread())
             if not stream:
                 return response, await response.aread(), None
             chunks = response.aiter_bytes()
@@ -332,7 +351,7 @@ class Proxy:
                 head += chunk
                 if SSE_EVENT_END in head or len(head) > MAX_FIRST_EVENT_BYTES:
                     break
-            _raise_if_error_event("decode", head)
+            raise_if_error_event("decode", head)
             return response, head, chunks
         except httpx.HTTPError as e:
             await response.aclose()
@@ -351,14 +370,18 @@ class Proxy:
 
     # ---- streaming -------------------------------------------------------------------
 
-    async def _relay(self, endpoint, legs: _Legs, deadline, started) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, endpoint, legs: _Legs, deadline, started, access: AccessRecord
+    ) -> AsyncIterator[bytes]:
         """The decode leg's stream, as it comes; an SSE error event if it breaks."""
         status = "200"
         self.metrics.first_byte.labels(endpoint).observe(time.monotonic() - started)
         try:
+            access.saw(0, legs.head)
             yield legs.head
             async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
                 async for chunk in legs.chunks:
+                    access.saw(0, chunk)
                     yield chunk
         except TimeoutError:
             status = "504"
@@ -372,6 +395,7 @@ class Proxy:
             yield error_event(502, message, "worker_failed")
             yield b"data: [DONE]\n\n"
         finally:
+            access.stream_error = None if status == "200" else status
             self.metrics.requests.labels(endpoint, status).inc()
             self.metrics.latency.labels(endpoint).observe(time.monotonic() - started)
             # NOTE: shielded: a client that left cancels this generator, and the cleanup
@@ -379,7 +403,7 @@ class Proxy:
             await asyncio.shield(self._close(legs))
 
     async def _relay_merged(
-        self, endpoint, rooms: list[_Legs], merge: StreamMerge, deadline, started
+        self, endpoint, rooms: list[_Legs], merge: StreamMerge, deadline, started, access
     ) -> AsyncIterator[bytes]:
         """The rooms' streams as one (`fanout.StreamMerge`); when one room fails, the stream
         ends with its error and every other room is closed (aborted on its workers)."""
@@ -417,6 +441,7 @@ class Proxy:
                         message = "a decode worker ended its stream without [DONE]"
                         yield error_event(502, message, "worker_failed") + DONE
                         return
+                    access.saw(index, item)
                     try:
                         events = merge.feed(index, item)
                     except RoomFailed as e:
@@ -436,6 +461,7 @@ class Proxy:
         finally:
             for task in pumps:
                 task.cancel()
+            access.stream_error = None if status == "200" else status
             self.metrics.requests.labels(endpoint, status).inc()
             self.metrics.latency.labels(endpoint).observe(time.monotonic() - started)
             await asyncio.shield(self._close_all(rooms))
@@ -457,30 +483,3 @@ class Proxy:
 def _reply(headers: dict[str, str]) -> dict[str, str]:
     """Response headers: the request id only (never echo the client's credentials)."""
     return {"X-Request-Id": headers["X-Request-Id"]}
-
-
-def _leg_error(role: str, status: int, content: bytes) -> LegError:
-    try:
-        body = json.loads(content)
-        error = body["error"]
-        message = error["message"]
-    except (ValueError, KeyError, TypeError):
-        body, error = None, None
-        message = content[:200].decode(errors="replace") or f"HTTP {status}"
-    outcome = worker_outcome(error, status)
-    return LegError(role, outcome.status, body, message, outcome.retryable)
-
-
-def _raise_if_error_event(role: str, head: bytes) -> None:
-    """A stream whose first event is an error failed before sending anything."""
-    first = head.split(SSE_EVENT_END, 1)[0].strip()
-    if not first.startswith(b"data:"):
-        return
-    try:
-        event = json.loads(first[5:])
-    except ValueError:
-        return
-    if isinstance(event, dict) and isinstance(event.get("error"), dict):
-        error = event["error"]
-        outcome = worker_outcome(error)
-        raise LegError(role, outcome.status, event, str(error.get("message")), outcome.retryable)

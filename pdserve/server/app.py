@@ -1,8 +1,8 @@
 """The worker's HTTP app: OpenAI + SGLang-native routes, health, metrics, API key, errors.
 
 The engine runs in its own process (`engine_process`); this process only parses, tokenizes,
-streams and counts. `/health`, `/health_generate` and `/metrics` stay open when an API key is
-set (Kubernetes probes and Prometheus scrapes carry no key).
+streams and counts. `/health`, `/health_generate`, `/metrics` and `/version` stay open when an
+API key is set (Kubernetes probes and Prometheus scrapes carry no key).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
+from pdserve import __version__
 from pdserve.engine.config import EngineConfig
 from pdserve.server import native_api, openai_api
 from pdserve.server.engine_client import EngineClient, EngineClientConfig
@@ -35,7 +36,7 @@ from pdserve.server.role import WorkerRole
 logger = logging.getLogger(__name__)
 
 # NOTE: probes carry no credentials: /health_generate is the readiness probe.
-OPEN_PATHS = {"/health", "/health_generate", "/metrics"}
+OPEN_PATHS = {"/health", "/health_generate", "/metrics", "/version"}
 
 
 def build_app(
@@ -70,11 +71,12 @@ def build_app(
             server_args=dict(server_args or {}),
         )
         logger.info(
-            "serving %s (%s on %s) as a %s worker%s",
+            "%s worker ready%s: serving %s (%s on %s)%s",
+            role.kind,
+            _served_at(server_args or {}),
             name,
             ready.architecture,
             ready.device,
-            role.kind,
             f", bootstrap port {ready.bootstrap_port}" if ready.bootstrap_port else "",
         )
         try:
@@ -109,6 +111,10 @@ def build_app(
             return Response(status_code=200)
         return Response(client.health_detail, status_code=503, media_type="text/plain")
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         state: ServerState = request.app.state.pdserve
@@ -118,3 +124,11 @@ def build_app(
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
     return app
+
+
+def _served_at(server_args: dict[str, Any]) -> str:
+    """` on http://HOST:PORT` when the command line said where it serves, else nothing."""
+    host, port = server_args.get("host"), server_args.get("port")
+    if host is None or port is None:
+        return ""
+    return f" on http://[{host}]:{port}" if ":" in host else f" on http://{host}:{port}"

@@ -163,7 +163,7 @@ class EngineClient:
             logger.error("%s", self.failure)
             return
         self.failure = None
-        logger.info("engine restarted")
+        logger.info("%s worker's engine restarted, ready again", self.role.kind)
 
     async def _stop_process(self) -> None:
         process = self._process

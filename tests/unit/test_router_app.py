@@ -11,8 +11,7 @@ from fastapi.testclient import TestClient
 
 from pdserve.router.app import build_router_app
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import LegError
-from pdserve.router.proxy import _leg_error, _raise_if_error_event
+from pdserve.router.errors import LegError, leg_error, raise_if_error_event
 from tests.unit.fake_workers import FakeWorkers
 
 UNREACHABLE = "http://127.0.0.1:9"  # discard port: nothing listens
@@ -57,24 +56,24 @@ def test_router_cli_passes_the_limits():
 
 def test_a_leg_error_is_retryable_only_for_worker_failures():
     body = b'{"error": {"message": "too long", "type": "invalid_request_error"}}'
-    assert not _leg_error("prefill", 400, body).retryable
-    assert _leg_error("decode", 503, b"not json").retryable
-    assert "too long" in str(_leg_error("prefill", 400, body))
+    assert not leg_error("prefill", 400, body).retryable
+    assert leg_error("decode", 503, b"not json").retryable
+    assert "too long" in str(leg_error("prefill", 400, body))
 
 
 def test_an_error_as_the_first_event_fails_the_leg():
-    _raise_if_error_event("decode", b'data: {"text": "hi"}\n\n')  # an ordinary first event
+    raise_if_error_event("decode", b'data: {"text": "hi"}\n\n')  # an ordinary first event
     transfer = b'data: {"error": {"message": "peer silent", "type": "server_error"}}\n\n'
     with pytest.raises(LegError) as failed:
-        _raise_if_error_event("decode", transfer)
+        raise_if_error_event("decode", transfer)
     assert failed.value.retryable and failed.value.status == 503
     invalid = b'data: {"error": {"message": "bad", "type": "invalid_request_error"}}\n\n'
     with pytest.raises(LegError) as failed:
-        _raise_if_error_event("decode", invalid)
+        raise_if_error_event("decode", invalid)
     assert not failed.value.retryable and failed.value.status == 400
     full = b'data: {"error": {"message": "queue full", "type": "rate_limit_error"}}\n\n'
     with pytest.raises(LegError) as failed:
-        _raise_if_error_event("decode", full)
+        raise_if_error_event("decode", full)
     assert not failed.value.retryable and failed.value.status == 429
 
 

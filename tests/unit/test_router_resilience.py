@@ -15,6 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pdserve.protocol.log_limit import RateLimitedLog
+from pdserve.router.access_log import AccessRecord
 from pdserve.router.app import build_router_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
@@ -186,7 +187,9 @@ def test_a_client_that_leaves_before_the_first_byte_cancels_both_legs(stream):
             proxy = Proxy(fakes.config(), prefill, decode, client, metrics)
             body = {**BODY, "stream": stream}
             handling = asyncio.create_task(
-                proxy.handle("/v1/completions", body, {"X-Request-Id": "x"}, gone.wait)
+                proxy.handle(
+                    "/v1/completions", body, {"X-Request-Id": "x"}, gone.wait, AccessRecord("x")
+                )
             )
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in reached.values())), 10)
             gone.set()
