@@ -162,10 +162,11 @@ class StartupFailed(RuntimeError):
     """The app could not start (its engine did not come up); the message says why."""
 
 
-def serve_http(app, settings: HttpSettings, log_level: str) -> int:
+def serve_http(app, settings: HttpSettings, log_level: str, access_log: bool = True) -> int:
     """Serve `app` until SIGTERM/SIGINT. Its start-up (the engine process) runs before the
     socket is bound, and a failure there is one `error:` line (the traceback at debug
-    level), exit code 1."""
+    level), exit code 1. access_log: uvicorn's line per request (the router writes its
+    own, richer one)."""
     import uvicorn
 
     if logging.getLevelName(log_level.upper()) > logging.DEBUG:
@@ -175,6 +176,7 @@ def serve_http(app, settings: HttpSettings, log_level: str) -> int:
         host=settings.host,
         port=settings.port,
         log_level=log_level,
+        access_log=access_log,
         lifespan="off",  # NOTE: run below, so that its failure is ours to report
         timeout_graceful_shutdown=settings.shutdown_timeout,
     )

@@ -110,4 +110,5 @@ def configure(args: argparse.Namespace) -> Callable[[], int]:
     http = http_settings_from_args(args, port=ROUTER_PORT)
     config = router_config_from_args(args, http.api_key)
     check_port_free(http.host, http.port, "--port")
-    return functools.partial(serve_http, build_router_app(config), http, args.log_level)
+    app = build_router_app(config)
+    return functools.partial(serve_http, app, http, args.log_level, access_log=False)

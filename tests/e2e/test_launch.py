@@ -5,9 +5,11 @@ launcher's death (no orphans)."""
 from __future__ import annotations
 
 import os
+import pathlib
 import queue
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -140,3 +142,50 @@ def test_workers_exit_when_the_launcher_is_killed(launched):
     os.kill(launch.process.pid, signal.SIGKILL)  # the launcher only: no chance to clean up
     for url in [launch.url, *workers]:
         wait_until(lambda url=url: not _listening(url), f"{url} to exit by itself", 30)
+
+
+def _launch_once(*argv: str, env: dict[str, str] | None = None, timeout: float = 240):
+    command = [sys.executable, "-m", "pdserve.cli", "launch", "--device", "cpu"]
+    return subprocess.run(
+        [*command, "--port", str(free_port()), *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
+def test_a_worker_that_cannot_start_is_one_error_line_naming_it(tiny_model_dirs, tmp_path):
+    model = tmp_path / "no-weights"
+    model.mkdir()
+    for config in pathlib.Path(tiny_model_dirs("llama")).glob("*.json"):
+        shutil.copy(config, model)
+    done = _launch_once(str(model), "--log-dir", str(tmp_path / "logs"))
+    assert done.returncode == 1, done.stderr
+    mine = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(mine) == 1, done.stderr
+    assert re.match(r"error: prefill 0 \(http://127\.0\.0\.1:\d+\) exited with code 1", mine[0])
+    assert "no *.safetensors files" in mine[0]
+    assert f"full log: {tmp_path / 'logs' / 'prefill-0.log'}" in mine[0]
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+def test_launch_hands_the_api_key_and_model_name_to_every_process(tiny_model_dirs, tmp_path):
+    done = _launch_once(
+        tiny_model_dirs("llama"),
+        "--check",
+        "--served-model-name",
+        "my-model",
+        "--log-dir",
+        str(tmp_path),
+        env={"PDSERVE_API_KEY": "sesame"},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert '"model":"my-model"' in done.stdout  # the check went through with the key
+    assert 'Authorization: Bearer $PDSERVE_API_KEY"' in done.stdout  # the curl line too
+    assert "sesame" not in done.stdout + done.stderr
+    router_log = (tmp_path / "router.log").read_text()
+    assert re.search(r"request \S+ POST /v1/completions 200 prefill=http", router_log)
+    for name in ("prefill-0", "decode-0"):
+        assert "worker ready on http://" in (tmp_path / f"{name}.log").read_text()

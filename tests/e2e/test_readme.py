@@ -19,7 +19,7 @@ RUNS_MARK = "<!-- runs in tests -->"
 
 def blocks(language: str) -> list[tuple[str, str]]:
     """(the line before the fence, the code) of every block fenced as `language`."""
-    pattern = re.compile(r"(?m)^(.*)\n```" + language + r"\n(.*?)^```", re.DOTALL)
+    pattern = re.compile(r"(?m)^([^\n]*)\n```" + language + r"\n(.*?)^```", re.DOTALL)
     return [(m.group(1).strip(), m.group(2)) for m in pattern.finditer(README)]
 
 
@@ -35,7 +35,7 @@ def test_ci_runs_exactly_the_readme_set_up_commands():
     found = commands(set_up)
     assert len(found) == 2, found
     for command in found:
-        assert command in ci, f".ci/run does not run the README's {command!r}"
+        assert command in ci.splitlines(), f".ci/run does not run the README's {command!r}"
 
 
 def test_every_shell_block_is_a_command_or_marked_as_a_synopsis():
@@ -65,7 +65,7 @@ MARKED = [code for before, code in blocks("bash") if before == RUNS_MARK]
 
 
 def test_some_command_blocks_are_marked_to_run():
-    assert len(MARKED) >= 2
+    assert MARKED, f"no block marked {RUNS_MARK}"
 
 
 @pytest.mark.parametrize("index", range(len(MARKED)))
