@@ -9,6 +9,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from pdserve.bench import command as bench_command
 from pdserve.engine.config import ATTENTION_BACKENDS
 from pdserve.protocol.spec_settings import SpeculativeConfigError
 
@@ -629,6 +630,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_train_eagle_args(train)
     train.set_defaults(func=_train_eagle)
+
+    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (any URL)")
+    bench_command.add_arguments(bench)
+    bench.set_defaults(func=bench_command.run)
     return parser
 
 

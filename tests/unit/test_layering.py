@@ -30,6 +30,7 @@ LAYERS: dict[str, set[str]] = {
     # The HTTP shell and the engine loop: it gets the role's factory, never names a role.
     "server": {"engine", "protocol"},
     "router": {"protocol"},  # a router pod needs no GPU image
+    "bench": set(),  # a client for any OpenAI-compatible server: nothing of pdserve, no torch
     # The top: offline LLM, local launcher, command line.
     "llm": {"engine", "speculative", "protocol"},
     "launch": {"server", "engine", "protocol"},
@@ -39,7 +40,7 @@ LAYERS: dict[str, set[str]] = {
 LAYERS["cli"] = set(LAYERS) - {"cli", "pdserve"}
 
 # Units whose import graph must not contain torch (not even deferred).
-TORCH_FREE = {"protocol", "router"}
+TORCH_FREE = {"protocol", "router", "bench"}
 
 # Imports that break the table today, each to be removed by the change that fixes it (the test
 # fails once one is gone, so this list cannot go stale).
