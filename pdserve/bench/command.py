@@ -13,13 +13,19 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from pdserve.bench.client import BenchClient, ClientSettings, ServerUnreachable, served_models
+from pdserve.bench.client import (
+    BenchClient,
+    ClientSettings,
+    RequestRecord,
+    ServerUnreachable,
+    served_models,
+)
 from pdserve.bench.metrics import SLO, format_summary, summarize
 from pdserve.bench.runner import Load, RunResult, run_load, warm_up
 from pdserve.bench.workloads import WORKLOADS, LengthRange, WorkloadSpec, build_workload
@@ -186,26 +192,33 @@ def run(args: argparse.Namespace) -> int:
         return _error(f"{plan.client.base_url} lists no model at /v1/models; pass --model")
     plan = replace(plan, client=replace(plan.client, model=model))
     try:
-        results, summaries = asyncio.run(_run(plan, progress=not args.disable_tqdm))
+        outcome = asyncio.run(_run(plan, progress=not args.disable_tqdm))
     except WarmupFailed as e:
         return _error(str(e))
     if args.result_json is not None:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        report = result_report(args, model, results, summaries)
+        report = result_report(args, model, outcome)
         args.result_json.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
         print(f"results: {args.result_json}")
     if args.plot_dir is not None:
         from pdserve.bench.plots import write_plots  # matplotlib loads only when asked
 
-        for path in write_plots(args.plot_dir, results, summaries):
+        for path in write_plots(args.plot_dir, outcome.results, outcome.summaries):
             print(f"plot: {path}")
     return 0
 
 
-async def _run(plan: BenchPlan, progress: bool) -> tuple[list[RunResult], list[dict[str, Any]]]:
+@dataclass
+class BenchOutcome:
+    warmup: list[RequestRecord] = field(default_factory=list)
+    results: list[RunResult] = field(default_factory=list)  # one per load
+    summaries: list[dict[str, Any]] = field(default_factory=list)
+
+
+async def _run(plan: BenchPlan, progress: bool) -> BenchOutcome:
     caps = [load.max_concurrency for load in plan.loads]
     client = BenchClient(plan.client, max_connections=None if None in caps else max(caps))
-    results, summaries = [], []
+    outcome = BenchOutcome()
     try:
         for index, load in enumerate(plan.loads):
             # NOTE: each run of a sweep gets its own prompts (seed + index), so that a
@@ -215,7 +228,7 @@ async def _run(plan: BenchPlan, progress: bool) -> tuple[list[RunResult], list[d
                 plan.workload, plan.warmup_requests + plan.num_prompts, plan.seed + index
             )
             if index == 0:
-                await _warm_up(client, workload[: plan.warmup_requests])
+                outcome.warmup = await _warm_up(client, workload[: plan.warmup_requests])
             conversations = workload[plan.warmup_requests :]
             total = sum(len(c.turns) for c in conversations)
             show = progress and sys.stderr.isatty()
@@ -225,25 +238,27 @@ async def _run(plan: BenchPlan, progress: bool) -> tuple[list[RunResult], list[d
                 )
             summary = summarize(result.records, result.duration_s, plan.slo)
             print(format_summary(summary, f"{plan.workload.name}, {load.label}"), flush=True)
-            results.append(result)
-            summaries.append(summary)
+            outcome.results.append(result)
+            outcome.summaries.append(summary)
     finally:
         await client.aclose()
-    return results, summaries
+    return outcome
 
 
-async def _warm_up(client: BenchClient, conversations) -> None:
-    for record in await warm_up(client, conversations):
+async def _warm_up(client: BenchClient, conversations) -> list[RequestRecord]:
+    records = await warm_up(client, conversations)
+    for record in records:
         if not record.success:
             raise WarmupFailed(
                 f"the warm-up request to {client.url} failed ({record.error}); "
                 "check --model, the lengths and the endpoint against the server"
             )
+    return records
 
 
-def result_report(
-    args: argparse.Namespace, model: str, results: list[RunResult], summaries: list[dict]
-) -> dict[str, Any]:
+def result_report(args: argparse.Namespace, model: str, outcome: BenchOutcome) -> dict[str, Any]:
+    """The flags (not the API key), the model, what the numbers mean, the warm-up requests
+    (not in any summary) and, per run, its load, summary and every request."""
     config = {
         key: _json_safe(value)
         for key, value in vars(args).items()
@@ -258,6 +273,7 @@ def result_report(
             "tpot": "(e2e - ttft) / (output_tokens - 1), requests with >= 2 tokens",
             "goodput": "successful requests/s meeting every given SLO; null with no SLO",
         },
+        "warmup_requests": [record.to_json() for record in outcome.warmup],
         "runs": [
             {
                 "request_rate": _json_safe(result.load.request_rate),
@@ -265,7 +281,7 @@ def result_report(
                 "summary": summary,
                 "requests": [record.to_json() for record in result.records],
             }
-            for result, summary in zip(results, summaries, strict=True)
+            for result, summary in zip(outcome.results, outcome.summaries, strict=True)
         ],
     }
 

@@ -115,6 +115,7 @@ def test_a_sweep_writes_its_json_and_plots(tmp_path, monkeypatch, capsys):
     assert out.count("Successful requests") == 2 and "rate 400/s" in out and "rate inf/s" in out
     report = json.loads((tmp_path / "out" / "result.json").read_text())
     assert report["config"]["model"] == "tiny" and "api_key" not in report["config"]
+    assert [r["success"] for r in report["warmup_requests"]] == [True]
     assert [run["request_rate"] for run in report["runs"]] == [400.0, "inf"]
     for run in report["runs"]:
         summary, requests = run["summary"], run["requests"]
