@@ -283,3 +283,34 @@ def test_poisson_arrivals_start_conversations_no_earlier_than_scheduled():
     for record in result.records:
         assert record.start_s >= offsets[record.conversation] - 1e-3
     assert result.duration_s >= offsets[-1]
+
+
+def test_chunks_are_timed_as_they_arrive_over_a_real_socket():
+    """A raw HTTP/1.1 server writes a chunk every 50 ms: the client must see the gaps (a
+    client that buffered the body would see them all at once)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        events = [text_chunk("x") for _ in range(4)]
+        for data in [*(f"data: {json.dumps(e)}\n\n" for e in events), "data: [DONE]\n\n"]:
+            await asyncio.sleep(0.05)
+            writer.write(b"%x\r\n%s\r\n" % (len(data), data.encode()))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        writer.close()
+
+    async def go():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = BenchClient(ClientSettings(f"http://127.0.0.1:{port}", "tiny"))
+        try:
+            return await client.send(ONE, [])
+        finally:
+            await client.aclose()
+            server.close()
+
+    record = asyncio.run(go())
+    assert record.success and record.answer == "xxxx"
+    assert record.ttft_s >= 0.045 and len(record.itl_s) == 3
+    assert sum(record.itl_s) >= 0.1 and record.e2e_s >= 0.2
