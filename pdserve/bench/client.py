@@ -37,6 +37,10 @@ class ServerUnreachable(Exception):
     """The base URL did not answer at all (connection refused, DNS, timeout)."""
 
 
+class NoModelList(Exception):
+    """/v1/models answered, but not with a list of models (an error status, another API)."""
+
+
 @dataclass(frozen=True)
 class ClientSettings:
     base_url: str
@@ -107,20 +111,29 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def served_models(base_url: str, api_key: str | None, timeout_s: float = 30.0) -> list[str]:
-    """The model ids /v1/models lists ([] when it answers anything but a model list).
-    Raises ServerUnreachable, naming the URL, when nothing answers."""
+def served_models(
+    base_url: str,
+    api_key: str | None,
+    timeout_s: float = 30.0,
+    transport: httpx.BaseTransport | None = None,
+) -> list[str]:
+    """The model ids /v1/models lists. Raises ServerUnreachable, naming the URL, when nothing
+    answers, and NoModelList when the answer is not a model list."""
     url = api_url(base_url, "/v1/models")
     try:
-        response = httpx.get(url, headers=auth_headers(api_key), timeout=timeout_s)
+        with httpx.Client(transport=transport, timeout=timeout_s) as http:
+            response = http.get(url, headers=auth_headers(api_key))
     except httpx.HTTPError as e:
         raise ServerUnreachable(f"cannot reach {url}: {_describe(e)}") from None
+    if response.status_code != 200:
+        message = _error_message(response.text)
+        raise NoModelList(f"{url} answered HTTP {response.status_code}: {message}")
     try:
-        data = response.json().get("data") if response.status_code == 200 else None
-    except ValueError:
+        data = response.json().get("data")
+    except (ValueError, AttributeError):
         data = None
     if not isinstance(data, list):
-        return []
+        raise NoModelList(f"{url} answered no model list")
     return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
 

@@ -22,8 +22,10 @@ from tqdm import tqdm
 from pdserve.bench.client import (
     BenchClient,
     ClientSettings,
+    NoModelList,
     RequestRecord,
     ServerUnreachable,
+    api_url,
     served_models,
 )
 from pdserve.bench.metrics import SLO, format_summary, summarize
@@ -110,6 +112,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
+def _resolve_model(settings: ClientSettings, given: str | None) -> str:
+    """`given`, else the first model /v1/models lists; either way, the server must answer."""
+    url = api_url(settings.base_url, "/v1/models")
+    try:
+        models = served_models(settings.base_url, settings.api_key)
+    except NoModelList as e:
+        if given:
+            return given  # a server without /v1/models: fine when told the model
+        raise NoModelList(f"{e}; pass --model") from None
+    if given or models:
+        return given or models[0]
+    raise NoModelList(f"{url} lists no model; pass --model")
+
+
 class WarmupFailed(Exception):
     """A warm-up request failed: the settings do not suit the server."""
 
@@ -184,12 +200,9 @@ def _loads(args: argparse.Namespace) -> tuple[Load, ...]:
 def run(args: argparse.Namespace) -> int:
     try:
         plan = plan_from_args(args)
-        models = served_models(plan.client.base_url, plan.client.api_key)
-    except (ValueError, ServerUnreachable) as e:
+        model = _resolve_model(plan.client, args.model)
+    except (ValueError, ServerUnreachable, NoModelList) as e:
         return _error(str(e))
-    model = args.model or (models[0] if models else None)
-    if model is None:
-        return _error(f"{plan.client.base_url} lists no model at /v1/models; pass --model")
     plan = replace(plan, client=replace(plan.client, model=model))
     try:
         outcome = asyncio.run(_run(plan, progress=not args.disable_tqdm))

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pdserve.bench import command
-from pdserve.bench.client import BenchClient
+from pdserve.bench.client import BenchClient, NoModelList, served_models
 from pdserve.server.local_process import free_port
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -69,6 +69,43 @@ def test_an_unreachable_url_is_one_line_naming_it(capsys):
     assert command.run(args) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot reach {url}/v1/models") and err.count("\n") == 1
+
+
+def models_answer(status: int, body) -> httpx.MockTransport:
+    return httpx.MockTransport(lambda request: httpx.Response(status, json=body))
+
+
+def test_the_model_list_is_read_and_its_absence_explained():
+    listed = {"object": "list", "data": [{"id": "a", "object": "model"}, {"id": "b"}]}
+    assert served_models("http://fake/v1", None, transport=models_answer(200, listed)) == ["a", "b"]
+    refusal = {"error": {"message": "bad key", "type": "authentication_error"}}
+    with pytest.raises(NoModelList, match=r"http://fake/v1/models answered HTTP 401: bad key"):
+        served_models("http://fake", "sk-wrong", transport=models_answer(401, refusal))
+    with pytest.raises(NoModelList, match="no model list"):
+        served_models("http://fake", None, transport=models_answer(200, ["a"]))
+
+
+@pytest.mark.parametrize(
+    ("answer", "given", "outcome"),
+    [
+        ((200, {"data": [{"id": "first"}, {"id": "second"}]}), None, "first"),
+        ((200, {"data": [{"id": "first"}]}), "mine", "mine"),
+        ((404, {"detail": "Not Found"}), "mine", "mine"),
+        ((404, {"detail": "Not Found"}), None, "answered HTTP 404: Not Found; pass --model"),
+        ((200, {"data": []}), None, "lists no model; pass --model"),
+    ],
+)
+def test_the_model_is_the_one_given_or_the_first_listed(answer, given, outcome, monkeypatch):
+    transport = models_answer(*answer)
+    monkeypatch.setattr(
+        command, "served_models", functools.partial(served_models, transport=transport)
+    )
+    settings = command.plan_from_args(parse()).client
+    if outcome in ("first", "mine"):
+        assert command._resolve_model(settings, given) == outcome
+    else:
+        with pytest.raises(NoModelList, match=outcome):
+            command._resolve_model(settings, given)
 
 
 def fake_server(fail_every: int = 0):
