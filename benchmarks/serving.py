@@ -3,9 +3,10 @@
 Starts `pdserve serve`, sends `--num-prompts` streaming completions with at most
 `--concurrency` in flight through pdserve.bench (its random workload: token prompts,
 input/output lengths uniform in [min_len, max_len], EOS ignored), and records throughput,
-time to first token and the gaps between streamed chunks (one per token: logprobs are on). Then runs the same workload through the offline `LLM` with
-`max_running_requests = concurrency` and reports its mean step time: the inter-token latency
-the engine achieves when nothing else shares its process. Their ratio says whether the HTTP
+time to first token and the gaps between streamed chunks (one per token: logprobs are on).
+Then runs the same workload through the offline `LLM` with `max_running_requests =
+concurrency` and reports its mean step time: the inter-token latency the engine achieves when
+nothing else shares its process. Their ratio says whether the HTTP
 front end slows the engine.
 
     python benchmarks/serving.py --preset llama-3.2-1b --concurrency 64
