@@ -15,7 +15,6 @@ cost of a KV handoff in every TTFT.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import tempfile
 from pathlib import Path
@@ -26,9 +25,9 @@ from pdserve.server.local_process import LocalServer, free_port
 
 
 def measure(name: str, url: str, workload, concurrency: int) -> dict:
-    asyncio.run(drive(url, workload[: concurrency // 4 or 1], concurrency))  # warm-up
-    record, elapsed, _ = asyncio.run(drive(url, workload, concurrency))
-    return {"deployment": name, **stream_summary(record, elapsed, workload)}
+    drive(url, workload[: concurrency // 4 or 1], concurrency)  # warm-up
+    result, _ = drive(url, workload, concurrency)
+    return {"deployment": name, **stream_summary(result, workload)}
 
 
 def engine_args(model_path: str, args) -> list[str]:

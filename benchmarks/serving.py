@@ -1,11 +1,12 @@
 """Online serving through HTTP beside the engine alone, on the same workload and GPU.
 
 Starts `pdserve serve`, sends `--num-prompts` streaming completions with at most
-`--concurrency` in flight (random token prompts, input/output lengths uniform in
-[min_len, max_len], EOS ignored), and records throughput, time to first token and the gaps
-between streamed chunks. Then runs the same workload through the offline `LLM` with
-`max_running_requests = concurrency` and reports its mean step time: the inter-token latency
-the engine achieves when nothing else shares its process. Their ratio says whether the HTTP
+`--concurrency` in flight through pdserve.bench (its random workload: token prompts,
+input/output lengths uniform in [min_len, max_len], EOS ignored), and records throughput,
+time to first token and the gaps between streamed chunks (one per token: logprobs are on).
+Then runs the same workload through the offline `LLM` with `max_running_requests =
+concurrency` and reports its mean step time: the inter-token latency the engine achieves when
+nothing else shares its process. Their ratio says whether the HTTP
 front end slows the engine.
 
     python benchmarks/serving.py --preset llama-3.2-1b --concurrency 64
@@ -15,9 +16,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
-import random
+import math
 import statistics
 import tempfile
 import time
@@ -25,50 +25,18 @@ from pathlib import Path
 
 import httpx
 
-
-def make_workload(n: int, min_len: int, max_len: int, vocab: int, seed: int):
-    rng = random.Random(seed)
-    return [
-        (
-            [rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))],
-            rng.randint(min_len, max_len),
-        )
-        for _ in range(n)
-    ]
+from pdserve.bench.client import BenchClient, ClientSettings, served_models
+from pdserve.bench.metrics import SLO, summarize
+from pdserve.bench.runner import Load, RunResult, run_load
+from pdserve.bench.workloads import Conversation, LengthRange, WorkloadSpec, build_workload
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt, max_tokens, record) -> None:
-    # NOTE: logprobs=0 makes every step's token a chunk even when it decodes to no text (the
-    # random model's ids mostly lie outside the tiny tokenizer), so gaps are per token.
-    body = {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "logprobs": 0,
-    }
-    start = time.perf_counter()
-    stamps, tokens = [], 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            elif event["choices"] and event["choices"][0]["logprobs"]:
-                stamps.append(time.perf_counter())
-    record.append(
-        {
-            "ttft": stamps[0] - start if stamps else None,
-            "gaps": [b - a for a, b in itertools.pairwise(stamps)],
-            "tokens": tokens,
-            "latency": time.perf_counter() - start,
-        }
-    )
+def make_workload(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[Conversation]:
+    """`n` random token prompts (ids in [0, vocab)), input and output lengths uniform in
+    [min_len, max_len]: pdserve.bench's random workload."""
+    lengths = LengthRange(min_len, max_len)
+    spec = WorkloadSpec("random", False, lengths, lengths, token_id_min=0, token_id_max=vocab)
+    return build_workload(spec, n, seed)
 
 
 async def sample_running(client: httpx.AsyncClient, url: str, samples: list[float]) -> None:
@@ -81,43 +49,43 @@ async def sample_running(client: httpx.AsyncClient, url: str, samples: list[floa
         await asyncio.sleep(0.25)
 
 
-async def drive(url: str, workload, concurrency: int) -> tuple[list[dict], float, list]:
-    record: list[dict] = []
+def drive(url: str, workload: list[Conversation], concurrency: int) -> tuple[RunResult, list]:
+    """Stream every request of `workload` through pdserve.bench, at most `concurrency` in
+    flight, sampling the server's running batch meanwhile."""
+    # NOTE: logprobs=0 makes every step's token a chunk even when it decodes to no text (the
+    # random model's ids mostly lie outside the tiny tokenizer), so gaps are per token.
+    settings = ClientSettings(url, served_models(url, None)[0], logprobs=0)
+    return asyncio.run(_drive(settings, workload, concurrency))
+
+
+async def _drive(settings: ClientSettings, workload, concurrency: int):
+    client = BenchClient(settings, max_connections=concurrency)
     running: list[float] = []
-    gate = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 8)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-
-        async def guarded(prompt, max_tokens):
-            async with gate:
-                await one_request(client, url, prompt, max_tokens, record)
-
-        sampler = asyncio.create_task(sample_running(client, url, running))
-        start = time.perf_counter()
-        await asyncio.gather(*(guarded(p, n) for p, n in workload))
-        elapsed = time.perf_counter() - start
-        sampler.cancel()
-        return record, elapsed, running
+    async with httpx.AsyncClient(timeout=30) as poller:
+        sampler = asyncio.create_task(sample_running(poller, settings.base_url, running))
+        try:
+            result = await run_load(client, workload, Load(math.inf, concurrency))
+        finally:
+            sampler.cancel()
+            await client.aclose()
+    return result, running
 
 
-def percentile(values, q):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
-
-def stream_summary(record, elapsed: float, workload) -> dict:
-    """Throughput, time to first token and inter-token latency of one `drive`."""
-    gaps = [g for r in record for g in r["gaps"]]
-    ttfts = [r["ttft"] for r in record if r["ttft"] is not None]
-    tokens = sum(r["tokens"] for r in record)
-    assert tokens == sum(n for _, n in workload), "server produced the wrong token count"
+def stream_summary(result: RunResult, workload: list[Conversation]) -> dict:
+    """Throughput, time to first token and inter-token latency of one `drive`
+    (pdserve.bench.metrics: percentiles interpolate between closest ranks)."""
+    summary = summarize(result.records, result.duration_s, SLO())
+    if summary["failed"]:
+        raise RuntimeError(f"{summary['failed']} requests failed: {summary['errors'][0]['error']}")
+    expected = sum(turn.max_tokens for c in workload for turn in c.turns)
+    assert summary["output_tokens"] == expected, "server produced the wrong token count"
     return {
-        "seconds": round(elapsed, 2),
-        "output_tokens_per_s": round(tokens / elapsed, 1),
-        "ttft_median_ms": round(statistics.median(ttfts) * 1e3, 1),
-        "ttft_p99_ms": round(percentile(ttfts, 0.99) * 1e3, 1),
-        "itl_median_ms": round(statistics.median(gaps) * 1e3, 2),
-        "itl_p99_ms": round(percentile(gaps, 0.99) * 1e3, 2),
+        "seconds": round(result.duration_s, 2),
+        "output_tokens_per_s": round(summary["output_throughput"], 1),
+        "ttft_median_ms": round(summary["ttft_ms"]["median"], 1),
+        "ttft_p99_ms": round(summary["ttft_ms"]["p99"], 1),
+        "itl_median_ms": round(summary["itl_ms"]["median"], 2),
+        "itl_p99_ms": round(summary["itl_ms"]["p99"], 2),
     }
 
 
@@ -142,15 +110,15 @@ def run_http(model_path: str, workload, args) -> dict:
     url = server.url
     try:
         server.wait_healthy(deadline_s=600)
-        asyncio.run(drive(url, workload[: args.concurrency // 4 or 1], args.concurrency))
+        drive(url, workload[: args.concurrency // 4 or 1], args.concurrency)
         before = _engine_counters(url)
-        record, elapsed, running = asyncio.run(drive(url, workload, args.concurrency))
+        result, running = drive(url, workload, args.concurrency)
         after = _engine_counters(url)
     finally:
         server.stop(timeout_s=60)
     return {
         "engine": "pdserve serve (HTTP, streaming)",
-        **stream_summary(record, elapsed, workload),
+        **stream_summary(result, workload),
         "mean_running_batch": round(statistics.mean(running), 1) if running else None,
         "engine_mean_step_ms": round(
             (after["step_seconds"] - before["step_seconds"])
@@ -168,8 +136,13 @@ def run_offline(model_path: str, workload, args) -> dict:
     from pdserve import LLM, SamplingParams
 
     llm = LLM(model_path, max_model_len=2 * args.max_len + 1, max_running_requests=args.concurrency)
-    params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for _, n in workload]
-    llm.generate([p for p, _ in workload[:4]], params[:4], use_tqdm=False)
+    turns = [conversation.turns[0] for conversation in workload]
+    prompts = [list(turn.prompt) for turn in turns]
+    params = [
+        SamplingParams(max_new_tokens=turn.max_tokens, temperature=0, ignore_eos=True)
+        for turn in turns
+    ]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)
     engine = llm.engine
     steps = 0
     original = engine.step
@@ -182,10 +155,10 @@ def run_offline(model_path: str, workload, args) -> dict:
     engine.step = counted
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     start = time.perf_counter()
-    llm.generate([p for p, _ in workload], params, use_tqdm=False)
+    llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     elapsed = time.perf_counter() - start
-    tokens = sum(n for _, n in workload)
+    tokens = sum(turn.max_tokens for turn in turns)
     return {
         "engine": "offline LLM (engine alone)",
         "seconds": round(elapsed, 2),

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 import pdserve
-from pdserve.commands import generate, launch, make_tiny_model, router, serve, train_eagle
+from pdserve.commands import bench, generate, launch, make_tiny_model, router, serve, train_eagle
 from pdserve.commands.common import HelpFormatter, add_log_level
 
 
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         serve.register(sub, kind, HelpFormatter)
     router.register(sub, HelpFormatter)
     generate.register(sub, HelpFormatter)
-    # bench.register(sub, HelpFormatter)
+    bench.register(sub, HelpFormatter)
     make_tiny_model.register(sub, HelpFormatter)
     train_eagle.register(sub, HelpFormatter)
     for subparser in sub.choices.values():

@@ -30,11 +30,11 @@ LAYERS: dict[str, set[str]] = {
     # The HTTP shell and the engine loop: it gets the role's factory, never names a role.
     "server": {"engine", "protocol"},
     "router": {"protocol"},  # a router pod needs no GPU image
+    "bench": set(),  # a client for any OpenAI-compatible server: nothing of pdserve, no torch
     # The top: offline LLM, local launcher, command line.
     "llm": {"engine", "speculative", "protocol"},
     # launch hands settings on as flags: it reads the settings of every process it starts.
     "launch": {"server", "engine", "transfer", "router", "protocol"},
-    "bench": {"protocol"},  # a client for any OpenAI-compatible server: torch-free
     "commands": set(),  # filled below: anything (one module per subcommand)
     "cli": set(),  # filled below: anything
     "pdserve": {"engine", "llm"},  # the root's lazy re-exports (LLM, SamplingParams)

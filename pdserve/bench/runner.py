@@ -1,0 +1,117 @@
+"""Driving a workload at a given load.
+
+The unit of arrival is a conversation: its turns go one after another, each sent when the
+previous answer is in (a single-request workload is one-turn conversations). Conversations
+start on a seeded Poisson schedule of `request_rate` per second (exponential gaps; `inf`
+starts them all at once), and at most `max_concurrency` are in flight; since a conversation
+has one request in flight at a time, that caps requests in flight too. Fixed concurrency N is
+rate `inf` with `max_concurrency` N. A request's clock starts when it is sent, after any wait
+for a slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.bench.client import BenchClient, RequestRecord
+from pdserve.bench.workloads import Conversation
+
+
+@dataclass(frozen=True)
+class Load:
+    request_rate: float = math.inf  # conversations started per second
+    max_concurrency: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.request_rate > 0:
+            raise ValueError(f"request rate {self.request_rate}: must be > 0 (or inf)")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max concurrency {self.max_concurrency}: must be >= 1")
+
+    @property
+    def label(self) -> str:
+        rate = "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
+        cap = f", max concurrency {self.max_concurrency}" if self.max_concurrency else ""
+        return f"rate {rate}/s{cap}"
+
+
+@dataclass
+class RunResult:
+    load: Load
+    records: list[RequestRecord]  # by (conversation, turn)
+    duration_s: float  # from the run's start until its last request ended
+
+
+def arrival_offsets(count: int, rate: float, seed: int) -> list[float]:
+    """Start times (s) of `count` arrivals of a Poisson process of `rate` per second: the
+    first at 0, then exponential gaps of mean 1/rate. All 0 for an infinite rate."""
+    if math.isinf(rate):
+        return [0.0] * count
+    rng = random.Random(seed)
+    offsets, now = [], 0.0
+    for _ in range(count):
+        offsets.append(now)
+        now += rng.expovariate(rate)
+    return offsets
+
+
+async def run_load(
+    client: BenchClient,
+    conversations: list[Conversation],
+    load: Load,
+    seed: int = 0,
+    on_record: Callable[[RequestRecord], None] | None = None,
+) -> RunResult:
+    """Every turn of every conversation at `load`; `on_record` sees each record as it ends.
+    A failed turn ends its conversation: the turns after it are recorded as failed, unsent."""
+    records: list[RequestRecord] = []
+    gate = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
+    start = time.perf_counter()
+
+    def keep(record: RequestRecord) -> None:
+        records.append(record)
+        if on_record is not None:
+            on_record(record)
+
+    async def converse(index: int, conversation: Conversation, offset: float) -> None:
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        async with gate or contextlib.nullcontext():
+            answers: list[str] = []
+            for turn in range(len(conversation.turns)):
+                sent = time.perf_counter() - start
+                record = await client.send(conversation, answers)
+                record.conversation, record.start_s = index, sent
+                keep(record)
+                if not record.success:
+                    for later in range(turn + 1, len(conversation.turns)):
+                        keep(_unsent(conversation, index, later, record.start_s))
+                    return
+                answers.append(record.answer)
+
+    offsets = arrival_offsets(len(conversations), load.request_rate, seed)
+    scheduled = enumerate(zip(conversations, offsets, strict=True))
+    await asyncio.gather(*(converse(i, c, offset) for i, (c, offset) in scheduled))
+    duration = time.perf_counter() - start
+    records.sort(key=lambda r: (r.conversation, r.turn))
+    return RunResult(load, records, duration)
+
+
+async def warm_up(client: BenchClient, conversations: list[Conversation]) -> list[RequestRecord]:
+    """The first turn of each conversation, one at a time, untimed by any summary."""
+    return [await client.send(conversation, []) for conversation in conversations]
+
+
+def _unsent(conversation: Conversation, index: int, turn: int, start_s: float) -> RequestRecord:
+    return RequestRecord(
+        conversation=index,
+        turn=turn,
+        max_tokens=conversation.turns[turn].max_tokens,
+        error="not sent: an earlier turn of its conversation failed",
+        start_s=start_s,
+    )
