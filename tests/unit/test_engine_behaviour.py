@@ -232,3 +232,14 @@ def test_cli_generate_prints_json(tiny_model_dirs):
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert [line["prompt"] for line in lines] == ["Hello", "Hi"]
     assert all(len(line["token_ids"]) == 5 for line in lines)
+
+
+def test_generate_shows_a_progress_bar_only_on_a_terminal_or_when_asked(llm, capsys):
+    prompts = [PROMPT, "Hello"]
+    llm.generate(prompts, greedy(2))  # stderr is captured: not a terminal
+    assert "Generating" not in capsys.readouterr().err
+    llm.generate(prompts, greedy(2), use_tqdm=True)
+    shown = capsys.readouterr().err
+    assert "Generating" in shown and "2/2" in shown
+    llm.generate(prompts, greedy(2), use_tqdm=False)
+    assert capsys.readouterr().err == ""
