@@ -83,10 +83,17 @@ class LaunchPlan:
     transfer: TransferConfig
     router: dict
     log_level: str
+    split_gpu_memory: bool = True
 
-    def worker_argv(self, kind: str) -> list[str]:
+    def worker_argv(self, kind: str, sharing: int = 1) -> list[str]:
+        """sharing: workers on this worker's GPU. Unless --gpu-memory-utilization was given,
+        they split its share of the GPU's memory evenly, so `pdserve launch` works on one GPU."""
         skip = ("bootstrap_port",) if kind == "decode" else ("bootstrap_port", "bootstrap_allow")
-        argv = [kind, "--model-path", self.engine.model_path, *to_argv(self.engine)]
+        engine = self.engine
+        if self.split_gpu_memory and sharing > 1:
+            share = round(engine.gpu_memory_utilization / sharing, 4)
+            engine = dataclasses.replace(engine, gpu_memory_utilization=share)
+        argv = [kind, "--model-path", engine.model_path, *to_argv(engine)]
         if self.engine.speculative is not None:
             argv += to_argv(self.engine.speculative)
         argv += to_argv(self.http, skip=("host", "port"))
@@ -210,10 +217,13 @@ def _start_workers(deployment: Deployment) -> list[str]:
     plan, config = deployment.plan, deployment.plan.launch
     host = plan.http.host
     prefill, decode = [], []
-    for k in range(config.num_prefill + config.num_decode):
+    total = config.num_prefill + config.num_decode
+    for k in range(total):
         kind = "prefill" if k < config.num_prefill else "decode"
         index = k if kind == "prefill" else k - config.num_prefill
-        argv = plan.worker_argv(kind)
+        gpus = config.gpus or ("",)  # NOTE: without --gpus every worker takes the first GPU
+        sharing = sum(gpus[j % len(gpus)] == gpus[k % len(gpus)] for j in range(total))
+        argv = plan.worker_argv(kind, sharing)
         env = {"CUDA_VISIBLE_DEVICES": config.gpus[k % len(config.gpus)]} if config.gpus else {}
         if kind == "prefill":
             bootstrap_port = free_port(host)

@@ -59,6 +59,7 @@ def configure(args: argparse.Namespace) -> Callable[[], int]:
         transfer=transfer_config_from_args(args, "decode", http.host),
         router={**given(RouterConfig, args), **policies_from(args)},
         log_level=args.log_level,
+        split_gpu_memory=args.gpu_memory_utilization is None,
     )
     plan.router_argv([("http://127.0.0.1:1", 1)], ["http://127.0.0.1:2"])  # NOTE: checks it
     check_port_free(http.host, http.port, "--port")

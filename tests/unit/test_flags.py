@@ -319,3 +319,15 @@ def test_the_model_may_be_positional(tiny_model_dirs):
     parser = build_parser()
     assert model_path_from(parser.parse_args(["serve", model]))[0] == model
     assert model_path_from(parser.parse_args(["serve", "--model-path", model]))[0] == model
+
+
+def test_workers_sharing_a_gpu_split_its_memory_unless_told_otherwise(monkeypatch):
+    def utilization(argv: list[str], sharing: int) -> float:
+        worker = _launch_plan(argv, monkeypatch).worker_argv("decode", sharing)
+        parsed = build_parser().parse_args([*worker, "--port", "1"])
+        return settings_from_args(EngineConfig, parsed, model_path="/m").gpu_memory_utilization
+
+    default = EngineConfig("m").gpu_memory_utilization
+    assert utilization([], 1) == default
+    assert utilization([], 2) == pytest.approx(default / 2, abs=1e-4)
+    assert utilization(["--gpu-memory-utilization", "0.4"], 2) == 0.4
