@@ -41,7 +41,9 @@ def add_transfer_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...]) -
 def transfer_config_from_args(args: argparse.Namespace, kind: str, host: str) -> TransferConfig:
     """The transfer settings; the bootstrap host defaults to --host (a decode worker binds no
     bootstrap port)."""
-    defaults = {"bootstrap_host": host, "bootstrap_port": 0 if kind == "decode" else 8998}
+    defaults: dict = {"bootstrap_host": host}
+    if kind == "decode":
+        defaults["bootstrap_port"] = 0
     return settings_from_args(TransferConfig, args, skip=TRANSFER_SKIP[kind], defaults=defaults)
 
 
