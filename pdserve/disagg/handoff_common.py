@@ -22,9 +22,6 @@ class EngineTransferLayout:
     metadata: MetadataSpec
     stager: KVStager
 
-    def page_lists(self, pages: list[int]) -> list[list[int]]:
-        return [pages] * len(self.stager.pools)
-
     def transfer_pages(self, engine, pages: list[int], num_prompt_tokens: int) -> list[int]:
         """The pages that hold the KV a handoff moves for this prompt."""
         count = pages_needed(

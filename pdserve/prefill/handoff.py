@@ -2,6 +2,12 @@
 reserved pages for its room, then prefills (chunked when long) with its pages held, samples
 the first token, and sends KV + metadata. Its pages are freed once the send ended.
 
+The KV leaves while the prompt is still being computed: after every step, the pages a chunk
+completed are gathered (on the compute stream, right behind the chunk) and sent as a piece once
+they add up to `--transfer-piece-bytes`; the last piece, after the first token, takes the rest
+and the draft's KV. The data plane orders each send after its gather by a CUDA event, so
+neither this loop nor the compute stream waits for a transfer.
+
 Queues, in order: `bootstrapping` (no compute yet: decode's free memory is our admission
 control) -> `prefilling` (in the engine) -> `sending`. The HTTP response of the prefill leg
 finishes when the room does: with the first token on success, with the reason on failure.
@@ -25,6 +31,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
 from pdserve.transfer.metadata import MetadataRecord
 from pdserve.transfer.prefill_side import PrefillTransferServer, SenderRoom
 from pdserve.transfer.room_state import TransferState
@@ -37,6 +44,8 @@ class _Pending(PendingRequest):
     sender: SenderRoom
     first: RequestOutput | None = None  # the first-token output, reported when the room ends
     started: bool = False  # the engine began computing it (it left the engine's queue)
+    num_pages: int = 0  # pages the transfer moves (target pool; the draft pool's are as many)
+    pages_sent: int = 0  # target pages already sent as pieces
 
 
 class PrefillHandoff(DisaggHandoff):
@@ -53,6 +62,7 @@ class PrefillHandoff(DisaggHandoff):
             f"prefill-{uuid.uuid4().hex[:8]}",
             self.metrics,
             device=self.send_device,
+            source_device=engine.device,
             max_room_pages=pages_needed(
                 engine.kv_tokens_for_transfer(engine.max_model_len), engine.config.page_size
             ),
@@ -126,6 +136,7 @@ class PrefillHandoff(DisaggHandoff):
             if pending.sender.poll() is TransferState.FAILED:
                 self.engine.abort_request(pending.request_id)
                 outputs.append(self._fail(self.prefilling, pending))
+        self._stream_pieces()
         for pending in list(self.sending.values()):
             state = pending.sender.poll()
             if state is TransferState.SUCCESS:
@@ -175,7 +186,45 @@ class PrefillHandoff(DisaggHandoff):
             self._release_room(pending)
             outputs.append(self.refused(pending.request_id, pending.prompt_ids, failure))
             return
+        tokens = self.engine.kv_tokens_for_transfer(len(pending.prompt_ids))
+        pending.num_pages = pages_needed(tokens, self.engine.config.page_size)
         self.prefilling[pending.request_id] = pending
+
+    def _stream_pieces(self) -> None:
+        """Send the pages prefill completed since the last piece, once they are worth it."""
+        piece_bytes = self.config.piece_bytes
+        if piece_bytes <= 0:
+            return
+        page_size = self.engine.config.page_size
+        bytes_per_page = self.transfer.stager.page_bytes[0]
+        for pending in self.prefilling.values():
+            request = self.engine.requests.get(pending.request_id)
+            if request is None or pending.sender.done:
+                continue
+            complete = min(request.num_computed_tokens // page_size, pending.num_pages)
+            count = complete - pending.pages_sent
+            # NOTE: never the last page: the final piece always has one (and the draft's KV).
+            count = min(count, pending.num_pages - 1 - pending.pages_sent)
+            if count <= 0 or count * bytes_per_page < piece_bytes:
+                continue
+            span = PageSpan(pending.pages_sent, count)
+            pending.sender.send_piece(self._piece(request.pages, span))
+            pending.pages_sent += count
+
+    def _piece(self, pages: list[int], span: PageSpan) -> OutgoingPiece:
+        """Gather the span's pages into a buffer to send, with the event that orders the send
+        after the gather (and the copy to host memory, when sent from there)."""
+        stager = self.transfer.stager
+        data = stager.gather(span.page_lists(pages, pages, len(stager.pools)))
+        if data.device.type != "cuda":
+            return OutgoingPiece(span, data)
+        if self.send_device.type != "cuda":
+            staged = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=True)
+            staged.copy_(data, non_blocking=True)
+            data = staged
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.engine.device))
+        return OutgoingPiece(span, data, ready)
 
     def _send(self, pending: _Pending, output: RequestOutput, passed: list) -> None:
         del self.prefilling[pending.request_id]
@@ -188,12 +237,14 @@ class PrefillHandoff(DisaggHandoff):
             return
         request = self.engine.held[pending.request_id]
         pages = self.transfer.transfer_pages(self.engine, request.pages, len(pending.prompt_ids))
-        kv = self.transfer.stager.gather(self.transfer.page_lists(pages))
-        if kv.device != self.send_device:
-            kv = kv.to(self.send_device)
-        elif kv.device.type == "cuda":
-            # NOTE: the data thread's send must not start before the gather finished.
-            torch.cuda.current_stream(kv.device).synchronize()
+        # The last piece: every page not sent yet, and the draft's KV (whole) if any.
+        rest = PageSpan(
+            pending.pages_sent,
+            len(pages) - pending.pages_sent,
+            0,
+            len(pages) if len(self.transfer.stager.pools) > 1 else 0,
+        )
+        pending.sender.send_piece(self._piece(pages, rest))
         top = output.top_logprobs[0] if output.top_logprobs else None
         seed = request.draft_state
         record = MetadataRecord(
@@ -206,7 +257,7 @@ class PrefillHandoff(DisaggHandoff):
             hidden_states=None if seed is None else seed.hidden,
         )
         pending.first = output
-        pending.sender.send(kv, record)
+        pending.sender.finish(record)
         self.sending[pending.request_id] = pending
 
     # ---- endings ---------------------------------------------------------------------

@@ -105,11 +105,30 @@ class TransferRequest:
     num_draft_pages: int
 
 
-@message("kv_chunk")
-class KVChunk:
-    """Prefill -> decode header; the chunk's bytes follow as the next frame (tcp backend)."""
+@message("kv_piece")
+class KVPiece:
+    """Prefill -> decode: a piece of the room's KV, `nbytes` gathered from target pages
+    [first_page, first_page + num_pages) and draft pages [first_draft_page, ...) of the room's
+    page lists, pool by pool (see KVStager). Its bytes follow on the data plane: as `KVChunk`s
+    (tcp), or as one send on the pair, posted in the order the pieces were announced
+    (torch.distributed). A room's pieces cover each of its pages once, in any order."""
 
     room: int
+    index: int
+    first_page: int
+    num_pages: int
+    first_draft_page: int
+    num_draft_pages: int
+    nbytes: int
+
+
+@message("kv_chunk")
+class KVChunk:
+    """Prefill -> decode header; the chunk's bytes follow as the next frame (tcp backend):
+    bytes [offset, offset + nbytes) of the room's piece `piece`."""
+
+    room: int
+    piece: int
     offset: int
     nbytes: int
 
@@ -131,10 +150,12 @@ class MetadataHeader:
 
 @message("room_done")
 class RoomDone:
-    """Prefill -> decode: everything for the room was sent (`total_bytes` of KV)."""
+    """Prefill -> decode: everything for the room was sent or posted: `num_pieces` pieces,
+    `total_bytes` of KV (on torch.distributed the last bytes may land after this)."""
 
     room: int
     total_bytes: int
+    num_pieces: int
 
 
 @message("room_ack")
@@ -155,18 +176,3 @@ class AbortRoom:
 @message("heartbeat")
 class Heartbeat:
     sender_id: str
-
-
-@message("send_ready")
-class SendReady:
-    """Prefill -> decode (torch.distributed backends): the room's KV is gathered, `nbytes`."""
-
-    room: int
-    nbytes: int
-
-
-@message("recv_posted")
-class RecvPosted:
-    """Decode -> prefill: the receive for this room is posted; send now (and in this order)."""
-
-    room: int

@@ -17,6 +17,9 @@ class TransferConfig:
     """progress_timeout_s: a room that makes no progress this long fails.
     peer_timeout_s: a peer silent this long is dead and fails all its rooms.
     chunk_bytes: KV is sent in messages of at most this size (never one per page).
+    piece_bytes: a prefill worker sends a room's KV while it computes the prompt, in pieces
+        of at least this many bytes (pages completed by a prefill chunk; the last piece takes
+        the rest); 0 sends it whole after the prefill.
     auth_token: when set, each side proves it holds it (challenge-response) before any
         registration or transfer request; it is never sent.
     bootstrap_allow: addresses/CIDRs a decode worker may contact (None: loopback and this
@@ -49,6 +52,12 @@ class TransferConfig:
     )
     tombstone_ttl_s: float = 120.0
     chunk_bytes: int = 64 << 20
+    piece_bytes: int = option(
+        64 << 20,
+        "send KV while the prompt is computed, in pieces of at least this many bytes (0: "
+        "whole, after the prefill)",
+        name="--transfer-piece-bytes",
+    )
     send_timeout_s: float = 5.0
     auth_token: str = option(
         "",
@@ -92,6 +101,10 @@ class TransferConfig:
             raise ValueError(f"chunk_bytes must be at least 1 KiB, got {self.chunk_bytes}")
         if self.max_peers < 1:
             raise ValueError(f"max_peers must be at least 1, got {self.max_peers}")
+        if self.piece_bytes < 0:
+            raise ValueError(
+                f"--transfer-piece-bytes must be >= 0 (0: send whole), got {self.piece_bytes}"
+            )
         if self.bootstrap_allow is not None:
             parse_allow_list(self.bootstrap_allow)
 

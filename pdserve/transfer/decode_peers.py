@@ -25,13 +25,13 @@ from pdserve.protocol.transfer_messages import (
     Hello,
     HelloReply,
     KVChunk,
+    KVPiece,
     MetadataHeader,
     NotRegistered,
     Register,
     RegisterAck,
     RegisterRejected,
     RoomDone,
-    SendReady,
     TransferRequest,
 )
 from pdserve.transfer import peer_auth
@@ -50,7 +50,7 @@ FROM_PREFILL = (
     RoomDone,
     AbortRoom,
     Heartbeat,
-    SendReady,
+    KVPiece,
 )
 
 

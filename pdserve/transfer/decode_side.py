@@ -89,12 +89,12 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         PeerNotAllowed (a ValueError) if host is outside the allow list: nothing is sent."""
         address = zmq_endpoint(self.allow_list.resolve(host), port)
         draft_page_ids = list(draft_page_ids or [])
-        counts = [len(page_ids), len(draft_page_ids)][: len(self.page_bytes)]
-        expected = sum(n * size for n, size in zip(counts, self.page_bytes, strict=True))
+        if draft_page_ids and len(self.page_bytes) < 2:
+            raise ValueError("draft pages given, but this worker has no draft KV pool")
         with self.lock:
             if room in self.rooms or room in self.tombstones:
                 raise ValueError(f"bootstrap_room {room} is already in use on this decode worker")
-            receiver = ReceiverRoom(self, room, list(page_ids), draft_page_ids, expected)
+            receiver = ReceiverRoom(self, room, list(page_ids), draft_page_ids)
             self.rooms[room] = receiver
         self.io.call(lambda: self._start_room(receiver, address))
         return receiver
@@ -151,15 +151,20 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
             except MetadataMismatch as e:
                 self.fail_room(room, FailureKind.TRANSFER, f"metadata mismatch: {e}", notify=True)
         elif isinstance(msg, RoomDone):
-            self.room_done(room, msg.total_bytes)
+            problem = room.on_done(msg.total_bytes, msg.num_pieces)
+            if problem is not None:
+                self.fail_room(room, FailureKind.TRANSFER, problem, notify=True)
+            else:
+                self.room_landed(room)
 
-    def room_done(self, room: ReceiverRoom, total_bytes: int) -> None:
-        problem = room.on_done(total_bytes)
-        if problem == "":
-            return  # the bytes are still arriving on the data thread
-        if problem is not None:
-            self.fail_room(room, FailureKind.TRANSFER, problem, notify=True)
-            return
+    def room_landed(self, room: ReceiverRoom) -> None:
+        """Bytes of `room` arrived: ack it if it is now complete."""
+        if not room.complete_now():
+            return  # pieces still landing, or RoomDone not seen yet
         self.metrics.succeeded(time.monotonic() - room.started_at)
         self.send(room.peer, RoomAck(room.room))
         self.end_room(room)
+
+    def end_room(self, room, *, notify: bool = False) -> None:
+        super().end_room(room, notify=notify)
+        self.plane.room_ended(room)

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from pdserve.transfer.dist_pending import PendingTransfer
 from pdserve.transfer.dist_store import (
     DECODE_RANK,
     PREFILL_RANK,
     LinkError,
     LinkTimeout,
-    as_timedelta,
     check_timeout,
     new_gloo_group,
     new_nccl_group,
@@ -38,63 +38,9 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("gloo", "nccl")
 _TAG = 0
 _PROBE_BYTE = 0x5A
-_POLL_MAX_SLEEP_S = 1e-4  # the data thread polls only while a transfer is in flight
 
 if TYPE_CHECKING:
     from pdserve.transfer.dist_store import Group as _Group
-
-
-class PendingTransfer:
-    """A posted send or receive; `wait` completes it or fails the link."""
-
-    def __init__(self, link: PairLink, work: dist.Work, operation: str, nbytes: int):
-        self._link = link
-        self._work = work
-        self.operation = operation
-        self.nbytes = nbytes
-
-    def wait(self, timeout_s: float) -> None:
-        """Block until done: LinkTimeout after `timeout_s`, LinkError if the transfer failed.
-
-        For nccl, on return the caller's current CUDA stream is ordered after the transfer.
-        """
-        check_timeout(timeout_s)
-        started = time.monotonic()
-        try:
-            if self._link.backend == "nccl":
-                completed = _poll(self._work, started + timeout_s)
-                if completed:
-                    self._work.wait()  # complete already: only orders the current stream
-            else:
-                # gloo's send/recv works complete only inside wait(); on a timeout gloo
-                # closes the pair, so nothing can arrive later.
-                completed = self._work.wait(as_timedelta(timeout_s)) is not False
-        except RuntimeError as exc:
-            elapsed = time.monotonic() - started
-            if "timed out" in str(exc).lower() or elapsed >= timeout_s:
-                raise self._timed_out(timeout_s) from exc
-            reason = f"{self.operation} of {self.nbytes} bytes failed: {exc}"
-            self._link.fail(reason)
-            raise LinkError(f"pair {self._link.pair_name!r}: {reason}") from exc
-        if not completed:
-            raise self._timed_out(timeout_s)
-
-    def _timed_out(self, timeout_s: float) -> LinkTimeout:
-        reason = f"{self.operation} of {self.nbytes} bytes did not complete within {timeout_s:g} s"
-        self._link.fail(reason)
-        return LinkTimeout(f"pair {self._link.pair_name!r}: {reason}; link aborted")
-
-
-def _poll(work: dist.Work, deadline: float) -> bool:
-    """Wait for `work` without Work.wait(timeout): a timed-out nccl wait is treated as fatal
-    by torch's error handling, while aborting the group ourselves is its recovery path."""
-    sleep_s = 1e-5
-    while not work.is_completed():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(sleep_s)
-        sleep_s = min(sleep_s * 2, _POLL_MAX_SLEEP_S)
-    return True
 
 
 class PairLink:
@@ -172,6 +118,11 @@ class PairLink:
             link.close()
             raise
         return link
+
+    @property
+    def aborted(self) -> bool:
+        """The group was aborted (failed or closed): nothing in flight will complete."""
+        return self._group is None or self._failure is not None
 
     @property
     def failed(self) -> str | None:

@@ -1,36 +1,41 @@
 """KV bytes over torch.distributed (`nccl`, or `gloo` on CPU) instead of ZMQ frames; the
 control messages stay on the ZMQ connection (docs/architecture.md §5).
 
-Point-to-point operations on a pair are matched in posting order, so the order is agreed on
-the control connection: the sender sends the metadata record, then announces
-`SendReady(room)` once the room's KV is gathered; the receiver posts the receive and answers
-`RecvPosted(room)`; the sender sends rooms in the order the answers arrive. Once a receive is
-posted its send always happens (the buffer already exists), even if the room was aborted
-meanwhile, so a later room can never land in an earlier room's buffer. A send or receive that
-misses its deadline tears the link down and fails every room on it. The metadata goes first
-so the receiver completes the room as soon as its receive lands, one round trip sooner.
+Point-to-point operations on a pair are matched in posting order, and the control connection
+fixes that order: the sender announces each piece (`KVPiece`) and posts its send at once, in
+the same step on its IO thread; the receiver posts the matching receive when the announcement
+arrives (NCCL holds the send until then), so no round trip precedes a send and any number of
+pieces and rooms are in flight on a pair. Every announced piece gets its receive, into scratch
+if the room is gone (bounded by what we reserved), so a later piece never lands in an earlier
+one's buffer. A send or receive that misses its deadline, or fails, tears the link down and
+drops the peer with its rooms. The metadata record and `RoomDone` follow the last piece's
+announcement without waiting for its bytes: the room completes when everything has landed.
 
 The interface is `tcp_plane`'s.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
-import time
 import uuid
 from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.protocol.failures import FailureKind
-from pdserve.protocol.transfer_messages import RecvPosted, Register, RoomDone, SendReady
+from pdserve.protocol.transfer_messages import KVPiece, Register
 from pdserve.transfer.dist_links import DistLinks
+from pdserve.transfer.kv_piece import OutgoingPiece
 
 if TYPE_CHECKING:
     from pdserve.transfer.endpoint import Endpoint, Peer
 
 logger = logging.getLogger(__name__)
+
+# Ended rooms whose reservation we remember, to bound a scratch receive for them.
+_ENDED_ROOMS_KEPT = 4096
 
 
 def _links(endpoint: Endpoint, device: torch.device) -> DistLinks:
@@ -48,11 +53,12 @@ class _DistPlane:
     def _link_failed(self, peer: Peer):
         def on_link(error: str | None) -> None:
             if error:
-                self.endpoint.io.call(
-                    lambda: self.endpoint.drop_peer(peer, FailureKind.TRANSFER, error)
-                )
+                self._drop(peer, error)
 
         return on_link
+
+    def _drop(self, peer: Peer, error: str) -> None:
+        self.endpoint.io.call(lambda: self.endpoint.drop_peer(peer, FailureKind.TRANSFER, error))
 
     def forget(self, peer: Peer) -> None:
         self.links.forget(peer.key)
@@ -65,68 +71,50 @@ class _DistPlane:
 
 
 class DistSendPlane(_DistPlane):
-    """The prefill side: announces gathered rooms, sends each when its receive is posted."""
+    """The prefill side: announces each piece and posts its send."""
 
     def __init__(self, endpoint: Endpoint, device: torch.device):
         super().__init__(endpoint, device)
-        # room -> (room, buffer, when announced): kept until its send happened.
-        self._announced: dict[int, tuple[object, torch.Tensor, float]] = {}
+        self.pending_sends = 0  # sends posted and not completed
 
-    @property
-    def pending_sends(self) -> int:
-        """KV buffers announced to decode whose send has not started yet."""
-        return len(self._announced)
-
-    def send(self, room, kv: torch.Tensor, header, payload: bytes) -> None:
-        endpoint = self.endpoint
-        if endpoint.send(room.peer, header, payload):
-            self._announced[room.room] = (room, kv, time.monotonic())
-            endpoint.send(room.peer, SendReady(room.room, kv.numel()))
-            room.stamps["send_ready_sent"] = time.monotonic()
-
-    def handle(self, peer: Peer, msg, payload) -> bool:
-        if not isinstance(msg, RecvPosted):
+    def send_piece(self, room, piece: OutgoingPiece, index: int) -> bool:
+        """Announce and post one piece (IO thread); False if the peer could not take it."""
+        span, nbytes = piece.span, piece.data.numel()
+        announcement = KVPiece(
+            room.room, index, span.first, span.count, span.draft_first, span.draft_count, nbytes
+        )
+        peer = room.peer
+        if not self.endpoint.send(peer, announcement):
             return False
-        announced = self._announced.pop(msg.room, None)
-        if announced is None:
-            return True
-        room, kv, _ = announced
-        room.stamps["recv_posted_seen"] = time.monotonic()
-        io = self.endpoint.io
-        # NOTE: sent even if the room failed meanwhile: decode's receive is posted.
+        self.pending_sends += 1
         self.links.send(
-            peer.key, kv, lambda error: io.call(lambda: self._sent(room, kv.numel(), error))
+            peer.key,
+            piece.data,
+            piece.ready,
+            lambda error: self.endpoint.io.call(lambda: self._sent(peer, nbytes, error)),
         )
         return True
 
-    def _sent(self, room, total: int, error: str | None) -> None:
-        room.stamps["send_done_seen"] = time.monotonic()
+    def _sent(self, peer: Peer, nbytes: int, error: str | None) -> None:
+        self.pending_sends -= 1
         if error is not None:
-            self.endpoint.fail_room(room, FailureKind.TRANSFER, error, notify=True)
+            self.endpoint.drop_peer(peer, FailureKind.TRANSFER, error)
             return
-        self.endpoint.metrics.bytes_sent += total
-        if not room.done:  # decode may have acked already (it completes on receipt)
-            self.endpoint.send(room.peer, RoomDone(room.room, total))
+        self.endpoint.metrics.bytes_sent += nbytes
+
+    def handle(self, peer: Peer, msg, payload) -> bool:
+        return False
 
     def registered(self, peer: Peer, msg: Register) -> None:
         self.links.connect(peer.key, msg.store_address, msg.pair_name, self._link_failed(peer))
 
-    def forget(self, peer: Peer) -> None:
-        for room_id, (room, _, _) in list(self._announced.items()):
-            if room.peer is peer:
-                del self._announced[room_id]
-        super().forget(peer)
-
-    def tick(self, now: float) -> None:
-        for room, _, announced_at in list(self._announced.values()):
-            if now - announced_at > self.endpoint.config.progress_timeout_s and room.peer:
-                # NOTE: the pair's order depends on this buffer: drop the whole link.
-                reason = "did not post its receive in time"
-                self.endpoint.drop_peer(room.peer, FailureKind.TIMEOUT, reason)
-
 
 class DistReceivePlane(_DistPlane):
-    """The decode side: serves the pairs' store, posts a receive per announced room."""
+    """The decode side: serves the pairs' store, posts a receive per announced piece."""
+
+    def __init__(self, endpoint: Endpoint, device: torch.device):
+        super().__init__(endpoint, device)
+        self._ended: collections.OrderedDict[int, int] = collections.OrderedDict()
 
     def registration(self, peer: Peer, register: Register) -> Register:
         """Our store and a new pair group for this peer."""
@@ -136,53 +124,56 @@ class DistReceivePlane(_DistPlane):
         self.links.connect(peer.key, store, pair, self._link_failed(peer))
         return dataclasses.replace(register, store_address=store, pair_name=pair)
 
+    def room_ended(self, room) -> None:
+        """Remember an ended room's reservation: pieces already on their way still need a
+        receive, of at most that size."""
+        self._ended[room.room] = room.expected_bytes
+        while len(self._ended) > _ENDED_ROOMS_KEPT:
+            self._ended.popitem(last=False)
+
     def handle(self, peer: Peer, msg, payload) -> bool:
-        """Post the receive, then tell prefill to send. A room we no longer want still gets a
-        receive, into scratch: the pair's order must hold."""
-        if not isinstance(msg, SendReady):
+        """Post the piece's receive: into the room's buffer, or into scratch for a room we no
+        longer want (the pair's order must hold)."""
+        if not isinstance(msg, KVPiece):
             return False
         endpoint = self.endpoint
         room = endpoint.room_of(peer, msg.room)
-        problem = room.expect_receive(msg.nbytes) if room is not None else None
-        if problem is not None:
-            endpoint.fail_room(room, FailureKind.TRANSFER, problem, notify=True)
-            room = None
-        # NOTE: bounds before allocating: a live room takes exactly what we reserved; anything
-        # else is capped by what our whole reservation could hold.
-        if room is None and msg.nbytes > self._scratch_limit():
-            logger.error("prefill %s announced %d bytes for room %d", peer, msg.nbytes, msg.room)
-            endpoint.drop_peer(peer, FailureKind.TRANSFER, "announced an oversize transfer")
-            return True
+        buffer = None
         if room is not None:
-            room.stamps["send_ready_seen"] = time.monotonic()
-        buffer = endpoint.buffers.take(msg.nbytes)
-
-        def posted() -> None:
-            if room is not None:
-                room.stamps["recv_posted"] = time.monotonic()
-            endpoint.io.call(lambda: endpoint.send(peer, RecvPosted(msg.room)))
+            taken = room.on_piece(msg, posting=True, writer=self.links.stream)
+            if isinstance(taken, str):
+                endpoint.fail_room(room, FailureKind.TRANSFER, taken, notify=True)
+                room = None
+            else:
+                buffer = taken
+        if buffer is None:
+            # NOTE: bounds before allocating: what we reserved for that room, else for any.
+            limit = self._ended.get(msg.room, self._scratch_limit())
+            if not 0 < msg.nbytes <= limit:
+                logger.error("%s announced %d bytes for room %d", peer, msg.nbytes, msg.room)
+                endpoint.drop_peer(peer, FailureKind.TRANSFER, "announced an oversize transfer")
+                return True
+            buffer = endpoint.buffers.take(msg.nbytes, writer=self.links.stream)
 
         def done(error: str | None) -> None:
-            endpoint.io.call(lambda: self._received(peer, room, buffer, error))
+            endpoint.io.call(lambda: self._received(peer, room, msg.index, buffer, error))
 
-        self.links.receive(peer.key, buffer, posted, done)
+        self.links.receive(peer.key, buffer, done)
         return True
 
-    def _received(self, peer: Peer, room, buffer: torch.Tensor, error: str | None) -> None:
+    def _received(self, peer: Peer, room, index: int, buffer: torch.Tensor, error) -> None:
         endpoint = self.endpoint
         if error is not None:
             # NOTE: the link was torn down, so nothing can still write into the buffer.
             endpoint.buffers.give(buffer)
             endpoint.drop_peer(peer, FailureKind.TRANSFER, error)
             return
-        if room is None:
-            endpoint.buffers.give(buffer)  # scratch receive for a room we had dropped
-            return
-        room.stamps["recv_done_seen"] = time.monotonic()
         endpoint.metrics.bytes_received += buffer.numel()
-        total = room.on_received(buffer)
-        if total is not None:
-            endpoint.room_done(room, total)
+        if room is None or room.done:
+            endpoint.buffers.give(buffer)  # scratch, or a room that ended meanwhile
+            return
+        room.on_landed(index, buffer.numel())
+        endpoint.room_landed(room)
 
     def _scratch_limit(self) -> int:
         return max((room.expected_bytes for room in self.endpoint.rooms.values()), default=0)

@@ -3,8 +3,9 @@
 A decode worker connects (DEALER) to our bootstrap ROUTER, proves it holds the transfer token
 (`Hello` / `HelloReply` / `Register`, see prefill_peers), registers its layout once, then sends
 a `TransferRequest` per room once it reserved pages. The prefill worker asks `sender(room)`,
-computes only after the room reached WAITING_FOR_INPUT (decode's pages exist), then `send()`s
-the KV buffer and the metadata record; the room succeeds when decode acks it.
+computes only after the room reached WAITING_FOR_INPUT (decode's pages exist), sends the KV in
+pieces as prefill writes it (`send_piece`, see kv_piece), then the metadata record (`finish`);
+the room succeeds when decode acks it.
 
 Nothing a connection sends before it registered creates state beyond its (bounded) peer
 entry: anything but `Hello` is answered `NotRegistered`. Peers that fail, stall or fall silent
@@ -14,6 +15,7 @@ are dropped with their rooms (see endpoint); every send is non-blocking (see out
 from __future__ import annotations
 
 import secrets
+import time
 
 import torch
 import zmq
@@ -27,22 +29,24 @@ from pdserve.protocol.transfer_messages import (
     Heartbeat,
     Hello,
     KVLayout,
-    RecvPosted,
     Register,
     RoomAck,
+    RoomDone,
     TransferRequest,
 )
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.dist_plane import DistSendPlane
 from pdserve.transfer.endpoint import Endpoint, Peer
+from pdserve.transfer.kv_piece import OutgoingPiece
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.prefill_peers import DecodePeers
 from pdserve.transfer.room_state import RoomState
 from pdserve.transfer.sender_room import SenderRoom
+from pdserve.transfer.staged_sends import StagedSends
 from pdserve.transfer.tcp_plane import TcpPlane
 from pdserve.transfer.wire_limits import MAX_DECODE_MESSAGE_BYTES
 
-_FROM_DECODE = (Hello, Register, TransferRequest, AbortRoom, RoomAck, Heartbeat, RecvPosted)
+_FROM_DECODE = (Hello, Register, TransferRequest, AbortRoom, RoomAck, Heartbeat)
 # Pages of one room when the caller does not say (a 1M-token prompt in 16-token pages).
 DEFAULT_MAX_ROOM_PAGES = 1 << 16
 
@@ -61,9 +65,12 @@ class PrefillTransferServer(DecodePeers, Endpoint):
         metrics: TransferMetrics | None = None,
         device: torch.device | None = None,
         max_room_pages: int = DEFAULT_MAX_ROOM_PAGES,
+        source_device: torch.device | None = None,
     ):
-        """device: where `send()` buffers live (the GPU for nccl; CPU for tcp and gloo).
-        max_room_pages: the most pages one room can need (bounds a transfer request)."""
+        """device: where KV pieces live when sent (the GPU for nccl; CPU for tcp and gloo).
+        max_room_pages: the most pages one room can need (bounds a transfer request).
+        source_device: where the KV is computed; a GPU's pieces sent from the CPU are copied
+        without blocking, and sent once their `ready` event completed."""
         super().__init__(config, prefill_id, metrics)
         self.layout = layout
         self.metadata_spec = metadata_spec
@@ -76,6 +83,10 @@ class PrefillTransferServer(DecodePeers, Endpoint):
             self.plane = TcpPlane(self)
         else:
             self.plane = DistSendPlane(self, device or torch.device("cpu"))
+        staged = (device or torch.device("cpu")).type == "cpu" and (
+            source_device is not None and source_device.type == "cuda"
+        )
+        self._staged = StagedSends(self.io) if staged else None
 
     # ---- life cycle ------------------------------------------------------------------
 
@@ -95,6 +106,8 @@ class PrefillTransferServer(DecodePeers, Endpoint):
         return self.port
 
     def stop(self) -> None:
+        if self._staged is not None:
+            self._staged.stop()
         self.io.stop()
         self.plane.close()
         self.channel.close()
@@ -194,13 +207,38 @@ class PrefillTransferServer(DecodePeers, Endpoint):
             return
         room = self._room(msg.room)
         if room.peer is None and not room.done:  # else a duplicate, or a room that ended
+            room.num_pages, room.num_draft_pages = msg.num_pages, msg.num_draft_pages
             self.attach(room, peer)
 
-    def send_room(self, room: SenderRoom, kv: torch.Tensor, header, payload: bytes) -> None:
+    def submit(self, command, ready: torch.cuda.Event | None) -> None:
+        """Run a room's send step on the IO thread, in order; with GPU pieces staged in host
+        memory, each after its copy completed (`ready`)."""
+        if self._staged is not None:
+            self._staged.submit(command, ready)
+        else:
+            self.io.call(command)
+
+    def send_piece(self, room: SenderRoom, piece: OutgoingPiece) -> None:
         if room.done:
             return
-        problem = room.begin_send()
-        if problem is not None:
-            self.fail_room(room, FailureKind.INTERNAL, problem, notify=True)
+        index = room.begin_piece()
+        if isinstance(index, str):
+            self.fail_room(room, FailureKind.INTERNAL, index, notify=True)
             return
-        self.plane.send(room, kv, header, payload)
+        if piece.span is None:
+            piece.span = room.whole()
+        if self.plane.send_piece(room, piece, index):
+            self.metrics.pieces_sent += 1
+            room.bytes_sent += piece.data.numel()
+            room.stamps.setdefault("first_piece_sent", time.monotonic())
+
+    def finish_room(self, room: SenderRoom, header, payload: bytes) -> None:
+        """After the last piece: the metadata record, then `RoomDone`."""
+        if room.done:
+            return
+        if room.pieces_sent == 0:
+            self.fail_room(room, FailureKind.INTERNAL, "finished without any KV", notify=True)
+            return
+        room.stamps["finished"] = time.monotonic()
+        if self.send(room.peer, header, payload):
+            self.send(room.peer, RoomDone(room.room, room.bytes_sent, room.pieces_sent))

@@ -1,7 +1,7 @@
 """One room on the prefill side of a handoff (see `prefill_side`): its state, the peer that
-asked for it, and the KV buffer kept alive while it is sent. The prefill worker's thread calls
-`started`, `send` and `abort`; everything else runs on the IO thread. State reads are safe
-from any thread."""
+asked for it, the pages it asked for, and the KV pieces kept alive while they are sent. The
+prefill worker's thread calls `started`, `send_piece`, `finish`, `send` and `abort`;
+everything else runs on the IO thread. State reads are safe from any thread."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.protocol.failures import FailureKind
+from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
 from pdserve.transfer.metadata import MetadataRecord
 from pdserve.transfer.room_state import Room, RoomState, TransferState
 
@@ -24,7 +25,12 @@ class SenderRoom(Room):
         super().__init__(room, state)
         self._server = server
         self.peer: Peer | None = None
-        self._buffer: torch.Tensor | None = None
+        # The pages decode reserved (from its transfer request): what the pieces must cover.
+        self.num_pages = 0
+        self.num_draft_pages = 0
+        self._buffers: list[torch.Tensor] = []
+        self.pieces_sent = 0
+        self.bytes_sent = 0
         # Asked for by this worker's own request (not only by a decode peer's transfer request).
         self.claimed = False
         self.started_at = time.monotonic()
@@ -42,17 +48,28 @@ class SenderRoom(Room):
         wait in the prefill queue before it had its own, longer, deadline)."""
         self._server.io.call(self._state.restart_clock)
 
-    def send(self, kv: torch.Tensor, metadata: MetadataRecord) -> None:
-        """Send the request's gathered KV (flat uint8: on the CPU for tcp and gloo, on the GPU
-        for nccl) and its metadata record."""
+    def send_piece(self, piece: OutgoingPiece) -> None:
+        """Send one piece of the room's KV (flat uint8 from `KVStager.gather`: on the CPU for
+        tcp and gloo, on the GPU for nccl). Pieces go out in the order given."""
         wanted = "cpu" if self._server.config.backend in ("tcp", "gloo") else "cuda"
-        if kv.dtype != torch.uint8 or kv.device.type != wanted or not kv.is_contiguous():
+        data = piece.data
+        if data.dtype != torch.uint8 or data.device.type != wanted or not data.is_contiguous():
             raise ValueError(
-                f"kv must be a contiguous uint8 buffer on {wanted} (see KVStager.gather)"
+                f"a KV piece must be a contiguous uint8 buffer on {wanted} (see KVStager.gather)"
             )
+        self.stamps.setdefault("first_piece_called", time.monotonic())
+        self._server.submit(lambda: self._server.send_piece(self, piece), piece.ready)
+
+    def finish(self, metadata: MetadataRecord) -> None:
+        """Every piece was given: send the metadata record and end the room's sending."""
         header, payload = metadata.pack(self.room, self._server.metadata_spec)
-        self.stamps["send_called"] = time.monotonic()
-        self._server.io.call(lambda: self._server.send_room(self, kv, header, payload))
+        self.stamps["finish_called"] = time.monotonic()
+        self._server.submit(lambda: self._server.finish_room(self, header, payload), None)
+
+    def send(self, kv: torch.Tensor, metadata: MetadataRecord) -> None:
+        """Send the room's KV whole (every page decode reserved, as one piece) and finish."""
+        self.send_piece(OutgoingPiece(None, kv))
+        self.finish(metadata)
 
     def abort(self, kind: FailureKind, message: str) -> None:
         self._server.io.call(lambda: self._server.fail_room(self, kind, message, notify=True))
@@ -67,16 +84,29 @@ class SenderRoom(Room):
             self._state.advance(TransferState.WAITING_FOR_INPUT)
             self._state.hold(self._server.config.queue_timeout_s)
 
-    def begin_send(self) -> str | None:
-        """Move to TRANSFERRING; why not, if it cannot."""
-        if self.peer is None or self._state.state is not TransferState.WAITING_FOR_INPUT:
-            return f"send() in state {self._state.state.name}"
-        self._state.advance(TransferState.TRANSFERRING)
-        return None
+    def whole(self) -> PageSpan:
+        """Every page decode reserved."""
+        return PageSpan(0, self.num_pages, 0, self.num_draft_pages)
+
+    def begin_piece(self) -> int | str:
+        """The next piece's index (the room is TRANSFERRING from its first); why not, if it
+        cannot send one."""
+        state = self._state.state
+        if self.peer is None or state not in (
+            TransferState.WAITING_FOR_INPUT,
+            TransferState.TRANSFERRING,
+        ):
+            return f"a KV piece in state {state.name}"
+        if state is TransferState.WAITING_FOR_INPUT:
+            self._state.advance(TransferState.TRANSFERRING)
+        else:
+            self._state.restart_clock()
+        self.pieces_sent += 1
+        return self.pieces_sent - 1
 
     def keep(self, kv: torch.Tensor) -> None:
         """Keep `kv` alive until the room ends (frames sent zero-copy are views of it)."""
-        self._buffer = kv
+        self._buffers.append(kv)
 
     def acked(self) -> bool:
         """Decode has the room whole; False if it had ended otherwise."""
@@ -86,4 +116,4 @@ class SenderRoom(Room):
         return self._state.advance(TransferState.SUCCESS)
 
     def drop_buffer(self) -> None:
-        self._buffer = None
+        self._buffers = []

@@ -1,11 +1,13 @@
-"""KV bytes as ZMQ frames on the control connection (the `tcp` backend): the sender sends the
-room's buffer in `KVChunk`s of at most `chunk_bytes` (zero-copy views, kept alive by the room
-until it ends), then the metadata record, then `RoomDone`; the receiver copies each chunk into
-the room's buffer after checking it against its own reservation.
+"""KV bytes as ZMQ frames on the control connection (the `tcp` backend): the sender announces
+each piece of a room (`KVPiece`) and sends its bytes in `KVChunk`s of at most `chunk_bytes`
+(zero-copy views, kept alive by the room until it ends); the metadata record and `RoomDone`
+follow the last piece. The receiver copies each chunk into the piece's buffer after checking
+both against its own reservation.
 
-A data plane is what an endpoint calls for bytes: `send` (sender) or `handle` (either side, for
-the plane's own messages), `registration` (receiver: what the plane adds to `Register`),
-`registered` (sender: a peer was accepted), `forget` (a peer was dropped), `tick`, `close`.
+A data plane is what an endpoint calls for bytes: `send_piece` (sender) or `handle` (either
+side, for the plane's own messages), `registration` (receiver: what the plane adds to
+`Register`), `registered` (sender: a peer was accepted), `room_ended` (receiver), `forget` (a
+peer was dropped), `tick`, `close`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pdserve.protocol.failures import FailureKind
-from pdserve.protocol.transfer_messages import KVChunk, Register, RoomDone
+from pdserve.protocol.transfer_messages import KVChunk, KVPiece, Register
+from pdserve.transfer.kv_piece import OutgoingPiece
 
 if TYPE_CHECKING:
     from pdserve.transfer.endpoint import Endpoint, Peer
@@ -25,41 +28,54 @@ class TcpPlane:
     def __init__(self, endpoint: Endpoint):
         self.endpoint = endpoint
 
-    def send(self, room, kv, header, payload: bytes) -> None:
-        """Sender: the room is TRANSFERRING."""
+    def send_piece(self, room, piece: OutgoingPiece, index: int) -> bool:
+        """Sender (IO thread): announce the piece and send its bytes; False if the peer could
+        not take them. The bytes are ready (a GPU piece was staged and waited for)."""
         endpoint, peer = self.endpoint, room.peer
-        room.keep(kv)  # NOTE: the frames are zero-copy views: kept until the room ends
-        view = memoryview(kv.numpy())
-        total = kv.numel()
+        room.keep(piece.data)  # NOTE: the frames are zero-copy views: kept until the room ends
+        span, total = piece.span, piece.data.numel()
+        announcement = KVPiece(
+            room.room, index, span.first, span.count, span.draft_first, span.draft_count, total
+        )
+        if not endpoint.send(peer, announcement):
+            return False
+        view = memoryview(piece.data.numpy())
         for offset in range(0, total, endpoint.config.chunk_bytes):
             nbytes = min(endpoint.config.chunk_bytes, total - offset)
-            chunk = KVChunk(room.room, offset, nbytes)
+            chunk = KVChunk(room.room, index, offset, nbytes)
             if not endpoint.send(peer, chunk, view[offset : offset + nbytes], copy=False):
-                return
+                return False
             if room.done:
-                return
-        if endpoint.send(peer, header, payload) and endpoint.send(peer, RoomDone(room.room, total)):
-            endpoint.metrics.bytes_sent += total
+                return False
+        endpoint.metrics.bytes_sent += total
+        return True
 
     def handle(self, peer: Peer, msg, payload) -> bool:
-        """Receiver: a KV chunk for one of `peer`'s rooms; False for other messages."""
-        if not isinstance(msg, KVChunk):
+        """Receiver: a piece or a chunk for one of `peer`'s rooms; False for other messages."""
+        if not isinstance(msg, (KVPiece, KVChunk)):
             return False
         room = self.endpoint.room_of(peer, msg.room)
         if room is None:
-            return True  # late chunk for a finished or foreign room
-        data = payload.buffer if payload is not None else None
-        problem = room.on_chunk(msg.offset, msg.nbytes, data)
+            return True  # late bytes for a finished or foreign room
+        if isinstance(msg, KVPiece):
+            taken = room.on_piece(msg, posting=False)
+            problem = taken if isinstance(taken, str) else None
+        else:
+            data = payload.buffer if payload is not None else None
+            problem = room.on_chunk(msg.piece, msg.offset, msg.nbytes, data)
+            if problem is None:
+                self.endpoint.metrics.bytes_received += msg.nbytes
         if problem is not None:
             self.endpoint.fail_room(room, FailureKind.TRANSFER, problem, notify=True)
-        else:
-            self.endpoint.metrics.bytes_received += msg.nbytes
         return True
 
     def registration(self, peer: Peer, register: Register) -> Register:
         return register
 
     def registered(self, peer: Peer, msg: Register) -> None:
+        pass
+
+    def room_ended(self, room) -> None:
         pass
 
     def forget(self, peer: Peer) -> None:

@@ -113,8 +113,8 @@ def run_prefill(cases, config: TransferConfig, port_queue, result_queue, behavio
             if sender.poll() is TransferState.FAILED:
                 result_queue.put((case.room, "FAILED", _message(sender)))
                 continue
-            if behaviour == "partial":  # one chunk of KV, then nothing: the test kills us
-                _send_first_chunk(server, sender)
+            if behaviour == "partial":  # one piece of KV, then nothing: the test kills us
+                _send_first_piece(case, sender)
                 wait_until(lambda: False, "being killed", 60)
             if behaviour == "hold":  # never send: the test kills or aborts us
                 wait_until(lambda s=sender: s.poll() is TransferState.FAILED, "the room to fail")
@@ -139,11 +139,13 @@ def _message(room) -> str | None:
     return room.failure.message if room.failure is not None else None
 
 
-def _send_first_chunk(server, sender) -> None:
-    from pdserve.protocol.transfer_messages import KVChunk
+def _send_first_piece(case: Case, sender) -> None:
+    """The room's first page, as a piece of its own (more would follow)."""
+    from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
 
-    peer = sender.peer
-    server.io.call(lambda: server.send(peer, KVChunk(sender.room, 0, 1024), b"\x00" * 1024))
+    stager = KVStager(pools(case, 20, seed=case.room))
+    first = [case.prefill_pages[0]]
+    sender.send_piece(OutgoingPiece(PageSpan(0, 1), stager.gather([first] * len(stager.pools))))
 
 
 def run_decode(

@@ -62,6 +62,7 @@ SAMPLES = {
             "progress_timeout_s": 12.5,
             "peer_timeout_s": 3.0,
             "auth_token": "secret",
+            "piece_bytes": 0,
             "bootstrap_allow": ("10.0.0.0/8", "127.0.0.1"),
         },
     ),

@@ -255,3 +255,57 @@ def test_an_abort_message_ends_a_request_that_joined_the_decode_batch(pair):
     assert decode.engine.has_unfinished() and not decode.transferring  # decoding now
     EngineLoop(decode).tick([AbortRequest("d")])
     assert not decode.engine.has_unfinished() and decode.engine.allocator.num_used == 0
+
+
+@pytest.fixture
+def streaming_pair(tiny_model_dirs):
+    """Prefill computes prompts 8 tokens (2 pages) a step and sends every completed page at
+    once: a room's KV leaves in several pieces while its prompt is still being computed."""
+    model = tiny_model_dirs("qwen3")
+    config = dataclasses.replace(CONFIG, piece_bytes=1)
+    prefill_engine = LLM(model, device="cpu", page_size=PAGE, chunked_prefill_size=8).engine
+    decode_engine = LLM(model, device="cpu", page_size=PAGE).engine
+    prefill = PrefillHandoff(prefill_engine, config)
+    decode = DecodeHandoff(decode_engine, config)
+    yield prefill, decode, model
+    prefill.stop()
+    decode.stop()
+
+
+def test_kv_streamed_while_prefill_runs_equals_colocated(streaming_pair):
+    prefill, decode, model = streaming_pair
+    prompts = random_prompts((41, 23, 6), 250, seed=8)
+    expected = [o.token_ids for o in LLM(model, device="cpu").generate(prompts, GREEDY)]
+    messages = {
+        prefill: [
+            generate(f"p{i}", p, GREEDY, boot(prefill, 20 + i)) for i, p in enumerate(prompts)
+        ],
+        decode: [
+            generate(f"d{i}", p, GREEDY, boot(prefill, 20 + i)) for i, p in enumerate(prompts)
+        ],
+    }
+    names = [f"d{i}" for i in range(3)]
+    outputs = drive(
+        prefill, decode, until=lambda o: all(finished(o, n) for n in names), messages=messages
+    )
+    for i in range(3):
+        assert tokens(outputs, f"d{i}") == expected[i]
+    # 41 tokens: 10 pages completed chunk by chunk (4 pieces of 2), then the rest (11th page).
+    assert prefill.metrics.pieces_sent >= 3 + 4 + 2
+    drive(prefill, until=lambda _: not prefill.sending, deadline_s=10)  # decode's ack lands
+    assert prefill.engine.allocator.num_used == 0 and decode.engine.allocator.num_used == 0
+
+
+def test_a_prefill_aborted_after_some_pieces_fails_decode_and_frees_both_sides(streaming_pair):
+    prefill, decode, _ = streaming_pair
+    prompt = random_prompts((64,), 250, seed=9)[0]
+    messages = {
+        prefill: [generate("p", prompt, GREEDY, boot(prefill, 30))],
+        decode: [generate("d", prompt, GREEDY, boot(prefill, 30))],
+    }
+    drive(prefill, decode, until=lambda _: prefill.metrics.pieces_sent >= 2, messages=messages)
+    assert "p" in prefill.prefilling  # mid-prompt: 16 pages, 4 at most computed
+    assert prefill.abort("p")
+    outputs = drive(prefill, decode, until=lambda o: finished(o, "d"), deadline_s=10)
+    assert "prefill request was aborted" in outputs["d"][-1].error
+    assert prefill.engine.allocator.num_used == 0 and decode.engine.allocator.num_used == 0

@@ -17,9 +17,9 @@ from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.transfer_messages import (
     Hello,
     HelloReply,
+    KVPiece,
     Register,
     RegisterAck,
-    SendReady,
     TransferRequest,
 )
 from pdserve.transfer.kv_staging import KVStager
@@ -276,8 +276,8 @@ def test_a_failed_room_frees_the_buffer_announced_to_its_peer():
         sender = server.sender(40)
         client.receiver(40, "127.0.0.1", server.port, list(CASE.decode_pages))
         wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, "the request", 20)
-        # decode stalls: it takes SendReady but never posts the receive
-        client.plane.handle = lambda peer, msg, payload: isinstance(msg, SendReady)
+        # decode stalls: it takes the piece's announcement but never posts the receive
+        client.plane.handle = lambda peer, msg, payload: isinstance(msg, KVPiece)
         kv = KVStager(pools(CASE, 20, seed=1)).gather([list(CASE.prefill_pages)])
         sender.send(kv, record(CASE))
         wait_until(lambda: server.pending_sends == 1, "the announcement", 10)

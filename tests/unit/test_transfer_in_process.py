@@ -10,7 +10,7 @@ import torch
 
 from pdserve.engine.kv_pool import KVPool
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
-from pdserve.protocol.transfer_messages import KVChunk, RoomDone, TransferRequest
+from pdserve.protocol.transfer_messages import KVChunk, KVPiece, RoomDone, TransferRequest
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.decode_side import DecodeTransferClient
 from pdserve.transfer.kv_staging import KVStager
@@ -72,8 +72,10 @@ def test_late_messages_for_a_finished_room_are_ignored(pair):
     client.release(CASE.room)
     # Replay the finished room's messages from prefill, and its request from decode.
     decode_peer = sender.peer
-    server.io.call(lambda: server.send(decode_peer, KVChunk(CASE.room, 0, 16), b"\xff" * 16))
-    server.io.call(lambda: server.send(decode_peer, RoomDone(CASE.room, 16)))
+    piece = KVPiece(CASE.room, 0, 0, 1, 0, 0, 16)
+    server.io.call(lambda: server.send(decode_peer, piece))
+    server.io.call(lambda: server.send(decode_peer, KVChunk(CASE.room, 0, 0, 16), b"\xff" * 16))
+    server.io.call(lambda: server.send(decode_peer, RoomDone(CASE.room, 16, 1)))
     peer = next(iter(client.peers.values()))
     client.io.call(lambda: client.send(peer, TransferRequest(CASE.room, 1, 0)))
     # A new room still works, and nothing of the replay landed anywhere. NOTE: each side
@@ -127,7 +129,7 @@ def test_gloo_receive_posted_for_an_aborted_room_keeps_the_pair_in_order():
         held = threading.Event()
         client.io.call(lambda: held.wait(10))  # stall decode's IO thread
         kv = KVStager(pools(Case(room=11), 20, seed=11)).gather([[5, 2, 9]])
-        sender.send(kv, record(Case(room=11)))  # SendReady waits in decode's socket
+        sender.send(kv, record(Case(room=11)))  # the announcement waits in decode's socket
         receiver.abort(FailureKind.ABORTED, "client went away")
         held.set()
         wait_until(lambda: sender.poll() is TransferState.FAILED, "prefill to learn of it", 10)

@@ -1,0 +1,156 @@
+"""A room's KV travels in pieces: each piece is the bytes of a span of the room's pages (target
+pool, then draft pool), gathered into one flat buffer by `KVStager`. A prefill worker sends a
+piece as soon as prefill has written its pages, so the transfer runs while later chunks are
+still being computed; a room sent whole is one piece.
+
+The receiving side keeps a `PieceLedger` per room: every announced piece is checked against
+the room's own reservation before a byte is allocated for it (its pages exist, none of them
+was covered by an earlier piece, its size is what those pages hold), and the room is complete
+when its pieces cover every page once and have all landed. Pieces may arrive in any order and
+interleaved with other rooms' pieces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PageSpan:
+    """Target pages [first, first + count) and draft pages [draft_first, draft_first +
+    draft_count), as positions in a room's page lists (not page ids)."""
+
+    first: int
+    count: int
+    draft_first: int = 0
+    draft_count: int = 0
+
+    def nbytes(self, page_bytes: list[int]) -> int:
+        """Bytes of this span given the bytes per page of each pool (target, then draft)."""
+        counts = (self.count, self.draft_count)[: len(page_bytes)]
+        return sum(n * size for n, size in zip(counts, page_bytes, strict=True))
+
+    def page_lists(self, pages: list[int], draft_pages: list[int], num_pools: int):
+        """The page ids this span covers, one list per pool."""
+        lists = [
+            pages[self.first : self.first + self.count],
+            draft_pages[self.draft_first : self.draft_first + self.draft_count],
+        ]
+        return lists[:num_pools]
+
+
+@dataclass
+class OutgoingPiece:
+    """A gathered piece on its way out. `ready` is recorded on the producing CUDA stream
+    after `data` was written (None: written already, e.g. on the CPU); the data plane orders
+    the send after it."""
+
+    span: PageSpan
+    data: torch.Tensor
+    ready: torch.cuda.Event | None = None
+
+
+@dataclass
+class _Incoming:
+    span: PageSpan
+    buffer: torch.Tensor | None  # None once given back
+    received: int = 0  # bytes landed (tcp: chunk by chunk; torch.distributed: all at once)
+    # A posted receive may still write the buffer: whoever posted it gives it back.
+    in_flight: bool = False
+
+
+class PieceLedger:
+    """The pieces of one room on the receiving side. Not thread-safe: the IO thread owns it."""
+
+    def __init__(self, num_pages: int, num_draft_pages: int, page_bytes: list[int]):
+        self.num_pages = num_pages
+        self.num_draft_pages = num_draft_pages
+        self.page_bytes = page_bytes
+        self.expected_bytes = PageSpan(0, num_pages, 0, num_draft_pages).nbytes(page_bytes)
+        self._covered = [bytearray(num_pages), bytearray(num_draft_pages)]
+        self.pieces: dict[int, _Incoming] = {}
+        self.announced_bytes = 0
+        self.landed_bytes = 0
+
+    def check(self, index: int, span: PageSpan, nbytes: int) -> str | None:
+        """What is wrong with announcing this piece, if anything (nothing is allocated)."""
+        if index in self.pieces:
+            return f"KV piece {index} announced twice"
+        bounds = ((span.first, span.count, self.num_pages),)
+        bounds += ((span.draft_first, span.draft_count, self.num_draft_pages),)
+        for first, count, reserved in bounds:
+            if first < 0 or count < 0 or first + count > reserved:
+                return (
+                    f"KV piece {index} covers pages [{first}, {first + count}) of a room "
+                    f"with {reserved} reserved"
+                )
+        if span.count + span.draft_count == 0:
+            return f"KV piece {index} covers no page"
+        if nbytes != span.nbytes(self.page_bytes):
+            return (
+                f"KV piece {index} announced {nbytes} bytes for "
+                f"{span.count}+{span.draft_count} pages ({span.nbytes(self.page_bytes)} bytes)"
+            )
+        for covered, first, count in (
+            (self._covered[0], span.first, span.count),
+            (self._covered[1], span.draft_first, span.draft_count),
+        ):
+            if any(covered[first : first + count]):
+                return f"KV piece {index} covers pages another piece already covered"
+        return None
+
+    def add(
+        self, index: int, span: PageSpan, buffer: torch.Tensor, *, in_flight: bool = False
+    ) -> None:
+        """Record a piece `check` accepted, with the buffer its bytes land in (`in_flight`: a
+        receive into it is posted; `landed` ends that)."""
+        for covered, first, count in (
+            (self._covered[0], span.first, span.count),
+            (self._covered[1], span.draft_first, span.draft_count),
+        ):
+            covered[first : first + count] = b"\x01" * count
+        self.pieces[index] = _Incoming(span, buffer, in_flight=in_flight)
+        self.announced_bytes += buffer.numel()
+
+    def chunk_target(self, index: int, offset: int, nbytes: int) -> torch.Tensor | str:
+        """Where a tcp chunk of piece `index` goes (its slice of the piece's buffer), or what
+        is wrong with it: chunks of a piece come in order and fill it exactly."""
+        piece = self.pieces.get(index)
+        if piece is None or piece.buffer is None:
+            return f"KV chunk for piece {index}, which was not announced"
+        size = piece.buffer.numel()
+        if offset != piece.received or nbytes <= 0 or offset + nbytes > size:
+            return (
+                f"bad KV chunk for piece {index} (offset {offset}, {nbytes} bytes; expected "
+                f"offset {piece.received} of {size})"
+            )
+        return piece.buffer[offset : offset + nbytes]
+
+    def landed(self, index: int, nbytes: int) -> None:
+        """`nbytes` more of piece `index` arrived."""
+        piece = self.pieces[index]
+        piece.received += nbytes
+        piece.in_flight = False
+        self.landed_bytes += nbytes
+
+    @property
+    def complete(self) -> bool:
+        """Every page covered once, and every byte landed."""
+        return self.announced_bytes == self.expected_bytes == self.landed_bytes
+
+    def scatter(self, stager, pages: list[int], draft_pages: list[int]) -> None:
+        """Write every piece into its pages (the room is complete)."""
+        num_pools = len(stager.pools)
+        for piece in self.pieces.values():
+            stager.scatter(piece.span.page_lists(pages, draft_pages, num_pools), piece.buffer)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Take every buffer held and not in flight (to give back)."""
+        taken = []
+        for piece in self.pieces.values():
+            if piece.buffer is not None and not piece.in_flight:
+                taken.append(piece.buffer)
+                piece.buffer = None
+        return taken
