@@ -7,6 +7,10 @@ starts them all at once), and at most `max_concurrency` are in flight; since a c
 has one request in flight at a time, that caps requests in flight too. Fixed concurrency N is
 rate `inf` with `max_concurrency` N. A request's clock starts when it is sent, after any wait
 for a slot.
+
+A run may have a deadline (seconds from its start): requests still in flight then are cut off
+(their streams closed, which a server takes as an abort) and recorded as failed, and
+conversations not yet started are recorded as not sent, so an overloaded run ends on time.
 """
 
 from __future__ import annotations
@@ -67,9 +71,13 @@ async def run_load(
     load: Load,
     seed: int = 0,
     on_record: Callable[[RequestRecord], None] | None = None,
+    deadline_s: float | None = None,
 ) -> RunResult:
     """Every turn of every conversation at `load`; `on_record` sees each record as it ends.
-    A failed turn ends its conversation: the turns after it are recorded as failed, unsent."""
+    A failed turn ends its conversation: the turns after it are recorded as failed, unsent.
+    `deadline_s`: seconds from the start after which the run is cut off (module docstring)."""
+    if deadline_s is not None and not deadline_s > 0:
+        raise ValueError(f"deadline {deadline_s} s: must be > 0")
     records: list[RequestRecord] = []
     gate = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     start = time.perf_counter()
@@ -80,19 +88,28 @@ async def run_load(
             on_record(record)
 
     async def converse(index: int, conversation: Conversation, offset: float) -> None:
-        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-        async with gate or contextlib.nullcontext():
-            answers: list[str] = []
-            for turn in range(len(conversation.turns)):
-                sent = time.perf_counter() - start
-                record = await client.send(conversation, answers)
-                record.conversation, record.start_s = index, sent
-                keep(record)
-                if not record.success:
-                    for later in range(turn + 1, len(conversation.turns)):
-                        keep(_unsent(conversation, index, later, record.start_s))
-                    return
-                answers.append(record.answer)
+        answers: list[str] = []
+        sent: float | None = None  # when the turn in flight was sent
+        left = None if deadline_s is None else start + deadline_s - time.perf_counter()
+        try:
+            async with asyncio.timeout(left):
+                await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+                async with gate or contextlib.nullcontext():
+                    for turn in range(len(conversation.turns)):
+                        sent = time.perf_counter() - start
+                        record = await client.send(conversation, answers)
+                        record.conversation, record.start_s = index, sent
+                        keep(record)
+                        if not record.success:
+                            for later in range(turn + 1, len(conversation.turns)):
+                                keep(_unsent(conversation, index, later, record.start_s))
+                            return
+                        answers.append(record.answer)
+                        sent = None
+        except TimeoutError:
+            keep(_cut_off(conversation, index, len(answers), sent, deadline_s))
+            for later in range(len(answers) + 1, len(conversation.turns)):
+                keep(_unsent(conversation, index, later, deadline_s))
 
     offsets = arrival_offsets(len(conversations), load.request_rate, seed)
     scheduled = enumerate(zip(conversations, offsets, strict=True))
@@ -114,4 +131,22 @@ def _unsent(conversation: Conversation, index: int, turn: int, start_s: float) -
         max_tokens=conversation.turns[turn].max_tokens,
         error="not sent: an earlier turn of its conversation failed",
         start_s=start_s,
+    )
+
+
+def _cut_off(
+    conversation: Conversation, index: int, turn: int, sent: float | None, deadline_s: float
+) -> RequestRecord:
+    """The turn in flight (or not yet sent) when the run's deadline passed."""
+    if sent is None:
+        error = f"not sent: the run's deadline ({deadline_s:g} s) came first"
+    else:
+        error = f"cut off at the run's deadline ({deadline_s:g} s), unfinished"
+    return RequestRecord(
+        conversation=index,
+        turn=turn,
+        max_tokens=conversation.turns[turn].max_tokens,
+        error=error,
+        start_s=deadline_s if sent is None else sent,
+        e2e_s=None if sent is None else deadline_s - sent,
     )

@@ -285,6 +285,70 @@ def test_poisson_arrivals_start_conversations_no_earlier_than_scheduled():
     assert result.duration_s >= offsets[-1]
 
 
+def slow_chat_server(delays: dict[str, float], aborted: list[str]):
+    """Answers each user message after `delays[message]` seconds (0 when not listed); notes
+    in `aborted` the messages whose request the client gave up on while it waited."""
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        question = json.loads(request.content)["messages"][-1]["content"]
+        try:
+            await asyncio.sleep(delays.get(question, 0.0))
+        except asyncio.CancelledError:
+            aborted.append(question)
+            raise
+        events = [chat_chunk({"content": "ok"}), usage(9, 1)]
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=body)
+
+    return httpx.MockTransport(handle)
+
+
+def run_until(transport, conversations, deadline_s: float, load: Load | None = None):
+    async def go():
+        client = BenchClient(settings("chat"), transport=transport)
+        try:
+            return await run_load(client, conversations, load or Load(), deadline_s=deadline_s)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+def test_a_deadline_cuts_off_requests_in_flight_and_closes_them():
+    aborted: list[str] = []
+    slow_second_turn = Conversation((Turn("quick", 2), Turn("slow", 2), Turn("never", 2)))
+    transport = slow_chat_server({"slow": 30.0}, aborted)
+    result = run_until(transport, [conversation(1), slow_second_turn], deadline_s=0.3)
+    assert result.duration_s < 5  # not the 30 s the slow answer would take
+    outcomes = [(r.conversation, r.turn, r.success) for r in result.records]
+    assert outcomes == [(0, 0, True), (1, 0, True), (1, 1, False), (1, 2, False)]
+    cut, later = result.records[2], result.records[3]
+    assert cut.error.startswith("cut off at the run's deadline") and cut.max_tokens == 2
+    assert later.error.startswith("not sent")
+    assert aborted == ["slow"]  # its stream was closed, not left running
+
+
+def test_a_deadline_counts_conversations_that_never_started_as_not_sent():
+    aborted: list[str] = []
+    transport = slow_chat_server({"question 0": 30.0}, aborted)
+    one_at_a_time = Load(max_concurrency=1)
+    result = run_until(transport, [conversation(1), conversation(1)], 0.3, one_at_a_time)
+    first, second = result.records
+    assert first.error.startswith("cut off") and first.e2e_s == pytest.approx(0.3, abs=0.2)
+    assert second.error == "not sent: the run's deadline (0.3 s) came first"
+    summary = summarize(result.records, result.duration_s, SLO())
+    assert (summary["completed"], summary["failed"]) == (0, 2)
+
+
+def test_a_run_without_a_deadline_waits_for_every_answer_and_a_bad_deadline_is_refused():
+    aborted: list[str] = []
+    transport = slow_chat_server({"question 0": 0.3}, aborted)
+    result = run_until(transport, [conversation(1)], deadline_s=None)
+    assert result.records[0].success and result.duration_s >= 0.3 and not aborted
+    with pytest.raises(ValueError, match="deadline"):
+        run_until(transport, [conversation(1)], deadline_s=0.0)
+
+
 def test_chunks_are_timed_as_they_arrive_over_a_real_socket():
     """A raw HTTP/1.1 server writes a chunk every 50 ms: the client must see the gaps (a
     client that buffered the body would see them all at once)."""
