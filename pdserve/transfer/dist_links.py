@@ -111,8 +111,10 @@ class DistLinks:
         self._lock = threading.Lock()  # guards everything below
         self._waiters: dict[object, _LinkWaiter] = {}
         self._broken: dict[object, str] = {}
-        # Peers whose link is being created: the posts waiting for it, in order.
-        self._connecting: dict[object, list[Callable[[], None]]] = {}
+        # Peers whose link is being created: that attempt's token, and the posts waiting for
+        # it in order. NOTE: a peer dropped and connected again has a new attempt; the old
+        # one's link, if it still comes, is closed.
+        self._connecting: dict[object, tuple[object, list[Callable[[], None]]]] = {}
         self._closed = False
 
     def serve_store(self, host: str) -> str:
@@ -123,8 +125,9 @@ class DistLinks:
 
     def connect(self, peer_key, store_address: str, pair_name: str, done: Done) -> None:
         """Create the pair's link on a thread of its own; `done` says how it went."""
+        attempt = object()
         with self._lock:
-            self._connecting.setdefault(peer_key, [])
+            self._connecting[peer_key] = (attempt, [])
 
         def build() -> None:
             link, error = None, None
@@ -146,35 +149,44 @@ class DistLinks:
                 )
             except (LinkError, LinkTimeout, RuntimeError, ValueError) as e:
                 error = f"{self.backend} link to peer failed: {e}"
-            self._install(peer_key, link, error)
+            self._install(peer_key, attempt, link, error)
             _call(done, error)
 
         threading.Thread(target=build, name="transfer-link-connect", daemon=True).start()
 
-    def _install(self, peer_key, link: PairLink | None, error: str | None) -> None:
+    def _install(self, peer_key, attempt, link: PairLink | None, error: str | None) -> None:
+        """Under the lock, so that no post slips between the attempt and the link."""
+        unused = old = None
         with self._lock:
-            waiting = self._connecting.pop(peer_key, [])
-            old = self._waiters.pop(peer_key, None)
-            if link is not None and not self._closed:
-                self._waiters[peer_key] = _LinkWaiter(link, self.timeout_s)
-                self._broken.pop(peer_key, None)
-            elif link is not None:
-                link.close()
+            current, waiting = self._connecting.get(peer_key, (None, []))
+            if current is not attempt or self._closed:  # dropped meanwhile, or shutting down
+                unused = link
             else:
-                self._broken[peer_key] = error
-            for post in waiting:
-                post()
+                del self._connecting[peer_key]
+                old = self._waiters.pop(peer_key, None)
+                if link is not None:
+                    self._waiters[peer_key] = _LinkWaiter(link, self.timeout_s)
+                    self._broken.pop(peer_key, None)
+                else:
+                    self._broken[peer_key] = error
+                for post in waiting:
+                    post()
+        if unused is not None:
+            unused.close()
         if old is not None:
             old.close("replaced by a new link")
 
     def forget(self, peer_key) -> None:
-        """Close the peer's link: its transfers still in flight fail."""
+        """Close the peer's link: its transfers still in flight fail. Returns at once (the
+        abort runs on a thread of its own, off the caller's IO thread)."""
         with self._lock:
             waiter = self._waiters.pop(peer_key, None)
             self._broken.pop(peer_key, None)
             self._connecting.pop(peer_key, None)
         if waiter is not None:
-            waiter.close("the peer was dropped")
+            threading.Thread(
+                target=waiter.close, args=("the peer was dropped",), daemon=True
+            ).start()
 
     def send(
         self, peer_key, buffer: torch.Tensor, ready: torch.cuda.Event | None, done: Done
@@ -190,7 +202,7 @@ class DistLinks:
     def _post(self, peer_key, operation: str, buffer, ready, done: Done) -> None:
         with self._lock:
             if peer_key in self._connecting:
-                self._connecting[peer_key].append(
+                self._connecting[peer_key][1].append(
                     lambda: self._post_now(peer_key, operation, buffer, ready, done)
                 )
                 return
