@@ -18,8 +18,10 @@ from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.router.access_log import AccessRecord
 from pdserve.router.app import build_router_app
 from pdserve.router.config import RouterConfig
+from pdserve.router.legs import Legs
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.proxy import Proxy
+from pdserve.router.routes import PairRoute
 from pdserve.router.workers import Role, Worker, WorkerPool
 from pdserve.server.local_process import LocalServer
 from tests.unit.fake_workers import (
@@ -183,21 +185,22 @@ def test_a_client_that_leaves_before_the_first_byte_cancels_both_legs(stream):
         decode = WorkerPool(Role.DECODE, [Worker("http://decode", Role.DECODE)])
         metrics = RouterMetrics()
         gone = asyncio.Event()
-        async with httpx.AsyncClient(transport=fakes.transport) as client:
-            proxy = Proxy(fakes.config(), prefill, decode, client, metrics)
-            body = {**BODY, "stream": stream}
-            handling = asyncio.create_task(
-                proxy.handle(
-                    "/v1/completions", body, {"X-Request-Id": "x"}, gone.wait, AccessRecord("x")
-                )
+        config = fakes.config()
+        legs = Legs(config, fakes.transport)
+        proxy = Proxy(config, PairRoute(config, legs, prefill, decode), metrics)
+        body = {**BODY, "stream": stream}
+        handling = asyncio.create_task(
+            proxy.handle(
+                "/v1/completions", body, {"X-Request-Id": "x"}, gone.wait, AccessRecord("x")
             )
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in reached.values())), 10)
-            gone.set()
-            response = await asyncio.wait_for(handling, 10)
-            await asyncio.sleep(0)  # NOTE: the cancelled prefill task ends on its next turn
-            async with asyncio.timeout(10):
-                while len(fakes.aborted_rooms) < 2:  # sent in the background
-                    await asyncio.sleep(0.01)
+        )
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in reached.values())), 10)
+        gone.set()
+        response = await asyncio.wait_for(handling, 10)
+        await asyncio.sleep(0)  # NOTE: the cancelled prefill task ends on its next turn
+        async with asyncio.timeout(10):
+            while len(fakes.aborted_rooms) < 2:  # sent in the background
+                await asyncio.sleep(0.01)
         in_flight = [w.in_flight for w in prefill.workers + decode.workers]
         return response.status_code, fakes, in_flight, metrics
 

@@ -1,0 +1,142 @@
+"""Relaying answered rooms' streams to the client. Torch-free.
+
+One room (one prompt, n = 1: nearly every request) is passed through byte for byte as the
+worker's chunks arrive. The router reads nothing in it: the room's first event was already
+read to open it (an error there fails the attempt, which may still be retried since nothing
+was sent), and an error event the worker ends a started stream with goes to the client as it
+is (the access line finds it in the last chunks). What the router adds is its own ending: an
+SSE error event and `[DONE]` when the worker's connection breaks or the request's deadline
+passes.
+
+Several rooms (`fanout`) must be rewritten into one stream (choices renumbered, one id, usage
+summed), so their events are parsed (`fanout.StreamMerge`); one room failing ends the stream
+with its error and every other room is closed.
+
+Either way the rooms are closed when the stream ends, however it ends: a client that leaves
+cancels the relay, and closing the legs' connections aborts them on the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+
+from pdserve.router.access_log import AccessRecord
+from pdserve.router.errors import error_event
+from pdserve.router.fanout import DONE, BadAnswer, RoomFailed, StreamMerge
+from pdserve.router.legs import Answer, Legs
+from pdserve.router.metrics import RouterMetrics
+
+
+class Relay:
+    def __init__(self, legs: Legs, metrics: RouterMetrics):
+        self.legs = legs
+        self.metrics = metrics
+
+    async def one(
+        self, endpoint: str, answer: Answer, deadline: float, started: float, access: AccessRecord
+    ) -> AsyncIterator[bytes]:
+        """The answering worker's stream, as it comes; an SSE error event if it breaks."""
+        status = "200"
+        self.metrics.first_byte.labels(endpoint).observe(time.monotonic() - started)
+        saw = access.saw
+        try:
+            saw(0, answer.head)
+            yield answer.head
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                async for chunk in answer.chunks:
+                    saw(0, chunk)
+                    yield chunk
+        except TimeoutError:
+            status = "504"
+            yield error_event(504, "request timed out while streaming", "timeout") + DONE
+        except httpx.HTTPError as e:
+            status = "502"
+            self.legs.unreachable(answer.pool, answer.worker, e)
+            reason = f"{type(e).__name__}: {e}".rstrip(": ")
+            message = f"the {answer.pool.role.value} worker failed mid-stream ({reason})"
+            yield error_event(502, message, "worker_failed") + DONE
+        finally:
+            self._ended(endpoint, status, started, access)
+            # NOTE: shielded: a client that left cancels this generator, and the cleanup
+            # (closing the worker's leg aborts it there) must still run to the end.
+            await asyncio.shield(self.legs.close(answer))
+
+    async def merged(
+        self,
+        endpoint: str,
+        rooms: list[Answer],
+        merge: StreamMerge,
+        deadline: float,
+        started: float,
+        access: AccessRecord,
+    ) -> AsyncIterator[bytes]:
+        """The rooms' streams as one (`fanout.StreamMerge`); when one room fails, the stream
+        ends with its error and every other room is closed (aborted on its workers)."""
+        status = "200"
+        self.metrics.first_byte.labels(endpoint).observe(time.monotonic() - started)
+        # NOTE: bounded, so a slow client holds the rooms back instead of filling memory.
+        queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(rooms))
+
+        async def pump(index: int, answer: Answer) -> None:
+            """The room's bytes, then None when its stream ends (or the error it ended with)."""
+            try:
+                await queue.put((index, answer.head))
+                async for chunk in answer.chunks:
+                    await queue.put((index, chunk))
+                await queue.put((index, None))
+            except httpx.HTTPError as e:
+                await queue.put((index, e))
+
+        pumps = [asyncio.ensure_future(pump(i, answer)) for i, answer in enumerate(rooms)]
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                while not merge.done:
+                    index, item = await queue.get()
+                    if isinstance(item, httpx.HTTPError):
+                        status = "502"
+                        self.legs.unreachable(rooms[index].pool, rooms[index].worker, item)
+                        reason = f"{type(item).__name__}: {item}".rstrip(": ")
+                        message = f"a decode worker failed mid-stream ({reason})"
+                        yield error_event(502, message, "worker_failed") + DONE
+                        return
+                    if item is None:
+                        if merge.finished(index):
+                            continue
+                        status = "502"
+                        message = "a decode worker ended its stream without [DONE]"
+                        yield error_event(502, message, "worker_failed") + DONE
+                        return
+                    access.saw(index, item)
+                    try:
+                        events = merge.feed(index, item)
+                    except RoomFailed as e:
+                        status = str(e.status)
+                        yield e.event + DONE
+                        return
+                    except BadAnswer as e:
+                        status = "502"
+                        yield error_event(502, str(e), "worker_failed") + DONE
+                        return
+                    if events:
+                        yield events
+            yield merge.end()
+        except TimeoutError:
+            status = "504"
+            yield error_event(504, "request timed out while streaming", "timeout") + DONE
+        finally:
+            for task in pumps:
+                task.cancel()
+            self._ended(endpoint, status, started, access)
+            await asyncio.shield(self.close_all(rooms))
+
+    async def close_all(self, rooms: list[Answer]) -> None:
+        await asyncio.gather(*(self.legs.close(answer) for answer in rooms))
+
+    def _ended(self, endpoint: str, status: str, started: float, access: AccessRecord) -> None:
+        access.stream_error = None if status == "200" else status
+        self.metrics.requests.labels(endpoint, status).inc()
+        self.metrics.latency.labels(endpoint).observe(time.monotonic() - started)
