@@ -23,6 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from pdserve import __version__
 from pdserve.router.access_log import AccessLog, AccessRecord
@@ -30,8 +32,9 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Discovery
 from pdserve.router.errors import error_response, http_error_handler, internal_error_handler
 from pdserve.router.health import HealthChecker
+from pdserve.router.http1 import Http1Pool
 from pdserve.router.intake import ApiKeyMiddleware, BadBody, client_left, read_json_body
-from pdserve.router.legs import Legs
+from pdserve.router.legs import Legs, TransportLegClient
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.proxy import Proxy
 from pdserve.router.routes import PairRoute, WorkerRoute
@@ -49,7 +52,8 @@ def build_router_app(
     config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None
 ) -> FastAPI:
     """transport: how to reach the workers (tests pass fakes); default: TCP with dead-peer
-    detection (`transport.worker_transport`)."""
+    detection, `http1.Http1Pool` for legs and httpx (`transport.worker_transport`) for
+    health checks and model info."""
     # NOTE: workers start out of rotation; the first health check (before serving) puts
     # the healthy ones in.
     if config.colocated:
@@ -86,13 +90,18 @@ def build_router_app(
             write=config.connect_timeout_s * 6,
             pool=config.connect_timeout_s,
         )
+        if transport is None:
+            leg_client = Http1Pool(
+                config.connect_timeout_s, timeout.write, config.dead_worker_timeout_s
+            )
+        else:
+            leg_client = TransportLegClient(transport, transport, timeout)
+        legs = Legs(config, leg_client)
         pooled = transport or worker_transport(config.dead_worker_timeout_s)
-        unpooled = transport or worker_transport(config.dead_worker_timeout_s, keep_alive=False)
-        async with httpx.AsyncClient(timeout=timeout, transport=pooled) as client, unpooled:
+        async with httpx.AsyncClient(timeout=timeout, transport=pooled) as client:
             checker = HealthChecker(config, pools, client, discovery)
             await checker.check_all()
             health_task = asyncio.create_task(checker.run(), name="health-checks")
-            legs = Legs(config, pooled, unpooled)
             if config.colocated:
                 route = WorkerRoute(config, legs, answering)
             else:
@@ -136,22 +145,8 @@ def build_router_app(
         body = metrics.render(pools)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def generation(request: Request) -> Response:
-        access: AccessRecord = request.state.access
-        headers = _leg_headers(request, access.request_id)
-        try:
-            body = await read_json_body(request, config.max_body_bytes)
-        except BadBody as e:
-            return e.response()
-        except ClientDisconnect:
-            return Response(status_code=499)  # NOTE: nobody is left to read it
-        proxy: Proxy = request.app.state.proxy
-        return await proxy.handle(
-            request.url.path, body, headers, lambda: client_left(request.receive), access
-        )
-
     for path in GENERATION_PATHS:
-        app.add_api_route(path, generation, methods=["POST"])
+        app.router.routes.append(Route(path, Generation(config), methods=["POST"]))
 
     async def from_workers(request: Request) -> Response:
         """Model and server info come from a healthy answering worker (it serves the model)."""
@@ -180,6 +175,31 @@ def build_router_app(
     for path in ("/v1/models", *INFO_PATHS):
         app.add_api_route(path, from_workers, methods=["GET"])
     return app
+
+
+class Generation:
+    """A request to a generation endpoint, as plain ASGI (a class, so that Starlette calls
+    it as it is): the router's hot path, without FastAPI's request handling around it."""
+
+    def __init__(self, config: RouterConfig):
+        self.config = config
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        access: AccessRecord = request.state.access
+        headers = _leg_headers(request, access.request_id)
+        try:
+            body = await read_json_body(request, self.config.max_body_bytes)
+        except BadBody as e:
+            response = e.response()
+        except ClientDisconnect:
+            response = Response(status_code=499)  # NOTE: nobody is left to read it
+        else:
+            proxy: Proxy = request.app.state.proxy
+            response = await proxy.handle(
+                scope["path"], body, headers, lambda: client_left(receive), access
+            )
+        await response(scope, receive, send)
 
 
 def _describe(pool: WorkerPool) -> list[dict]:

@@ -1,10 +1,10 @@
 """How the router talks to a worker for one room: sending a leg, reading the answering worker's
 status and first SSE event, counting failures against a worker, and ending a room. Torch-free.
 
-Legs go straight to the transport, below httpx's client: a leg needs none of the client's
-per-request work (cookies, auth, redirects), which costs more CPU than the exchange itself,
-and its answer arrives as the worker sent it (no Accept-Encoding goes out, so nothing comes
-back compressed), ready to be passed on byte for byte.
+Legs go through a LegClient: `http1.Http1Pool` (a lean HTTP/1.1 client: the legs are the
+router's hot path), or httpx transports (`TransportLegClient`, for tests' fake workers).
+Either way a worker's answer arrives as it sent it (no Accept-Encoding goes out, so nothing
+comes back compressed), ready to be passed on byte for byte.
 
 Connections: a pooled keep-alive connection the worker already closed fails before any
 response byte; the leg is sent once more on a new connection before that counts as a failure,
@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import httpx
 
@@ -46,50 +47,74 @@ class Answer:
     route: Pair | Worker
     worker: Worker  # whose answer the client gets
     pool: WorkerPool
-    response: httpx.Response
+    response: LegResponse
     head: bytes  # a stream's first SSE event, or the whole answer
     chunks: AsyncIterator[bytes] | None = None  # a stream's bytes after `head`
     prefill: asyncio.Task | None = None  # the prefill leg, still running or done
 
 
-class Legs:
-    """transport: pooled keep-alive connections to the workers; fresh_transport: a new
-    connection per request, for sending a leg again after a stale one failed."""
+class LegResponse(Protocol):
+    """A worker's answer to a leg, its body still to read (`http1.Http1Response`, or an
+    httpx.Response from a transport)."""
+
+    status_code: int
+    stream: AsyncIterable[bytes]
+
+    async def aread(self) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+class LegClient(Protocol):
+    """How legs reach workers: POST a JSON body; raises httpx.HTTPError for a worker that
+    could not be reached (a stale kept-alive connection is no such failure: it is retried on
+    a new connection inside)."""
+
+    async def post(self, url: str, content: bytes, headers: dict[str, str]) -> LegResponse: ...
+
+    async def aclose(self) -> None: ...
+
+
+class TransportLegClient:
+    """Legs through httpx transports: `transport` pooled, `fresh_transport` a new connection
+    per request (tests give one fake transport for both)."""
 
     def __init__(
         self,
-        config: RouterConfig,
         transport: httpx.AsyncBaseTransport,
-        fresh_transport: httpx.AsyncBaseTransport | None = None,
+        fresh_transport: httpx.AsyncBaseTransport,
+        timeout: httpx.Timeout,
     ):
-        self.config = config
         self.transport = transport
-        self.fresh_transport = fresh_transport or transport
-        self.timeout = httpx.Timeout(
-            connect=config.connect_timeout_s,
-            read=None,  # NOTE: the request deadline bounds reads (see Proxy)
-            write=config.connect_timeout_s * 6,
-            pool=config.connect_timeout_s,
-        ).as_dict()
+        self.fresh_transport = fresh_transport
+        self.timeout = timeout.as_dict()
+
+    async def post(self, url: str, content: bytes, headers: dict[str, str]) -> httpx.Response:
+        request = httpx.Request(
+            "POST", url, content=content, headers=headers, extensions={"timeout": self.timeout}
+        )
+        try:
+            return await self.transport.handle_async_request(request)
+        except STALE_CONNECTION_ERRORS:
+            return await self.fresh_transport.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        pass  # NOTE: the transports belong to whoever made them
+
+
+class Legs:
+    def __init__(self, config: RouterConfig, client: LegClient):
+        self.config = config
+        self.client = client
         self._background: set[asyncio.Future] = set()  # room aborts, prefill answers
 
     async def send(self, pool: WorkerPool, worker: Worker, path: str, body: dict, headers):
-        """Send one leg; its response with the body still to read. A pooled connection the
-        worker had closed (after its keep-alive timeout, or an error) fails before any byte
-        of response: the leg goes once more, on a new connection, before that counts."""
+        """Send one leg; its response with the body still to read."""
         content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-        request = httpx.Request(
-            "POST",
-            worker.url + path,
-            content=content,
-            headers={**headers, "Content-Type": "application/json"},
-            extensions={"timeout": self.timeout},
-        )
         try:
-            try:
-                response = await self.transport.handle_async_request(request)
-            except STALE_CONNECTION_ERRORS:
-                response = await self.fresh_transport.handle_async_request(request)
+            response = await self.client.post(
+                worker.url + path, content, {**headers, "Content-Type": "application/json"}
+            )
         except httpx.HTTPError as e:
             raise self.unreachable(pool, worker, e) from None
         pool.note_success(worker)
@@ -97,7 +122,7 @@ class Legs:
 
     async def answer(
         self, pool: WorkerPool, worker: Worker, path: str, body: dict, headers, stream: bool
-    ) -> tuple[httpx.Response, bytes, AsyncIterator[bytes] | None]:
+    ) -> tuple[LegResponse, bytes, AsyncIterator[bytes] | None]:
         """The answering leg: (response, head, the rest of a stream). Raises LegError for an
         error status, or a stream whose first event is an error: nothing was sent yet."""
         response = await self.send(pool, worker, path, body, headers)
@@ -179,21 +204,20 @@ class Legs:
             task.exception()  # NOTE: retrieved, so that asyncio does not log it
 
     async def aclose(self) -> None:
-        """End what still runs in the background (the router is stopping)."""
+        """End what still runs in the background and close the connections (the router is
+        stopping)."""
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        await self.client.aclose()
 
     async def _abort_room(self, worker: Worker, room: dict, headers) -> None:
-        request = httpx.Request(
-            "POST",
-            worker.url + "/abort_room",
-            json=room,
-            headers=headers,
-            extensions={"timeout": httpx.Timeout(self.config.connect_timeout_s).as_dict()},
-        )
+        content = json.dumps(room).encode()
+        headers = {**headers, "Content-Type": "application/json"}
         try:
-            response = await self.transport.handle_async_request(request)
-            await response.aclose()
-        except httpx.HTTPError as e:
+            async with asyncio.timeout(self.config.connect_timeout_s):
+                response = await self.client.post(worker.url + "/abort_room", content, headers)
+                await response.aread()
+                await response.aclose()
+        except (httpx.HTTPError, TimeoutError) as e:
             logger.info("could not abort room %s on %s: %s", room["bootstrap_room"], worker.url, e)

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.router.access_log import AccessRecord
@@ -29,7 +29,7 @@ from pdserve.router.errors import LegError, error_response
 from pdserve.router.fanout import BadAnswer, StreamMerge, TooManyRooms, merge_bodies
 from pdserve.router.legs import Answer
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.relay import Relay
+from pdserve.router.relay import EventStream, Relay
 from pdserve.router.routes import PairRoute, WorkerRoute
 from pdserve.router.workers import NoHealthyWorker, WorkersBusy
 
@@ -94,7 +94,7 @@ class Proxy:
             else:
                 merge = StreamMerge(endpoint, parts)
                 relay = self.relay.merged(endpoint, rooms, merge, deadline, started, access)
-            return StreamingResponse(relay, media_type="text/event-stream", headers=_reply(headers))
+            return EventStream(relay, _reply(headers))
         await self.relay.close_all(rooms)
         if len(rooms) == 1:
             content = rooms[0].head

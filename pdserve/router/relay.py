@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import httpx
+from starlette.types import Receive, Scope, Send
 
 from pdserve.router.access_log import AccessRecord
 from pdserve.router.errors import error_event
 from pdserve.router.fanout import DONE, BadAnswer, RoomFailed, StreamMerge
+from pdserve.router.intake import client_left
 from pdserve.router.legs import Answer, Legs
 from pdserve.router.metrics import RouterMetrics
 
@@ -140,3 +142,41 @@ class Relay:
         access.stream_error = None if status == "200" else status
         self.metrics.requests.labels(endpoint, status).inc()
         self.metrics.latency.labels(endpoint).observe(time.monotonic() - started)
+
+
+class EventStream:
+    """A server-sent event stream: `events`' bytes as they come. A client that leaves, noticed
+    at once even while nothing is being sent, ends `events` (its cleanup ends the rooms).
+    Plain ASGI: one task for the stream and one that listens for the disconnect, nothing per
+    chunk but the write."""
+
+    status_code = 200
+
+    def __init__(self, events: AsyncGenerator[bytes, None], headers: dict[str, str]):
+        self.events = events
+        self.headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            *((name.lower().encode("latin-1"), value.encode("latin-1"))
+              for name, value in headers.items()),
+        ]  # fmt: skip
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.ensure_future(self._stream(send))
+        left = asyncio.ensure_future(client_left(receive))
+        try:
+            await asyncio.wait({stream, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, left):
+                task.cancel()
+            await asyncio.gather(stream, left, return_exceptions=True)
+        if not stream.cancelled() and stream.exception() is not None:
+            raise stream.exception()
+
+    async def _stream(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        try:
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            await self.events.aclose()  # NOTE: at once, also when the client left mid-write
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

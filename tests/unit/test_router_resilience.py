@@ -18,7 +18,7 @@ from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.router.access_log import AccessRecord
 from pdserve.router.app import build_router_app
 from pdserve.router.config import RouterConfig
-from pdserve.router.legs import Legs
+from pdserve.router.legs import Legs, TransportLegClient
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.proxy import Proxy
 from pdserve.router.routes import PairRoute
@@ -186,7 +186,7 @@ def test_a_client_that_leaves_before_the_first_byte_cancels_both_legs(stream):
         metrics = RouterMetrics()
         gone = asyncio.Event()
         config = fakes.config()
-        legs = Legs(config, fakes.transport)
+        legs = Legs(config, TransportLegClient(fakes.transport, fakes.transport, httpx.Timeout(5)))
         proxy = Proxy(config, PairRoute(config, legs, prefill, decode), metrics)
         body = {**BODY, "stream": stream}
         handling = asyncio.create_task(
