@@ -170,7 +170,7 @@ class AccessLog:
             await self.app(scope, receive, send)
             return
         request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
-        record = AccessRecord(request_id, scope["method"], scope["path"], self.colocated)
+        record = AccessRecord(request_id, scope["method"], scope["path"], colocated=self.colocated)
         scope.setdefault("state", {})["access"] = record
 
         async def send_and_note(message: Message) -> None:

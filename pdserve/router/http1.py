@@ -186,7 +186,11 @@ class Http1Response:
 
     async def aclose(self) -> None:
         await self.stream.aclose()
-        if self._connection is not None:  # NOTE: the body was not read to its end
+        self._drop()
+
+    def _drop(self) -> None:
+        """Close the connection of an answer not read to its end (it cannot serve again)."""
+        if self._connection is not None:
             self._connection.close()
             self._connection = None
 
@@ -208,13 +212,15 @@ class Http1Response:
                 while data := await reader.read(1 << 16):
                     yield data
         except _BROKEN as e:
-            self._connection.close()
-            self._connection = None
+            self._drop()
             if isinstance(e, ConnectionError):
                 raise httpx.ReadError(f"{type(e).__name__}: {e}") from None
             raise httpx.RemoteProtocolError(
                 "the worker closed the connection before its answer was complete"
             ) from None
+        except BaseException:
+            self._drop()
+            raise
         connection, self._connection = self._connection, None
         if self._keep_alive:
             connection.served += 1
