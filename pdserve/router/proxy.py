@@ -54,7 +54,7 @@ class Proxy:
         headers: dict[str, str],
         client_left: Callable[[], Awaitable[None]],
         access: AccessRecord,
-    ) -> Response:
+    ) -> Response | EventStream:
         """client_left: returns when the client closes its connection; access: where the
         request's routes, retries and answer bytes are noted for its access line."""
         started = time.monotonic()
