@@ -179,7 +179,10 @@ class Legs:
             # prefill leg), within PREFILL_ANSWER_GRACE_S.
             self._keep(prefill)
             if not prefill.done():
-                asyncio.get_running_loop().call_later(PREFILL_ANSWER_GRACE_S, prefill.cancel)
+                timer = asyncio.get_running_loop().call_later(
+                    PREFILL_ANSWER_GRACE_S, prefill.cancel
+                )
+                prefill.add_done_callback(lambda _: timer.cancel())
         await answer.response.aclose()
 
     def abort_rooms(self, workers: list[Worker], leg_body: dict, headers) -> None:

@@ -89,6 +89,35 @@ def test_failures_count_in_a_row_and_a_success_resets_them():
     assert pool.mark(worker, True) and worker.failures == 0
 
 
+def test_a_prefill_answer_that_comes_after_the_stream_ended_is_awaited_not_cut():
+    """The decode leg answered (so the room's KV arrived) and its stream ended before the
+    prefill leg's answer: that leg finishes in the background (its kept-alive connection
+    then serves the next request) instead of being cut, and is counted in flight until then."""
+    released = threading.Event()
+
+    async def late_prefill(body):
+        while not released.is_set():
+            await asyncio.sleep(0.005)
+        return completion()
+
+    async def decode(body):
+        return httpx.Response(200, content=b'data: {"choices": []}\n\ndata: [DONE]\n\n')
+
+    fakes = FakeWorkers(prefill=late_prefill, decode=decode)
+    with TestClient(build_router_app(fakes.config(), fakes.transport)) as client:
+        response = client.post("/v1/completions", json={**BODY, "stream": True})
+        assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n")
+
+        def in_flight() -> list[int]:
+            pools = client.get("/workers").json()
+            return [w["in_flight"] for role in ("prefill", "decode") for w in pools[role]]
+
+        assert in_flight() == [1, 0]
+        released.set()
+        wait_until(lambda: in_flight() == [0, 0], "the prefill leg to finish")
+    assert fakes.cancelled == [] and fakes.aborted_rooms == []
+
+
 # ---- 4xx from a worker, and the router's own bound --------------------------------------
 
 
