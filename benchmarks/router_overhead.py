@@ -6,7 +6,7 @@ decode worker asked directly as the baseline. One client for all three (plain as
 alive connections; see `Connection`).
 
 Three phases, each at every `--concurrency`; one at a time the targets take turns request by
-request, at higher concurrency each has the client to itself in turn (rounds turn the order):
+request, at higher concurrency each has the machine to itself in turn (rounds turn the order):
 - ttft: streams of `--ttft-tokens` tokens sent as fast as possible; time from sending the
   request to the first token's event. Added per request = through the router - direct.
 - paced: streams of `--paced-tokens` tokens, one every `--pace-ms`; each token's delivery
