@@ -103,6 +103,8 @@ class TransportLegClient:
 
 
 class Legs:
+    """The legs of every room, and what still runs for rooms already closed."""
+
     def __init__(self, config: RouterConfig, client: LegClient):
         self.config = config
         self.client = client
