@@ -16,8 +16,8 @@ The fields, in order:
   status already sent); `internal-error`, a bug in the router (its traceback is logged);
 - `rooms=N` for a request split into several rooms (a prompt list, n > 1); the workers,
   `prefill=URL decode=URL`, of the last pair each room used (several distinct ones
-  comma-separated), `-` for a request refused before any pair was chosen; `retries=N` when
-  rooms were retried on a new pair;
+  comma-separated), `-` for a request refused before any pair was chosen; `worker=URL` in
+  colocated mode; `retries=N` when rooms were retried on a new pair (or worker);
 - `ttft`: seconds from arrival to the first byte of a stream sent to the client; `-` for an
   answer that is not streamed (it goes out whole: `duration` says when);
 - `tokens`: output tokens, the sum over rooms of the `completion_tokens` (`usage`, or SGLang's
@@ -43,6 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.router.errors import worker_outcome
 from pdserve.router.pairing import Pair
+from pdserve.router.workers import Worker
 
 logger = logging.getLogger("pdserve.router.access")
 
@@ -53,15 +54,16 @@ _ERROR_EVENT = b'data: {"error":'  # NOTE: how workers write one (json.dumps)
 
 @dataclass
 class AccessRecord:
-    """A request's access line in the making: the proxy notes its rooms, pairs, retries and
+    """A request's access line in the making: the proxy notes its rooms, routes, retries and
     answer bytes; `AccessLog` what was sent to the client, and writes the line."""
 
     request_id: str
     method: str = "POST"
     path: str = ""
     started: float = field(default_factory=time.monotonic)
+    colocated: bool = False  # the router's mode: how its workers are named
     rooms: int = 1
-    pairs: dict[int, Pair] = field(default_factory=dict)  # room -> the last pair it used
+    routes: dict[int, Pair | Worker] = field(default_factory=dict)  # room -> the last route
     retries: int = 0
     stream_error: str | None = None  # the status of the error event a started stream ended with
     status: int | None = None  # sent to the client
@@ -70,8 +72,9 @@ class AccessRecord:
     complete: bool = False  # the last byte was sent
     _tails: dict[int, tuple[bytes, bytes]] = field(default_factory=dict, repr=False)
 
-    def paired(self, room: int, pair: Pair) -> None:
-        self.pairs[room] = pair
+    def routed(self, room: int, route: Pair | Worker) -> None:
+        """Room `room` was sent to `route`: a prefill/decode pair, or a colocated worker."""
+        self.routes[room] = route
 
     def saw(self, room: int, data: bytes) -> None:
         """Bytes that room `room`'s decode worker answered: a stream's chunk, or a whole
@@ -135,7 +138,11 @@ class AccessRecord:
         return None
 
     def _workers(self) -> str:
-        pairs = [self.pairs[room] for room in sorted(self.pairs)]
+        routes = [self.routes[room] for room in sorted(self.routes)]
+        if self.colocated:
+            workers = dict.fromkeys(w.url for w in routes if isinstance(w, Worker))
+            return f"worker={','.join(workers) or '-'}"
+        pairs = [r for r in routes if isinstance(r, Pair)]
         prefill = dict.fromkeys(p.prefill.url for p in pairs)  # NOTE: distinct, in order
         decode = dict.fromkeys(p.decode.url for p in pairs)
         return f"prefill={','.join(prefill) or '-'} decode={','.join(decode) or '-'}"
@@ -153,16 +160,17 @@ class AccessLog:
     `request.state.access` for the handler to fill in, and its line once the request ends.
     Outside every other middleware, so that refusals (401) get their line too."""
 
-    def __init__(self, app: ASGIApp, paths: set[str]):
+    def __init__(self, app: ASGIApp, paths: set[str], colocated: bool = False):
         self.app = app
         self.paths = paths
+        self.colocated = colocated
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] not in self.paths:
             await self.app(scope, receive, send)
             return
         request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
-        record = AccessRecord(request_id, scope["method"], scope["path"])
+        record = AccessRecord(request_id, scope["method"], scope["path"], colocated=self.colocated)
         scope.setdefault("state", {})["access"] = record
 
         async def send_and_note(message: Message) -> None:
@@ -179,4 +187,5 @@ class AccessLog:
             failure = "internal-error"
             raise
         finally:
-            logger.info("%s", record.line(failure))
+            if logger.isEnabledFor(logging.INFO):
+                logger.info("%s", record.line(failure))

@@ -1,8 +1,8 @@
 """The router's HTTP app: OpenAI endpoints and SGLang's /generate through a prefill/decode
-pair, /v1/models and model info from the workers, /health, /liveness, /workers, /metrics,
-/version. Torch-free.
+pair (or, in colocated mode, one `pdserve serve` worker), /v1/models and model info from the
+workers, /health, /liveness, /workers, /metrics, /version. Torch-free.
 
-`/health` is 200 while at least one prefill and one decode worker are in rotation (for
+`/health` is 200 while at least one worker of each role is in rotation (for
 monitoring and load balancers in front of several routers); `/liveness` is 200 while this
 process serves (the probe: a router must not be restarted because its workers are down, it
 answers their absence with a clear 503). `/workers` lists the pools. `/health`, `/liveness`,
@@ -23,6 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from pdserve import __version__
 from pdserve.router.access_log import AccessLog, AccessRecord
@@ -30,9 +32,12 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Discovery
 from pdserve.router.errors import error_response, http_error_handler, internal_error_handler
 from pdserve.router.health import HealthChecker
+from pdserve.router.http1 import Http1Pool
 from pdserve.router.intake import ApiKeyMiddleware, BadBody, client_left, read_json_body
+from pdserve.router.legs import Legs, TransportLegClient
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.proxy import Proxy
+from pdserve.router.routes import PairRoute, WorkerRoute
 from pdserve.router.transport import worker_transport
 from pdserve.router.workers import Role, Worker, WorkerPool
 
@@ -47,22 +52,32 @@ def build_router_app(
     config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None
 ) -> FastAPI:
     """transport: how to reach the workers (tests pass fakes); default: TCP with dead-peer
-    detection (`transport.worker_transport`)."""
+    detection, `http1.Http1Pool` for legs and httpx (`transport.worker_transport`) for
+    health checks and model info."""
     # NOTE: workers start out of rotation; the first health check (before serving) puts
     # the healthy ones in.
-    prefill = WorkerPool(
-        Role.PREFILL,
-        [
-            Worker(url.rstrip("/"), Role.PREFILL, port, healthy=False)
-            for url, port in config.prefill
-        ],
-    )
-    decode = WorkerPool(
-        Role.DECODE, [Worker(url.rstrip("/"), Role.DECODE, healthy=False) for url in config.decode]
-    )
+    if config.colocated:
+        colocated = [
+            Worker(url.rstrip("/"), Role.COLOCATED, healthy=False) for url in config.worker_urls
+        ]
+        pools = [WorkerPool(Role.COLOCATED, colocated)]
+    else:
+        prefill = WorkerPool(
+            Role.PREFILL,
+            [
+                Worker(url.rstrip("/"), Role.PREFILL, port, healthy=False)
+                for url, port in config.prefill
+            ],
+        )
+        decode = WorkerPool(
+            Role.DECODE,
+            [Worker(url.rstrip("/"), Role.DECODE, healthy=False) for url in config.decode],
+        )
+        pools = [prefill, decode]
+    answering = pools[-1]  # NOTE: the workers whose answers the client gets
     discovery = Discovery(
-        [(prefill, service) for service in config.prefill_services]
-        + [(decode, service) for service in config.decode_services],
+        [(pools[0], service) for service in config.prefill_services]
+        + [(pools[-1], service) for service in config.decode_services],
         timeout_s=config.health_check_timeout_s,
     )
     metrics = RouterMetrics()
@@ -75,16 +90,23 @@ def build_router_app(
             write=config.connect_timeout_s * 6,
             pool=config.connect_timeout_s,
         )
+        if transport is None:
+            leg_client = Http1Pool(
+                config.connect_timeout_s, timeout.write, config.dead_worker_timeout_s
+            )
+        else:
+            leg_client = TransportLegClient(transport, transport, timeout)
+        legs = Legs(config, leg_client)
         pooled = transport or worker_transport(config.dead_worker_timeout_s)
-        unpooled = transport or worker_transport(config.dead_worker_timeout_s, keep_alive=False)
-        async with (
-            httpx.AsyncClient(timeout=timeout, transport=pooled) as client,
-            httpx.AsyncClient(timeout=timeout, transport=unpooled) as fresh_client,
-        ):
-            checker = HealthChecker(config, [prefill, decode], client, discovery)
+        async with httpx.AsyncClient(timeout=timeout, transport=pooled) as client:
+            checker = HealthChecker(config, pools, client, discovery)
             await checker.check_all()
             health_task = asyncio.create_task(checker.run(), name="health-checks")
-            app.state.proxy = Proxy(config, prefill, decode, client, metrics, fresh_client)
+            if config.colocated:
+                route = WorkerRoute(config, legs, answering)
+            else:
+                route = PairRoute(config, legs, *pools)
+            app.state.proxy = Proxy(config, route, metrics)
             app.state.client = client
             try:
                 yield
@@ -92,16 +114,18 @@ def build_router_app(
                 health_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await health_task
+                await legs.aclose()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.add_exception_handler(HTTPException, http_error_handler)
     app.add_exception_handler(Exception, internal_error_handler)
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=OPEN_PATHS)
-    app.add_middleware(AccessLog, paths=set(GENERATION_PATHS))  # NOTE: the outer one
+    # NOTE: the outer one
+    app.add_middleware(AccessLog, paths=set(GENERATION_PATHS), colocated=config.colocated)
 
     @app.get("/health")
     async def health() -> Response:
-        up = bool(prefill.healthy()) and bool(decode.healthy())
+        up = all(pool.healthy() for pool in pools)
         return Response(status_code=200 if up else 503)
 
     @app.get("/liveness")
@@ -114,35 +138,21 @@ def build_router_app(
 
     @app.get("/workers")
     async def workers() -> JSONResponse:
-        return JSONResponse({pool.role.value: _describe(pool) for pool in (prefill, decode)})
+        return JSONResponse({pool.role.value: _describe(pool) for pool in pools})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        body = metrics.render([prefill, decode])
+        body = metrics.render(pools)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def generation(request: Request) -> Response:
-        access: AccessRecord = request.state.access
-        headers = _leg_headers(request, access.request_id)
-        try:
-            body = await read_json_body(request, config.max_body_bytes)
-        except BadBody as e:
-            return e.response()
-        except ClientDisconnect:
-            return Response(status_code=499)  # NOTE: nobody is left to read it
-        proxy: Proxy = request.app.state.proxy
-        return await proxy.handle(
-            request.url.path, body, headers, lambda: client_left(request.receive), access
-        )
-
     for path in GENERATION_PATHS:
-        app.add_api_route(path, generation, methods=["POST"])
+        app.router.routes.append(Route(path, Generation(config), methods=["POST"]))
 
-    async def from_decode(request: Request) -> Response:
-        """Model and server info come from a healthy decode worker (it serves the model)."""
-        workers = decode.healthy()
+    async def from_workers(request: Request) -> Response:
+        """Model and server info come from a healthy answering worker (it serves the model)."""
+        workers = answering.healthy()
         if not workers:
-            return error_response(503, "no healthy decode worker")
+            return error_response(503, f"no healthy {answering.role.value} worker")
         client: httpx.AsyncClient = request.app.state.client
         try:
             response = await client.get(
@@ -151,16 +161,45 @@ def build_router_app(
                 timeout=config.health_check_timeout_s * 5,
             )
         except httpx.HTTPError as e:
-            return error_response(502, f"decode worker {workers[0].url} unreachable: {e}")
+            message = f"{answering.role.value} worker {workers[0].url} unreachable: {e}"
+            return error_response(502, message)
         try:
             return JSONResponse(response.json(), status_code=response.status_code)
         except ValueError:
-            message = f"decode worker {workers[0].url} answered {request.url.path} without JSON"
+            message = (
+                f"{answering.role.value} worker {workers[0].url} answered {request.url.path} "
+                "without JSON"
+            )
             return error_response(502, message)
 
     for path in ("/v1/models", *INFO_PATHS):
-        app.add_api_route(path, from_decode, methods=["GET"])
+        app.add_api_route(path, from_workers, methods=["GET"])
     return app
+
+
+class Generation:
+    """A request to a generation endpoint, as plain ASGI (a class, so that Starlette calls
+    it as it is): the router's hot path, without FastAPI's request handling around it."""
+
+    def __init__(self, config: RouterConfig):
+        self.config = config
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        access: AccessRecord = request.state.access
+        headers = _leg_headers(request, access.request_id)
+        try:
+            body = await read_json_body(request, self.config.max_body_bytes)
+        except BadBody as e:
+            response = e.response()
+        except ClientDisconnect:
+            response = Response(status_code=499)  # NOTE: nobody is left to read it
+        else:
+            proxy: Proxy = request.app.state.proxy
+            response = await proxy.handle(
+                scope["path"], body, headers, lambda: client_left(receive), access
+            )
+        await response(scope, receive, send)
 
 
 def _describe(pool: WorkerPool) -> list[dict]:

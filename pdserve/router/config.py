@@ -1,6 +1,9 @@
 """Router settings: the workers, pairing policies, deadlines. One frozen dataclass whose
 fields declare their own flags (`protocol.flags`); `pdserve.commands.router` adds the worker
-lists and policies, which take several values each. Torch-free."""
+lists and policies, which take several values each. Torch-free.
+
+Two modes: disaggregated (prefill and decode workers, found by URL or DNS) or colocated
+(`worker_urls`: ordinary `pdserve serve` workers, each request on one of them)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from pdserve.router.policies import POLICIES
 @dataclass(frozen=True)
 class RouterConfig:
     """prefill: (url, bootstrap port or None to ask the worker's /server_info).
+    worker_urls: colocated workers instead of prefill and decode ones; `policy` picks one
+    per request.
     prefill_services / decode_services: DNS names whose addresses are workers (discovery).
     request_timeout_s: the most a request may take, both legs and all of its stream.
     health_check_interval_s / health_failure_threshold: a worker leaves rotation after that
@@ -34,6 +39,8 @@ class RouterConfig:
     decode_services: tuple[ServiceName, ...] = ()
     prefill_policy: str = "round_robin"
     decode_policy: str = "round_robin"
+    worker_urls: tuple[str, ...] = ()
+    policy: str = "round_robin"
     api_key: str | None = None
     request_timeout_s: float = option(
         600.0,
@@ -78,18 +85,19 @@ class RouterConfig:
         "choice); requests asking for more get 400",
     )
 
+    @property
+    def colocated(self) -> bool:
+        return bool(self.worker_urls)
+
     def __post_init__(self) -> None:
-        if not self.prefill and not self.prefill_services:
-            raise ValueError("give at least one --prefill worker URL or --prefill-service")
-        if not self.decode and not self.decode_services:
-            raise ValueError("give at least one --decode worker URL or --decode-service")
-        for url in [u for u, _ in self.prefill] + list(self.decode):
+        self._check_workers()
+        for url in [u for u, _ in self.prefill] + list(self.decode) + list(self.worker_urls):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"worker URL must start with http:// or https://, got {url!r}")
         for _, port in self.prefill:
             if port is not None and not 0 < port < 65536:
                 raise ValueError(f"bootstrap port must be in [1, 65535], got {port}")
-        for name in (self.prefill_policy, self.decode_policy):
+        for name in (self.prefill_policy, self.decode_policy, self.policy):
             if name not in POLICIES:
                 raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
         for name in (
@@ -114,3 +122,26 @@ class RouterConfig:
                 f"max_requests_per_worker must be >= 0 (0: no bound), got "
                 f"{self.max_requests_per_worker}"
             )
+
+    def _check_workers(self) -> None:
+        disaggregated = {
+            "--prefill": self.prefill,
+            "--decode": self.decode,
+            "--prefill-service": self.prefill_services,
+            "--decode-service": self.decode_services,
+        }
+        given = [flag for flag, workers in disaggregated.items() if workers]
+        if self.worker_urls:
+            if given:
+                raise ValueError(
+                    f"--worker-urls (colocated workers) and {'/'.join(given)} (prefill/decode "
+                    "workers) are mutually exclusive: give one or the other"
+                )
+            return
+        if not self.prefill and not self.prefill_services:
+            raise ValueError(
+                "give at least one --prefill worker URL or --prefill-service (or colocated "
+                "workers with --worker-urls)"
+            )
+        if not self.decode and not self.decode_services:
+            raise ValueError("give at least one --decode worker URL or --decode-service")

@@ -38,8 +38,8 @@ def choose_pair(
     as `avoid` so it lands elsewhere where another healthy worker exists. With
     `max_in_flight` > 0 only workers with fewer requests in flight than that are chosen
     (WorkersBusy when none is left)."""
-    prefill_up = _available(prefill, max_in_flight)
-    decode_up = _available(decode, max_in_flight)
+    prefill_up = available(prefill, max_in_flight)
+    decode_up = available(decode, max_in_flight)
     exclude_p = [avoid.prefill] if avoid else []
     exclude_d = [avoid.decode] if avoid else []
     return Pair(
@@ -49,7 +49,9 @@ def choose_pair(
     )
 
 
-def _available(pool: WorkerPool, max_in_flight: int) -> list[Worker]:
+def available(pool: WorkerPool, max_in_flight: int) -> list[Worker]:
+    """The pool's healthy workers with room for one more request (`max_in_flight` > 0);
+    raises NoHealthyWorker or WorkersBusy."""
     healthy = pool.healthy()
     if not healthy:
         raise NoHealthyWorker(f"no healthy {pool.role.value} worker")

@@ -35,12 +35,10 @@ def dead_peer_socket_options(timeout_s: float) -> list[tuple[int, int, int]]:
             if hasattr(socket, name)]  # fmt: skip
 
 
-def worker_transport(
-    dead_worker_timeout_s: float, keep_alive: bool = True
-) -> httpx.AsyncHTTPTransport:
-    """keep_alive=False: a new connection for every request, closed after it (for sending a
-    request again after a pooled connection turned out stale)."""
+def worker_transport(dead_worker_timeout_s: float) -> httpx.AsyncHTTPTransport:
+    """httpx's transport with the dead-peer options (health checks and model info; legs go
+    through `http1.Http1Pool`, which sets the same options)."""
     return httpx.AsyncHTTPTransport(
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256 * keep_alive),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         socket_options=dead_peer_socket_options(dead_worker_timeout_s),
     )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 class Role(enum.StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
+    COLOCATED = "colocated"  # `pdserve serve` workers behind the router (--worker-urls)
 
 
 class NoHealthyWorker(RuntimeError):

@@ -198,7 +198,7 @@ def _options(command: str) -> set[str]:
 
 # What launch decides itself: each worker's port and bootstrap port, the router's workers.
 LAUNCH_DECIDES = {"--bootstrap-port", "--prefill", "--decode", "--prefill-service"}
-LAUNCH_DECIDES |= {"--decode-service"}
+LAUNCH_DECIDES |= {"--decode-service", "--worker-urls"}
 
 
 @pytest.mark.parametrize("role", ["serve", "prefill", "decode", "router"])

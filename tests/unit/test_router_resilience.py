@@ -18,8 +18,10 @@ from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.router.access_log import AccessRecord
 from pdserve.router.app import build_router_app
 from pdserve.router.config import RouterConfig
+from pdserve.router.legs import Legs, TransportLegClient
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.proxy import Proxy
+from pdserve.router.routes import PairRoute
 from pdserve.router.workers import Role, Worker, WorkerPool
 from pdserve.server.local_process import LocalServer
 from tests.unit.fake_workers import (
@@ -85,6 +87,35 @@ def test_failures_count_in_a_row_and_a_success_resets_them():
     assert pool.note_failure(worker, "reset again", threshold=2)
     assert not worker.healthy and worker.last_error == "reset again"
     assert pool.mark(worker, True) and worker.failures == 0
+
+
+def test_a_prefill_answer_that_comes_after_the_stream_ended_is_awaited_not_cut():
+    """The decode leg answered (so the room's KV arrived) and its stream ended before the
+    prefill leg's answer: that leg finishes in the background (its kept-alive connection
+    then serves the next request) instead of being cut, and is counted in flight until then."""
+    released = threading.Event()
+
+    async def late_prefill(body):
+        while not released.is_set():
+            await asyncio.sleep(0.005)
+        return completion()
+
+    async def decode(body):
+        return httpx.Response(200, content=b'data: {"choices": []}\n\ndata: [DONE]\n\n')
+
+    fakes = FakeWorkers(prefill=late_prefill, decode=decode)
+    with TestClient(build_router_app(fakes.config(), fakes.transport)) as client:
+        response = client.post("/v1/completions", json={**BODY, "stream": True})
+        assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n")
+
+        def in_flight() -> list[int]:
+            pools = client.get("/workers").json()
+            return [w["in_flight"] for role in ("prefill", "decode") for w in pools[role]]
+
+        assert in_flight() == [1, 0]
+        released.set()
+        wait_until(lambda: in_flight() == [0, 0], "the prefill leg to finish")
+    assert fakes.cancelled == [] and fakes.aborted_rooms == []
 
 
 # ---- 4xx from a worker, and the router's own bound --------------------------------------
@@ -183,21 +214,22 @@ def test_a_client_that_leaves_before_the_first_byte_cancels_both_legs(stream):
         decode = WorkerPool(Role.DECODE, [Worker("http://decode", Role.DECODE)])
         metrics = RouterMetrics()
         gone = asyncio.Event()
-        async with httpx.AsyncClient(transport=fakes.transport) as client:
-            proxy = Proxy(fakes.config(), prefill, decode, client, metrics)
-            body = {**BODY, "stream": stream}
-            handling = asyncio.create_task(
-                proxy.handle(
-                    "/v1/completions", body, {"X-Request-Id": "x"}, gone.wait, AccessRecord("x")
-                )
+        config = fakes.config()
+        legs = Legs(config, TransportLegClient(fakes.transport, fakes.transport, httpx.Timeout(5)))
+        proxy = Proxy(config, PairRoute(config, legs, prefill, decode), metrics)
+        body = {**BODY, "stream": stream}
+        handling = asyncio.create_task(
+            proxy.handle(
+                "/v1/completions", body, {"X-Request-Id": "x"}, gone.wait, AccessRecord("x")
             )
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in reached.values())), 10)
-            gone.set()
-            response = await asyncio.wait_for(handling, 10)
-            await asyncio.sleep(0)  # NOTE: the cancelled prefill task ends on its next turn
-            async with asyncio.timeout(10):
-                while len(fakes.aborted_rooms) < 2:  # sent in the background
-                    await asyncio.sleep(0.01)
+        )
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in reached.values())), 10)
+        gone.set()
+        response = await asyncio.wait_for(handling, 10)
+        await asyncio.sleep(0)  # NOTE: the cancelled prefill task ends on its next turn
+        async with asyncio.timeout(10):
+            while len(fakes.aborted_rooms) < 2:  # sent in the background
+                await asyncio.sleep(0.01)
         in_flight = [w.in_flight for w in prefill.workers + decode.workers]
         return response.status_code, fakes, in_flight, metrics
 

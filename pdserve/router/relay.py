@@ -1,0 +1,182 @@
+"""Relaying answered rooms' streams to the client. Torch-free.
+
+One room (one prompt, n = 1: nearly every request) is passed through byte for byte as the
+worker's chunks arrive. The router reads nothing in it: the room's first event was already
+read to open it (an error there fails the attempt, which may still be retried since nothing
+was sent), and an error event the worker ends a started stream with goes to the client as it
+is (the access line finds it in the last chunks). What the router adds is its own ending: an
+SSE error event and `[DONE]` when the worker's connection breaks or the request's deadline
+passes.
+
+Several rooms (`fanout`) must be rewritten into one stream (choices renumbered, one id, usage
+summed), so their events are parsed (`fanout.StreamMerge`); one room failing ends the stream
+with its error and every other room is closed.
+
+Either way the rooms are closed when the stream ends, however it ends: a client that leaves
+cancels the relay, and closing the legs' connections aborts them on the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+
+import httpx
+from starlette.types import Receive, Scope, Send
+
+from pdserve.router.access_log import AccessRecord
+from pdserve.router.errors import error_event
+from pdserve.router.fanout import DONE, BadAnswer, RoomFailed, StreamMerge
+from pdserve.router.intake import client_left
+from pdserve.router.legs import Answer, Legs
+from pdserve.router.metrics import RouterMetrics
+
+
+class Relay:
+    def __init__(self, legs: Legs, metrics: RouterMetrics):
+        self.legs = legs
+        self.metrics = metrics
+
+    async def one(
+        self, endpoint: str, answer: Answer, deadline: float, started: float, access: AccessRecord
+    ) -> AsyncIterator[bytes]:
+        """The answering worker's stream, as it comes; an SSE error event if it breaks."""
+        status = "200"
+        self.metrics.first_byte.labels(endpoint).observe(time.monotonic() - started)
+        saw = access.saw
+        try:
+            saw(0, answer.head)
+            yield answer.head
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                async for chunk in answer.chunks:
+                    saw(0, chunk)
+                    yield chunk
+        except TimeoutError:
+            status = "504"
+            yield error_event(504, "request timed out while streaming", "timeout") + DONE
+        except httpx.HTTPError as e:
+            status = "502"
+            self.legs.unreachable(answer.pool, answer.worker, e)
+            reason = f"{type(e).__name__}: {e}".rstrip(": ")
+            message = f"the {answer.pool.role.value} worker failed mid-stream ({reason})"
+            yield error_event(502, message, "worker_failed") + DONE
+        finally:
+            self._ended(endpoint, status, started, access)
+            # NOTE: shielded: a client that left cancels this generator, and the cleanup
+            # (closing the worker's leg aborts it there) must still run to the end.
+            await asyncio.shield(self.legs.close(answer))
+
+    async def merged(
+        self,
+        endpoint: str,
+        rooms: list[Answer],
+        merge: StreamMerge,
+        deadline: float,
+        started: float,
+        access: AccessRecord,
+    ) -> AsyncIterator[bytes]:
+        """The rooms' streams as one (`fanout.StreamMerge`); when one room fails, the stream
+        ends with its error and every other room is closed (aborted on its workers)."""
+        status = "200"
+        self.metrics.first_byte.labels(endpoint).observe(time.monotonic() - started)
+        # NOTE: bounded, so a slow client holds the rooms back instead of filling memory.
+        queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(rooms))
+
+        async def pump(index: int, answer: Answer) -> None:
+            """The room's bytes, then None when its stream ends (or the error it ended with)."""
+            try:
+                await queue.put((index, answer.head))
+                async for chunk in answer.chunks:
+                    await queue.put((index, chunk))
+                await queue.put((index, None))
+            except httpx.HTTPError as e:
+                await queue.put((index, e))
+
+        pumps = [asyncio.ensure_future(pump(i, answer)) for i, answer in enumerate(rooms)]
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                while not merge.done:
+                    index, item = await queue.get()
+                    if isinstance(item, httpx.HTTPError):
+                        status = "502"
+                        self.legs.unreachable(rooms[index].pool, rooms[index].worker, item)
+                        reason = f"{type(item).__name__}: {item}".rstrip(": ")
+                        message = f"a decode worker failed mid-stream ({reason})"
+                        yield error_event(502, message, "worker_failed") + DONE
+                        return
+                    if item is None:
+                        if merge.finished(index):
+                            continue
+                        status = "502"
+                        message = "a decode worker ended its stream without [DONE]"
+                        yield error_event(502, message, "worker_failed") + DONE
+                        return
+                    access.saw(index, item)
+                    try:
+                        events = merge.feed(index, item)
+                    except RoomFailed as e:
+                        status = str(e.status)
+                        yield e.event + DONE
+                        return
+                    except BadAnswer as e:
+                        status = "502"
+                        yield error_event(502, str(e), "worker_failed") + DONE
+                        return
+                    if events:
+                        yield events
+            yield merge.end()
+        except TimeoutError:
+            status = "504"
+            yield error_event(504, "request timed out while streaming", "timeout") + DONE
+        finally:
+            for task in pumps:
+                task.cancel()
+            self._ended(endpoint, status, started, access)
+            await asyncio.shield(self.close_all(rooms))
+
+    async def close_all(self, rooms: list[Answer]) -> None:
+        await asyncio.gather(*(self.legs.close(answer) for answer in rooms))
+
+    def _ended(self, endpoint: str, status: str, started: float, access: AccessRecord) -> None:
+        access.stream_error = None if status == "200" else status
+        self.metrics.requests.labels(endpoint, status).inc()
+        self.metrics.latency.labels(endpoint).observe(time.monotonic() - started)
+
+
+class EventStream:
+    """A server-sent event stream: `events`' bytes as they come. A client that leaves, noticed
+    at once even while nothing is being sent, ends `events` (its cleanup ends the rooms).
+    Plain ASGI: one task for the stream and one that listens for the disconnect, nothing per
+    chunk but the write."""
+
+    status_code = 200
+
+    def __init__(self, events: AsyncGenerator[bytes, None], headers: dict[str, str]):
+        self.events = events
+        self.headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            *((name.lower().encode("latin-1"), value.encode("latin-1"))
+              for name, value in headers.items()),
+        ]  # fmt: skip
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.ensure_future(self._stream(send))
+        left = asyncio.ensure_future(client_left(receive))
+        try:
+            await asyncio.wait({stream, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, left):
+                task.cancel()
+            await asyncio.gather(stream, left, return_exceptions=True)
+        if not stream.cancelled() and stream.exception() is not None:
+            raise stream.exception()
+
+    async def _stream(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        try:
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            await self.events.aclose()  # NOTE: at once, also when the client left mid-write
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
