@@ -37,7 +37,9 @@ MAX_HEAD_BYTES = 64 << 10  # the status line and headers of an answer
 MAX_IDLE_PER_WORKER = 256
 MAX_CHUNK_LINE_BYTES = 1024
 _FORBIDDEN_IN_HEADERS = re.compile(r"[\r\n\0]")
-_BROKEN = (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError)
+# NOTE: OSError, not only ConnectionError: the dead-peer socket options end a read from a
+# silent worker with ETIMEDOUT, a TimeoutError (an OSError), which is the connection breaking.
+_BROKEN = (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError)
 
 
 class _Stale(Exception):
@@ -133,18 +135,20 @@ class Http1Pool:
         try:
             connection.writer.write(request)
             if connection.writer.transport.get_write_buffer_size():
-                async with asyncio.timeout(self.write_timeout_s):
-                    await connection.writer.drain()
+                try:
+                    async with asyncio.timeout(self.write_timeout_s):
+                        await connection.writer.drain()
+                except TimeoutError:
+                    connection.close()
+                    message = f"request not sent within {self.write_timeout_s} s"
+                    raise httpx.WriteTimeout(message) from None
             status, headers = await _read_head(connection.reader)
             return Http1Response(self, key, connection, status, headers)
-        except TimeoutError:
-            connection.close()
-            raise httpx.WriteTimeout(f"request not sent within {self.write_timeout_s} s") from None
-        except (ConnectionError, asyncio.IncompleteReadError) as e:
+        except (OSError, asyncio.IncompleteReadError) as e:  # NOTE: see _BROKEN
             connection.close()
             if connection.served and not getattr(e, "partial", b""):
                 raise _Stale() from None
-            if isinstance(e, ConnectionError):
+            if isinstance(e, OSError):
                 raise httpx.ReadError(f"{type(e).__name__}: {e}") from None
             raise httpx.RemoteProtocolError("the worker closed the connection unanswered") from None
         except asyncio.LimitOverrunError:
@@ -213,7 +217,7 @@ class Http1Response:
                     yield data
         except _BROKEN as e:
             self._drop()
-            if isinstance(e, ConnectionError):
+            if isinstance(e, OSError):
                 raise httpx.ReadError(f"{type(e).__name__}: {e}") from None
             raise httpx.RemoteProtocolError(
                 "the worker closed the connection before its answer was complete"

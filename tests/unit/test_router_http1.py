@@ -4,6 +4,8 @@ loopback: framing, keep-alive reuse, stale connections, and the errors a broken 
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -213,3 +215,29 @@ def test_a_line_break_in_a_header_never_reaches_the_worker():
 
     with pytest.raises(ValueError, match="line break"):
         _run(nothing, smuggle)
+
+
+def test_a_read_the_kernel_timed_out_is_a_broken_connection(monkeypatch):
+    """A worker that fell silent mid-answer (host down, cable cut): the dead-peer socket
+    options end the read with ETIMEDOUT, a TimeoutError. That is the worker failing (a
+    ReadError, answered as such), not the request's own deadline."""
+
+    async def stall(reader, writer):
+        await _read_request(reader)
+        writer.write(OK_HEAD + b"content-length: 100\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(30)
+
+    async def read_body(pool: Http1Pool, url: str) -> None:
+        response = await pool.post(url, b'{"prompt": "hi"}', {})
+        timed_out = TimeoutError(errno.ETIMEDOUT, os.strerror(errno.ETIMEDOUT))
+
+        async def read(self, n=-1):
+            raise timed_out
+
+        monkeypatch.setattr(asyncio.StreamReader, "read", read)
+        async for _ in response.stream:
+            pass
+
+    with pytest.raises(httpx.ReadError, match="TimeoutError"):
+        _run(stall, read_body)
