@@ -51,13 +51,6 @@ async def read_json_body(request: Request, limit: int) -> dict:
     return body
 
 
-async def client_left(receive: Receive) -> None:
-    """Returns when the client closes its connection. Only after the body was read: every
-    message left on the channel then is the disconnect."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 class ApiKeyMiddleware:
     """Requires `Authorization: Bearer KEY` everywhere but `open_paths`. Plain ASGI rather
     than an `http` middleware function, so handlers read the client's own receive channel:

@@ -25,10 +25,10 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import httpx
 from starlette.types import Receive, Scope, Send
 
+from pdserve.protocol.asgi_watch import until_done_or_client_left
 from pdserve.router.access_log import AccessRecord
 from pdserve.router.errors import error_event
 from pdserve.router.fanout import DONE, BadAnswer, RoomFailed, StreamMerge
-from pdserve.router.intake import client_left
 from pdserve.router.legs import Answer, Legs
 from pdserve.router.metrics import RouterMetrics
 
@@ -161,16 +161,7 @@ class EventStream:
         ]  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stream = asyncio.ensure_future(self._stream(send))
-        left = asyncio.ensure_future(client_left(receive))
-        try:
-            await asyncio.wait({stream, left}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (stream, left):
-                task.cancel()
-            await asyncio.gather(stream, left, return_exceptions=True)
-        if not stream.cancelled() and stream.exception() is not None:
-            raise stream.exception()
+        await until_done_or_client_left(self._stream(send), receive)
 
     async def _stream(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
