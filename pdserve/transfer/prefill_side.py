@@ -86,7 +86,7 @@ class PrefillTransferServer(DecodePeers, Endpoint):
         staged = (device or torch.device("cpu")).type == "cpu" and (
             source_device is not None and source_device.type == "cuda"
         )
-        self._staged = StagedSends(self.io) if staged else None
+        self._staged = StagedSends(self.io, config.progress_timeout_s) if staged else None
 
     # ---- life cycle ------------------------------------------------------------------
 
@@ -210,13 +210,18 @@ class PrefillTransferServer(DecodePeers, Endpoint):
             room.num_pages, room.num_draft_pages = msg.num_pages, msg.num_draft_pages
             self.attach(room, peer)
 
-    def submit(self, command, ready: torch.cuda.Event | None) -> None:
+    def submit(self, room: SenderRoom, command, ready: torch.cuda.Event | None) -> None:
         """Run a room's send step on the IO thread, in order; with GPU pieces staged in host
-        memory, each after its copy completed (`ready`)."""
-        if self._staged is not None:
-            self._staged.submit(command, ready)
-        else:
+        memory, each after its copy completed (`ready`), or the room fails."""
+        if self._staged is None:
             self.io.call(command)
+            return
+        message = (
+            f"the KV copy from the GPU did not complete in {self.config.progress_timeout_s:g} s"
+        )
+        self._staged.submit(
+            command, ready, lambda: self.fail_room(room, FailureKind.INTERNAL, message, notify=True)
+        )
 
     def send_piece(self, room: SenderRoom, piece: OutgoingPiece) -> None:
         if room.done:

@@ -58,13 +58,13 @@ class SenderRoom(Room):
                 f"a KV piece must be a contiguous uint8 buffer on {wanted} (see KVStager.gather)"
             )
         self.stamps.setdefault("first_piece_called", time.monotonic())
-        self._server.submit(lambda: self._server.send_piece(self, piece), piece.ready)
+        self._server.submit(self, lambda: self._server.send_piece(self, piece), piece.ready)
 
     def finish(self, metadata: MetadataRecord) -> None:
         """Every piece was given: send the metadata record and end the room's sending."""
         header, payload = metadata.pack(self.room, self._server.metadata_spec)
         self.stamps["finish_called"] = time.monotonic()
-        self._server.submit(lambda: self._server.finish_room(self, header, payload), None)
+        self._server.submit(self, lambda: self._server.finish_room(self, header, payload), None)
 
     def send(self, kv: torch.Tensor, metadata: MetadataRecord) -> None:
         """Send the room's KV whole (every page decode reserved, as one piece) and finish."""

@@ -159,3 +159,37 @@ def test_a_piece_outside_the_reservation_fails_the_room_with_the_reason(backend_
     assert "covers pages [2, 4) of a room with 3 reserved" in receiver.failure.message
     wait_until(lambda: sender.poll() is TransferState.FAILED, "prefill to learn of it", 10)
     send_whole(backend_pair, Case(room=71, draft=True))  # the pair stays in order
+
+
+class NeverReady:
+    """A CUDA event of a GPU that hangs: its copy never completes."""
+
+    def query(self) -> bool:
+        return False
+
+
+class Now:
+    def query(self) -> bool:
+        return True
+
+
+def test_a_staged_piece_whose_copy_never_completes_runs_expired_in_its_place():
+    from pdserve.transfer.staged_sends import StagedSends
+
+    class IO:
+        def __init__(self):
+            self.ran = []
+
+        def call(self, command):
+            self.ran.append(command())
+
+    io = IO()
+    staged = StagedSends(io, timeout_s=0.2)
+    try:
+        staged.submit(lambda: "sent 0", Now(), lambda: "failed 0")
+        staged.submit(lambda: "sent 1", NeverReady(), lambda: "failed 1")
+        staged.submit(lambda: "finished", None)
+        wait_until(lambda: len(io.ran) == 3, "the three steps", 5)
+        assert io.ran == ["sent 0", "failed 1", "finished"]
+    finally:
+        staged.stop()
