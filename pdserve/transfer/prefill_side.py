@@ -119,7 +119,7 @@ class PrefillTransferServer(DecodePeers, Endpoint):
 
     @property
     def pending_sends(self) -> int:
-        """KV buffers announced to decode whose send has not started yet."""
+        """KV pieces posted to decode whose send has not completed (torch.distributed)."""
         return self.plane.pending_sends
 
     def _room(self, room: int) -> SenderRoom:

@@ -42,7 +42,7 @@ class ReceiverRoom(Room):
         # NOTE: until the first byte, the room waits for the prefill worker's queue too.
         self._state.hold(client.config.queue_timeout_s)
         self.metadata: MetadataRecord | None = None
-        self._done: tuple[int, int] | None = None  # RoomDone's (total bytes, pieces)
+        self._all_sent = False  # prefill's RoomDone arrived and matched what was announced
         self.started_at = time.monotonic()
         # When each protocol step happened (monotonic clock), for latency breakdowns.
         self.stamps: dict[str, float] = {}
@@ -135,12 +135,12 @@ class ReceiverRoom(Room):
             return f"prefill sent {num_pieces} pieces, {len(pieces.pieces)} were announced"
         if self.metadata is None:
             return "room finished without its metadata record"
-        self._done = (total_bytes, num_pieces)
+        self._all_sent = True
         return None
 
     def complete_now(self) -> bool:
         """Succeed if everything arrived (RoomDone seen, every byte landed); True if it did."""
-        if self._done is None or not self._pieces.complete or self._state.done:
+        if not self._all_sent or not self._pieces.complete or self._state.done:
             return False
         self._progress()
         self._state.advance(TransferState.SUCCESS)
