@@ -15,6 +15,7 @@ from tqdm import tqdm
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import RequestDetokenizer
 from pdserve.engine.engine import Engine
+from pdserve.engine.model_files import refuse_remote_code, resolve_model_dir
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.speculative.speculator import build_speculator
@@ -23,14 +24,27 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    """Batch generation on one device. Keyword arguments are `EngineConfig` fields."""
+    """Batch generation on one device. `model_path` is a model directory, a `.gguf` file or
+    a Hugging Face hub id (at `revision`); other keyword arguments are `EngineConfig`
+    fields."""
 
-    def __init__(self, model_path: str | None = None, **engine_options):
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        revision: str | None = None,
+        trust_remote_code: bool = False,
+        **engine_options,
+    ):
+        if trust_remote_code:
+            refuse_remote_code()
         if model_path is None:
             from pdserve.engine.tiny_model import default_model_dir
 
-            model_path = str(default_model_dir())
-        self._start(EngineConfig(model_path=str(model_path), **engine_options))
+            model_dir = default_model_dir()
+        else:
+            model_dir = resolve_model_dir(str(model_path), revision)
+        self._start(EngineConfig(model_path=str(model_dir), **engine_options))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:

@@ -11,6 +11,7 @@ import socket
 import sys
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_files import refuse_remote_code, resolve_model_dir
 from pdserve.protocol.flags import add_flags, given, settings_from_args
 from pdserve.protocol.http_settings import HttpSettings
 from pdserve.protocol.spec_settings import SpecSettings, SpeculativeConfigError
@@ -49,42 +50,56 @@ def add_log_level(parser: argparse.ArgumentParser, default: str | None = None) -
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """The model as a positional argument (as `vllm serve MODEL`) or `--model-path`."""
+    """The model as a positional argument (as `vllm serve MODEL`) or `--model-path`, with
+    the hub revision, and `--trust-remote-code` (accepted only to be refused clearly)."""
+    parser.add_argument("model", nargs="?", default=None, help="the model (same as --model-path)")
     parser.add_argument(
-        "model", nargs="?", default=None, help="the model directory (same as --model-path)"
+        "--model-path",
+        default=None,
+        help="a model directory, a .gguf file or a Hugging Face hub id "
+        "(default: the built-in tiny model)",
     )
     parser.add_argument(
-        "--model-path", default=None, help="HF model directory (default: the built-in tiny model)"
+        "--revision", default=None, help="branch, tag or commit of a hub model id (default: main)"
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="refused: pdserve never runs code shipped with a checkpoint",
     )
 
 
 def model_path_from(args: argparse.Namespace) -> tuple[str, str]:
-    """(the model directory, the name it is served as by default); the built-in tiny model
-    when none is given. Checks that the directory holds a model pdserve can run."""
+    """(the model's local directory, the name it is served as by default): a hub id is
+    downloaded or a GGUF file converted here, once, before any worker starts; the built-in
+    tiny model when none is given. Checks that the directory holds a model pdserve can run."""
+    if args.trust_remote_code:
+        refuse_remote_code()
     if args.model and args.model_path and args.model != args.model_path:
         raise ValueError(
             f"the model is given twice: {args.model!r} and --model-path {args.model_path!r}"
         )
-    given_path = args.model or args.model_path
-    if given_path is None:
+    given = args.model or args.model_path
+    if given is None:
+        if args.revision is not None:
+            raise ValueError("--revision needs a hub model id (--model-path ORG/NAME)")
         from pdserve.engine.tiny_model import default_model_dir
 
         return str(default_model_dir()), BUILT_IN_MODEL_NAME
-    check_model_dir(given_path)
-    return given_path, given_path
+    model_dir = resolve_model_dir(given, args.revision)
+    check_model_dir(model_dir, given)
+    return str(model_dir), given
 
 
-def check_model_dir(path: str) -> None:
-    """A model directory pdserve can load: it exists, has a config.json, and names a
-    supported architecture (read from config.json alone, before any process starts)."""
+def check_model_dir(model_dir: str | os.PathLike, name: str) -> None:
+    """A model directory pdserve can load: it has a config.json naming a supported
+    architecture (read from config.json alone, before any process starts)."""
     from pdserve.engine.model_config import ModelConfig
 
-    if not os.path.isdir(path):
-        raise ValueError(f"model directory {path!r} does not exist")
     try:
-        ModelConfig.from_pretrained(path)
+        ModelConfig.from_pretrained(model_dir)
     except (FileNotFoundError, ValueError, KeyError) as e:
-        raise ValueError(f"cannot serve {path!r}: {e}") from None
+        raise ValueError(f"cannot serve {name!r}: {e}") from None
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:

@@ -30,6 +30,7 @@ from pdserve.engine.forward_batch import Capture, ForwardBatch, ForwardOutput
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.loader import build_kv_pool, load_model, resolve_device, resolve_dtype
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_files import resolve_model_dir
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.overlap import InFlightStep, is_placeholder, placeholder
@@ -55,7 +56,10 @@ class Engine:
                 "Engine(config, build_speculator(config.speculative)) (pdserve.speculative)"
             )
         self.config = config
-        self.model_config = ModelConfig.from_pretrained(config.model_path)
+        # NOTE: a hub id or GGUF file becomes a local directory here (the CLI has usually
+        # resolved it already: then this is the directory itself).
+        self.model_dir = resolve_model_dir(config.model_path)
+        self.model_config = ModelConfig.from_pretrained(self.model_dir)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
         if self.device.type == "cuda":
@@ -67,12 +71,12 @@ class Engine:
             # 2x slower beside a busy HTTP front end). OMP_NUM_THREADS overrides this.
             torch.set_num_threads(1)
         torch.manual_seed(config.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.attention_backend = make_attention_backend(config.attention_backend, self.device)
         self.model = load_model(
-            config.model_path,
+            self.model_dir,
             self.model_config,
             self.device,
             self.dtype,

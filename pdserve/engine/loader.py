@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -56,7 +57,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(
-    model_path: str,
+    model_dir: str | Path,
     model_config: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
@@ -66,7 +67,7 @@ def load_model(
     cls = model_class(model_config.architecture)
     with torch.device(device), default_dtype(dtype):
         model = cls(model_config, backend, max_positions)
-    model.load_weights(iterate_weights(model_path, device))
+    model.load_weights(iterate_weights(model_dir, device))
     return model.eval()
 
 

@@ -24,6 +24,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from pdserve.engine.dtypes import parse_dtype
+from pdserve.engine.model_files import pdserve_cache_dir
 from pdserve.engine.tiny_tokenizer import IM_END_TOKEN, build_tokenizer
 
 __all__ = [
@@ -196,7 +197,7 @@ def default_model_dir() -> Path:
     temporary directory and renamed into place, so concurrent callers never see a partial
     model; when two processes race, the loser discards its copy.
     """
-    cache_root = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+    cache_root = pdserve_cache_dir()
     final_dir = cache_root / f"tiny-llama-v{TINY_MODEL_VERSION}"
     if final_dir.is_dir():
         return final_dir

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 
 from pdserve import __version__
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_files import resolve_model_dir
 from pdserve.server import native_api, openai_api
 from pdserve.server.engine_client import EngineClient, EngineClientConfig
 from pdserve.server.errors import (
@@ -61,7 +62,7 @@ def build_app(
         client.stats_listeners.append(metrics.observe_stats)
         app.state.pdserve = ServerState(
             client=client,
-            tokenizer=AutoTokenizer.from_pretrained(engine_config.model_path),
+            tokenizer=AutoTokenizer.from_pretrained(resolve_model_dir(engine_config.model_path)),
             served_model_name=name,
             max_model_len=ready.max_model_len,
             metrics=metrics,

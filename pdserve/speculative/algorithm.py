@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from pdserve.engine.forward_batch import Capture
+from pdserve.engine.model_files import resolve_model_dir
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.spec_settings import SpecSettings, SpeculativeConfigError
 from pdserve.speculative.state import DraftBatch, DraftState, ExtendItem
@@ -81,15 +82,24 @@ class SpeculativeAlgorithm(abc.ABC):
                 f"{self.name} has no draft model; drop --speculative-draft-model-path"
             )
 
+    def draft_dir(self) -> Path:
+        """The draft model's local directory: --speculative-draft-model-path names it as
+        --model-path names the target (a directory, a GGUF file or a hub id)."""
+        path = self.settings.draft_model_path
+        try:
+            return resolve_model_dir(path)
+        except ValueError as e:
+            raise SpeculativeConfigError(f"--speculative-draft-model-path: {e}") from None
+
     def draft_config(self) -> dict[str, Any] | None:
         """The draft's HF config, read from --speculative-draft-model-path (None if none)."""
-        path = self.settings.draft_model_path
-        if not path:
+        if not self.settings.draft_model_path:
             return None
-        config_file = Path(path) / "config.json"
+        config_file = self.draft_dir() / "config.json"
         if not config_file.is_file():
             raise SpeculativeConfigError(
-                f"--speculative-draft-model-path {path}: no config.json there"
+                f"--speculative-draft-model-path {self.settings.draft_model_path}: "
+                "no config.json there"
             )
         return json.loads(config_file.read_text())
 

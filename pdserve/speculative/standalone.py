@@ -42,7 +42,7 @@ class Standalone(DraftModelAlgorithm):
             raise ValueError("a STANDALONE draft with sliding-window attention is not supported")
         positions = engine.max_model_len + self.lookahead_slots()
         model = load_model(
-            self.settings.draft_model_path,
+            self.draft_dir(),
             self.config,
             engine.device,
             engine.dtype,

@@ -267,7 +267,8 @@ def test_launch_hands_every_worker_and_router_flag_on(monkeypatch):
     ("argv", "message"),
     [
         (["serve", "--page-size", "0"], "page_size must be >= 1"),
-        (["serve", "/no/such/model"], "model directory '/no/such/model' does not exist"),
+        (["serve", "/no/such/model"], "model '/no/such/model' does not exist"),
+        (["serve", "--trust-remote-code"], "--trust-remote-code is refused"),
         (["serve", "a", "--model-path", "b"], "the model is given twice"),
         (["prefill", "--bootstrap-host", "0.0.0.0"], "--bootstrap-host"),
         (["serve", "--speculative-num-steps", "2"], "without --speculative-algorithm"),
