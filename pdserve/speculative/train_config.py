@@ -12,9 +12,16 @@ from pdserve.protocol.flags import option
 class TrainConfig:
     model_path: str = option(help="the target model directory", required=True)
     out_dir: str = option(help="where to write the draft directory", name="--out", required=True)
-    num_sequences: int = option(256, "sequences the target generates to train on")
-    prompt_len: int = option(16, "random prompt tokens")
-    gen_len: int = option(112, "tokens generated per prompt")
+    prompts_file: str | None = option(
+        None,
+        'JSONL of prompts, one per line: {"messages": [...]} (the chat template is applied) '
+        'or {"prompt": "text"}; answers end at EOS (default: random token prompts)',
+    )
+    num_sequences: int = option(
+        256, "sequences the target generates to train on (with --prompts-file: its first N)"
+    )
+    prompt_len: int = option(16, "random prompt tokens (without --prompts-file)")
+    gen_len: int = option(112, "tokens generated per prompt (at most, with --prompts-file)")
     steps: int = option(1500, "optimizer steps")
     batch_size: int = option(16, "sequences per optimizer step")
     lr: float = option(1e-3, "learning rate")

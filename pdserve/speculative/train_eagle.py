@@ -1,9 +1,11 @@
 """`pdserve train-eagle`: train an EAGLE-3 draft head for a target on the target's own
 generations, and write a draft directory the server loads.
 
-1. Generate: random prompts, continued greedily by the target (pdserve's engine).
+1. Generate: prompts (a JSONL file of chat or text prompts, or random tokens), answered
+   greedily by the target (pdserve's engine); a chat answer ends at EOS.
 2. Capture: one target forward over each sequence keeps the outputs of the capture layers
    (the EAGLE-3 features) and the target's own next-token choice at every position (labels).
+   Only the answer's labels are learned: drafting starts after the prompt.
 3. Train with training-time test (TTT), as EAGLE-3 does: the draft is unrolled `ttt_steps`
    times. At unroll step j, position q reads the token x_{q+1} and, for j = 0, the target's
    features at q; for j > 0, its own step j-1 output at q - 1 (what it reads while drafting).
@@ -17,6 +19,7 @@ generations, and write a draft directory the server loads.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -25,10 +28,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from transformers import AutoTokenizer
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.forward_batch import Capture, ForwardBatch
+from pdserve.engine.model_files import resolve_model_dir
 from pdserve.engine.page_allocator import pages_needed
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.speculative.checkpoints import build_draft_model, eagle_draft_config, save_draft
@@ -49,19 +54,31 @@ class TrainReport:
 
 def train_eagle(config: TrainConfig) -> TrainReport:
     torch.manual_seed(config.seed)
+    prompts = None
+    if config.prompts_file is not None:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(config.model_path))
+        prompts = read_prompts_file(config.prompts_file, tokenizer, config.num_sequences)
+        if len(prompts) < 2:
+            raise ValueError(f"{config.prompts_file}: need at least 2 prompts (one is held out)")
+    prompt_len = max(map(len, prompts)) if prompts else config.prompt_len
+    max_len = prompt_len + config.gen_len + 8
     engine = Engine(
         EngineConfig(
             config.model_path,
             device=config.device,
             dtype=config.dtype,
-            max_model_len=config.prompt_len + config.gen_len + 8,
+            max_model_len=max_len,
             seed=config.seed,
         )
     )
     target = engine.model_config
     aux = config.aux_layer_ids or _default_aux(target.num_layers)
-    sequences = _generate(engine, config)
-    features, labels = _capture(engine, sequences, tuple(aux))
+    real_prompts = prompts is not None
+    if prompts is None:
+        prompts = _random_prompts(engine, config)
+    sequences = _generate(engine, prompts, config.gen_len, stop_at_eos=real_prompts)
+    features, labels = _capture(engine, sequences.tokens, tuple(aux))
+    labels = _answer_labels_only(labels, sequences)
     draft_vocab = _draft_vocabulary(labels, min(config.draft_vocab_size, target.vocab_size))
     draft_config = eagle_draft_config(
         target,
@@ -71,13 +88,14 @@ def train_eagle(config: TrainConfig) -> TrainReport:
         intermediate_size=target.intermediate_size,
     )
     device = engine.device
-    model = build_draft_model(draft_config, target, config.prompt_len + config.gen_len + 8)
+    model = build_draft_model(draft_config, target, max_len)
     model = model.to(device)
     _initialize_from_target(model, engine.model, draft_vocab)
     draft_labels = _to_draft_ids(labels, draft_vocab, target.vocab_size)
-    split = max(1, int(len(sequences) * config.eval_fraction))
-    train = (sequences[split:], features[split:], draft_labels[split:])
-    held_out = (sequences[:split], features[:split], draft_labels[:split])
+    tokens = sequences.tokens
+    split = max(1, int(len(tokens) * config.eval_fraction))
+    train = (tokens[split:], features[split:], draft_labels[split:])
+    held_out = (tokens[:split], features[:split], draft_labels[:split])
     started = time.perf_counter()
     final_loss = _train(model, train, config)
     seconds = time.perf_counter() - started
@@ -94,31 +112,91 @@ def _default_aux(num_layers: int) -> list[int]:
     return sorted({0, num_layers // 2, num_layers - 1})
 
 
-def _generate(engine: Engine, config: TrainConfig) -> torch.Tensor:
-    """[N, prompt + gen] token ids: random prompts and the target's greedy continuations."""
-    tokenizer_size = len(engine.tokenizer)
-    vocab = min(engine.model_config.vocab_size, tokenizer_size)
+@dataclass
+class Sequences:
+    """Prompts and the target's greedy answers, right-padded to one length."""
+
+    tokens: torch.Tensor  # [N, T]
+    answer_starts: list[int]  # where each row's answer begins (its prompt length)
+    lengths: list[int]  # each row's real tokens
+
+
+def read_prompts_file(path: str | Path, tokenizer, limit: int | None = None) -> list[list[int]]:
+    """Token ids of the prompts of a JSONL file (the first `limit`): each line is
+    {"messages": [...]} (rendered with the chat template, as the chat endpoint renders it)
+    or {"prompt": "text"}."""
+    prompts: list[list[int]] = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {number}: not JSON ({e.msg})") from None
+            if isinstance(record, dict) and isinstance(record.get("messages"), list):
+                text = tokenizer.apply_chat_template(
+                    record["messages"], tokenize=False, add_generation_prompt=True
+                )
+                prompts.append(tokenizer.encode(text, add_special_tokens=False))
+            elif isinstance(record, dict) and isinstance(record.get("prompt"), str):
+                prompts.append(tokenizer.encode(record["prompt"]))
+            else:
+                raise ValueError(
+                    f'{path} line {number}: expected {{"messages": [...]}} or {{"prompt": "..."}}'
+                )
+            if len(prompts) == limit:
+                break
+    return prompts
+
+
+def _random_prompts(engine: Engine, config: TrainConfig) -> list[list[int]]:
+    vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
     generator = torch.Generator().manual_seed(config.seed)
-    prompts = torch.randint(
-        3, vocab, (config.num_sequences, config.prompt_len), generator=generator
-    )
-    params = SamplingParams(max_new_tokens=config.gen_len, temperature=0, ignore_eos=True)
+    shape = (config.num_sequences, config.prompt_len)
+    return torch.randint(3, vocab, shape, generator=generator).tolist()
+
+
+def _generate(
+    engine: Engine, prompts: list[list[int]], gen_len: int, *, stop_at_eos: bool
+) -> Sequences:
+    """The target's greedy answers to `prompts`, `gen_len` tokens at most: up to EOS after a
+    real prompt, always `gen_len` after a random one (random text has no end)."""
+    params = SamplingParams(max_new_tokens=gen_len, temperature=0, ignore_eos=not stop_at_eos)
     started = time.perf_counter()
-    rows = prompts.tolist()
-    for i, prompt in enumerate(rows):
+    for i, prompt in enumerate(prompts):
         engine.add_request(f"train-{i}", prompt, params)
-    generated: dict[str, list[int]] = {}
+    answers: dict[str, list[int]] = {}
     while engine.has_unfinished():
         for output in engine.step():
             if output.finished:
-                generated[output.request_id] = output.token_ids
+                answers[output.request_id] = output.token_ids
+    rows = [prompt + answers[f"train-{i}"] for i, prompt in enumerate(prompts)]
+    lengths = [len(row) for row in rows]
+    width = max(lengths)
     logger.info(
-        "generated %d x %d tokens in %.1f s",
-        config.num_sequences,
-        config.gen_len,
+        "generated %d answers (%d tokens) in %.1f s",
+        len(rows),
+        sum(lengths) - sum(map(len, prompts)),
         time.perf_counter() - started,
     )
-    return torch.tensor([prompt + generated[f"train-{i}"] for i, prompt in enumerate(rows)])
+    # NOTE: padding only follows a row's real tokens, so (attention being causal) it changes
+    # no feature or label of theirs; its labels are masked out.
+    tokens = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+    return Sequences(tokens, [len(p) for p in prompts], lengths)
+
+
+def _answer_labels_only(labels: torch.Tensor, sequences: Sequences) -> torch.Tensor:
+    """Labels (the target's token after each position) kept where drafting happens: from
+    the prompt's end (the first drafted token follows the first answer token) to the last
+    real token (the token after it is never drafted); -100 elsewhere."""
+    labels = labels.clone()
+    for row, (start, length) in enumerate(
+        zip(sequences.answer_starts, sequences.lengths, strict=True)
+    ):
+        labels[row, :start] = -100
+        labels[row, length - 1 :] = -100
+    return labels
 
 
 @torch.inference_mode()
@@ -148,15 +226,19 @@ def _capture(engine, sequences: torch.Tensor, aux: tuple[int, ...]):
 
 def _draft_vocabulary(labels: torch.Tensor, size: int) -> torch.Tensor:
     """The `size` most frequent label tokens, sorted (d2t needs draft ids in target order)."""
-    counts = torch.bincount(labels.flatten().cpu())
+    labels = labels.flatten().cpu()
+    counts = torch.bincount(labels[labels >= 0])
     size = min(size, int((counts > 0).sum()))
     return counts.topk(size).indices.sort().values
 
 
 def _to_draft_ids(labels: torch.Tensor, draft_vocab: torch.Tensor, vocab: int) -> torch.Tensor:
-    table = torch.full((vocab,), -100, dtype=torch.int64)
+    """Labels in draft ids; -100 (not learned) for masked labels and tokens outside the
+    draft vocabulary."""
+    table = torch.full((vocab + 1,), -100, dtype=torch.int64)
     table[draft_vocab] = torch.arange(len(draft_vocab))
-    return table.to(labels.device)[labels]
+    # NOTE: a masked label (-100) reads the table's last entry, which stays -100.
+    return table.to(labels.device)[labels.clamp(min=-1)]
 
 
 @torch.no_grad()

@@ -93,6 +93,7 @@ SAMPLES = {
     TrainConfig: (
         {"model_path": "t", "out_dir": "o"},
         {
+            "prompts_file": "p.jsonl",
             "num_sequences": 8,
             "prompt_len": 4,
             "gen_len": 8,
