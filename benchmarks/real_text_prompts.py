@@ -62,6 +62,15 @@ TRAIN_TEMPLATES = [
     "Give a step-by-step explanation of how {t} works.",
 ]
 
+# Training prompts come plain and with each of these asks appended.
+TRAIN_STYLES = [
+    "",
+    " Answer in two sentences.",
+    " Use simple words.",
+    " Answer with a numbered list.",
+    " Be enthusiastic.",
+]
+
 HELD_OUT_TEMPLATES = [
     "Can you tell me about {t}?",
     "I am curious about {t}. What should I know?",
@@ -161,12 +170,16 @@ def _messages(text: str) -> dict:
 
 
 def chat_prompts(split: str, seed: int = 0) -> list[dict]:
-    """Every topic x template pair of the split, in a seeded random order."""
-    topics, templates = {
-        "train": (TRAIN_TOPICS, TRAIN_TEMPLATES),
-        "held_out": (HELD_OUT_TOPICS, HELD_OUT_TEMPLATES),
+    """Every topic x template (x style, for training) of the split, in a seeded random
+    order."""
+    topics, templates, styles = {
+        "train": (TRAIN_TOPICS, TRAIN_TEMPLATES, TRAIN_STYLES),
+        "held_out": (HELD_OUT_TOPICS, HELD_OUT_TEMPLATES, [""]),
     }[split]
-    prompts = [_messages(t.format(t=topic)) for topic, t in itertools.product(topics, templates)]
+    prompts = [
+        _messages(template.format(t=topic) + style)
+        for topic, template, style in itertools.product(topics, templates, styles)
+    ]
     random.Random(seed).shuffle(prompts)
     return prompts
 

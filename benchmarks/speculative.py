@@ -12,18 +12,18 @@ Targets:
   learnable, which a normally initialized random network's is not), on random prompts with
   EOS ignored; its head is trained on random prompts.
 
-Every setting runs the same prompts greedily, in groups of each `--batch-sizes` (a group
-is one `generate` call; with --pd, that many concurrent requests), colocated (the engine in
-this process) and, with `--pd`, through a disaggregated deployment on the same GPU (prefill
-and decode workers sharing it, KV over tcp, `pdserve router` in front). tokens/s = output
+Every setting runs the same prompts greedily, in groups of each `--batch-sizes`, in each of
+`--deployments`: `colocated` (the engine in this process; a group is one `generate` call)
+and `disaggregated` (prefill and decode workers sharing this GPU, KV over tcp, `pdserve
+router` in front; a group is that many concurrent /generate requests). tokens/s = output
 tokens / wall time; acceptance length = tokens per verify step (SGLang's spec_accept_length:
 the bonus token included, so a chain of 4 drafts gives at most 5). In float32 greedy
 speculative output equals plain output token for token; in bfloat16 verification runs other
 kernels than one-token decoding, so a near tie can flip late in a sequence: the report gives
 the fraction of plain's tokens matched before each sequence's first difference.
 
-    python benchmarks/speculative.py --model-path SmolLM2-135M-Instruct.Q4_1.gguf --pd \
-        --out results.json
+    python benchmarks/speculative.py --model-path SmolLM2-135M-Instruct.Q4_1.gguf \
+        --deployments colocated disaggregated --out results.json
     python benchmarks/speculative.py --tiny 512x16x0.05x0.001 --out results.json
 """
 
@@ -254,19 +254,25 @@ def main() -> None:
         "--prompts", nargs="+", default=["chat", "repetition"], choices=["chat", "repetition"]
     )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--pd", action="store_true", help="also through prefill + decode")
+    parser.add_argument(
+        "--deployments",
+        nargs="+",
+        default=["colocated"],
+        choices=["colocated", "disaggregated"],
+        help="disaggregated: prefill + decode workers on this GPU behind the router",
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--kv-cache-gib", type=int, default=4)
     parser.add_argument(
-        "--train-sequences", type=int, default=None, help="default: 2000 real, 512 random"
+        "--train-sequences", type=int, default=None, help="default: 10000 real, 512 random"
     )
     parser.add_argument(
         "--train-gen-len", type=int, default=None, help="default: 256 real, 112 random"
     )
     parser.add_argument(
-        "--train-steps", type=int, default=None, help="default: 3000 real, 2000 random"
+        "--train-steps", type=int, default=None, help="default: 4000 real, 2000 random"
     )
     parser.add_argument("--work-dir", default=None, help="drafts, prompts and logs go here")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
@@ -289,7 +295,7 @@ def main() -> None:
         target_name = args.model_path or f"random {args.preset}"
     model_dir = str(resolve_model_dir(model_path))
     args.ignore_eos = not args.real
-    defaults = (2000, 256, 3000) if args.real else (512, 112, 2000)
+    defaults = (10000, 256, 4000) if args.real else (512, 112, 2000)
     names = ("train_sequences", "train_gen_len", "train_steps")
     for name, default in zip(names, defaults, strict=True):
         if getattr(args, name) is None:
@@ -305,13 +311,13 @@ def main() -> None:
         "EAGLE3 tree (topk 4, 4 steps, 8 tokens)": SpecSettings("EAGLE3", draft, 4, 4, 8),
         "NGRAM chain (4 steps)": SpecSettings("NGRAM", None, 4, 1, 5),
     }
-    deployments = {"colocated": lambda s: measure_colocated(model_dir, s, prompt_sets, args)}
-    if args.pd:
-        deployments["disaggregated"] = lambda s: measure_pd(
-            model_dir, s, prompt_sets, args, args.work / "logs"
-        )
+    measures = {
+        "colocated": lambda s: measure_colocated(model_dir, s, prompt_sets, args),
+        "disaggregated": lambda s: measure_pd(model_dir, s, prompt_sets, args, args.work / "logs"),
+    }
     rows = []
-    for deployment, measure in deployments.items():
+    for deployment in args.deployments:
+        measure = measures[deployment]
         results = {name: measure(settings) for name, settings in configs.items()}
         for (prompts, batch), plain in results["plain"].items():
             for name, by_key in results.items():

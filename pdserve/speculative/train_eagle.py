@@ -201,8 +201,10 @@ def _answer_labels_only(labels: torch.Tensor, sequences: Sequences) -> torch.Ten
 
 @torch.inference_mode()
 def _capture(engine, sequences: torch.Tensor, aux: tuple[int, ...]):
-    """Target features [N, T, num_aux x hidden] and the target's next token at every
-    position [N, T], a few sequences per forward pass."""
+    """Target features [N, T, num_aux x hidden] (kept in host memory: they outgrow what the
+    target's KV pool leaves of a GPU; pinned there, so each training batch copies up
+    quickly) and the target's next token at every position [N, T] (on the device), a few
+    sequences per forward pass."""
     length = sequences.shape[1]
     per_pass = max(1, 4096 // length)
     page_size = engine.config.page_size
@@ -217,11 +219,14 @@ def _capture(engine, sequences: torch.Tensor, aux: tuple[int, ...]):
             output = engine.runner.forward(inputs, Capture.layers(aux))
             hidden, captured = output.hidden, output.features
             labels.append(engine.model.compute_logits(hidden).argmax(-1).view(len(chunk), length))
-            features.append(captured.view(len(chunk), length, -1))
+            features.append(captured.view(len(chunk), length, -1).cpu())
         finally:
             for p in pages:
                 engine.allocator.free(p)
-    return torch.cat(features), torch.cat(labels)
+    features = torch.cat(features)
+    if engine.device.type == "cuda":
+        features = features.pin_memory()
+    return features, torch.cat(labels)
 
 
 def _draft_vocabulary(labels: torch.Tensor, size: int) -> torch.Tensor:
@@ -328,7 +333,11 @@ def _train(model, data, config: TrainConfig) -> float:
     loss_value = float("nan")
     for step in range(config.steps):
         index = torch.randint(len(tokens), (config.batch_size,), generator=generator)
-        batch = (tokens[index].to(device), features[index.to(features.device)], labels[index])
+        batch = (
+            tokens[index].to(device),
+            features[index].to(device, non_blocking=True),
+            labels[index.to(labels.device)],
+        )
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = _loss(model, *batch, config.ttt_steps)
         optimizer.zero_grad(set_to_none=True)
@@ -343,15 +352,20 @@ def _train(model, data, config: TrainConfig) -> float:
 
 
 @torch.no_grad()
-def _evaluate(model, data, steps: int) -> list[float]:
+def _evaluate(model, data, steps: int, per_pass: int = 16) -> list[float]:
+    """Held-out accuracy per unroll step, `per_pass` sequences at a time (the logits of all
+    of them at once can outgrow the memory the target's KV pool leaves)."""
     tokens, features, labels = data
     device = model.lm_head.weight.device
-    logits = ttt_logits(model, tokens.to(device), features, steps)
     length = tokens.shape[1] - 1
-    accuracy = []
-    for step in range(steps):
-        target = labels[:, 1 : length + 1][:, step:]
-        guess = logits[step][:, step:].argmax(-1)
-        valid = target != -100
-        accuracy.append(float((guess == target)[valid].float().mean()) if valid.any() else 0.0)
-    return accuracy
+    correct, counted = [0] * steps, [0] * steps
+    for start in range(0, len(tokens), per_pass):
+        rows = slice(start, start + per_pass)
+        logits = ttt_logits(model, tokens[rows].to(device), features[rows].to(device), steps)
+        for step in range(steps):
+            target = labels[rows, 1 : length + 1][:, step:]
+            guess = logits[step][:, step:].argmax(-1)
+            valid = target != -100
+            correct[step] += int((guess == target)[valid].sum())
+            counted[step] += int(valid.sum())
+    return [c / n if n else 0.0 for c, n in zip(correct, counted, strict=True)]
