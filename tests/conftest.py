@@ -100,3 +100,21 @@ def hf_greedy():
 def random_prompts(lengths, vocab_size, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """SmolLM2-135M-Instruct as a Q4_1 GGUF file (tests/real_models.py): fetched once into
+    pdserve's cache; the test skips where it cannot be fetched."""
+    from tests.real_models import smollm2_gguf_path
+
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf):
+    """The GGUF file converted to a model directory, as `--model-path x.gguf` converts it
+    (once, into pdserve's cache, where launched workers find it too)."""
+    from pdserve.engine.model_files import resolve_model_dir
+
+    return resolve_model_dir(str(smollm2_gguf))

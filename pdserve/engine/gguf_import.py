@@ -88,7 +88,9 @@ def check_gguf(gguf_file: Path) -> str:
 
     try:
         reader = GGUFReader(gguf_file)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, IndexError) as e:
+        # NOTE: a damaged file fails deep in the reader: a value read past the end of its
+        # section (IndexError), a size that does not divide (ValueError).
         raise GGUFError(f"{gguf_file} is not a readable GGUF file: {e}") from None
     architecture = _string_field(reader, "general.architecture")
     if architecture not in GGUF_ARCHITECTURES:
@@ -116,7 +118,7 @@ def _string_field(reader, key: str) -> str | None:
     field = reader.fields.get(key)
     if field is None or not field.data:
         return None
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
+    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
 
 
 def _convert(gguf_file: Path, out_dir: Path) -> None:

@@ -136,6 +136,21 @@ def test_decode_matches_reference(page_size, kv_lens, group):
     assert error < tolerance(torch.float32)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_odd_head_counts(splits):
+    """SmolLM2-135M's shape: 9 query heads over 3 KV heads (an odd group) of 64 dims."""
+    error = run_decode(
+        [1, 17, 40],
+        page_size=16,
+        kv_heads=3,
+        group=3,
+        head_dim=64,
+        splits=splits,
+        seed=splits + 300,
+    )
+    assert error < tolerance(torch.float32)
+
+
 @pytest.mark.parametrize("splits", [2, 3, 7])
 def test_decode_split_kv_merges_chunks(splits):
     # 150 tokens span several 64-token blocks; 7 splits leave some chunks empty for the
@@ -286,6 +301,20 @@ def test_extend_matches_reference(page_size, query_lens, kv_lens, group):
     assert error < tolerance(torch.float32)
 
 
+def test_extend_odd_head_counts():
+    """SmolLM2-135M's shape (9 query heads over 3 KV heads of 64 dims): a whole prompt, a
+    chunk after a prefix, a single token."""
+    error = run_extend(
+        [20, 7, 1],
+        [20, 30, 9],
+        kv_heads=3,
+        group=3,
+        head_dim=64,
+        seed=9,
+    )
+    assert error < tolerance(torch.float32)
+
+
 def test_extend_sliding_window():
     error = run_extend(
         [50, 9, 3],
@@ -320,7 +349,7 @@ def test_extend_bf16_head_dim_64():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_heads, kv_heads, head_dim", [(4, 2, 16), (6, 3, 48)])
+@pytest.mark.parametrize("num_heads, kv_heads, head_dim", [(4, 2, 16), (6, 3, 48), (9, 3, 64)])
 def test_rope_store_matches_torch_rotary_and_store(dtype, num_heads, kv_heads, head_dim):
     generator = torch.Generator().manual_seed(head_dim)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
