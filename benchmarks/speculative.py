@@ -46,6 +46,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_text_prompts import chat_prompts, repetition_prompts, write_jsonl
 
 PD_START_S = 600.0
+CONFIG_NAMES = {
+    "plain": "plain",
+    "eagle3-chain": "EAGLE3 chain (topk 1, 4 steps)",
+    "eagle3-tree": "EAGLE3 tree (topk 4, 4 steps, 8 tokens)",
+    "ngram-chain": "NGRAM chain (4 steps)",
+}
 
 
 def _sync() -> None:
@@ -261,6 +267,13 @@ def main() -> None:
         choices=["colocated", "disaggregated"],
         help="disaggregated: prefill + decode workers on this GPU behind the router",
     )
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=list(CONFIG_NAMES),
+        choices=list(CONFIG_NAMES),
+        help="the settings to run (plain always runs: speedups are against it)",
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -304,12 +317,18 @@ def main() -> None:
     args.max_model_len = max(len(p) for s in prompt_sets.values() for p in s) + args.max_tokens
     args.max_model_len += 16
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-    draft = args.draft or _train_draft(model_dir, args, report)
-    configs = {
+    needs_draft = any(name.startswith("eagle3") for name in args.configs)
+    draft = args.draft or (_train_draft(model_dir, args, report) if needs_draft else None)
+    every = {
         "plain": None,
-        "EAGLE3 chain (topk 1, 4 steps)": SpecSettings("EAGLE3", draft, 4, 1, 5),
-        "EAGLE3 tree (topk 4, 4 steps, 8 tokens)": SpecSettings("EAGLE3", draft, 4, 4, 8),
-        "NGRAM chain (4 steps)": SpecSettings("NGRAM", None, 4, 1, 5),
+        "eagle3-chain": SpecSettings("EAGLE3", draft, 4, 1, 5),
+        "eagle3-tree": SpecSettings("EAGLE3", draft, 4, 4, 8),
+        "ngram-chain": SpecSettings("NGRAM", None, 4, 1, 5),
+    }
+    configs = {
+        CONFIG_NAMES[name]: settings
+        for name, settings in every.items()
+        if name == "plain" or name in args.configs
     }
     measures = {
         "colocated": lambda s: measure_colocated(model_dir, s, prompt_sets, args),
