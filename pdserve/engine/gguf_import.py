@@ -42,7 +42,7 @@ GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 # NOTE: bump when the files a conversion writes change, so cached conversions are redone.
-CONVERSION_VERSION = "1"
+CONVERSION_VERSION = "2"
 MAX_SHARD_SIZE = "4GB"
 
 
@@ -62,6 +62,9 @@ def gguf_model_dir(gguf_file: Path) -> Path:
     try:
         logger.info("dequantizing %s into %s (once)", gguf_file, final_dir)
         _convert(gguf_file, staging_dir)
+        # NOTE: safetensors writes its files owner-only; a shared cache must be readable.
+        for written in staging_dir.iterdir():
+            written.chmod(0o644)
         staging_dir.chmod(0o755)
         try:
             staging_dir.rename(final_dir)

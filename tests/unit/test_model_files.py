@@ -207,3 +207,8 @@ def test_a_converted_gguf_is_reused_without_converting_again(
     monkeypatch.setattr(gguf_import, "_convert", convert_again)
     assert resolve_model_dir(str(smollm2_gguf)) == smollm2_dir
     assert (smollm2_dir / "config.json").is_file()
+
+
+def test_a_converted_gguf_is_readable_by_everyone_sharing_the_cache(smollm2_dir):
+    for path in [smollm2_dir, *smollm2_dir.iterdir()]:
+        assert path.stat().st_mode & 0o004, f"{path} is not world-readable"
