@@ -4,12 +4,18 @@ Decode (default): starts `--batch` requests with `--context` prompt tokens each,
 all are decoding, then times `--steps` engine steps and prints the mean step time, the top
 host functions (cProfile), the top CUDA kernels (torch.profiler) and the GPU time per step.
 
+With `--speculative eagle3-chain` (a chain of 4 drafts; the head `--draft`, else a random
+one of the target's width, whose acceptance is about 1: every step is then a full draft +
+verify + catch-up) or `ngram-chain`, each decode step is a speculative step.
+
 Prefill (`--mode prefill`): times `--steps` steps that each prefill one fresh prompt of
 `--context` tokens (and sample its first token); prints the median step time and the GPU
 time per step.
 
     python benchmarks/profile_step.py --preset llama-3.2-1b --batch 256 --context 1024
     python benchmarks/profile_step.py --preset llama-3.1-8b --mode prefill --context 4096
+    python benchmarks/profile_step.py --model-path M.gguf --batch 1 --context 64 \
+        --speculative eagle3-chain
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ def main() -> None:
         help="Triton attention with torch norm/activation (what the fused kernels save)",
     )
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--speculative", choices=["eagle3-chain", "ngram-chain"], default=None)
+    parser.add_argument("--draft", default=None, help="EAGLE-3 head (default: a random one)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.unfused_elementwise:
@@ -52,12 +60,14 @@ def main() -> None:
     from pdserve import LLM
 
     with tempfile.TemporaryDirectory() as scratch:
+        model = model_directory(args, scratch)
         llm = LLM(
-            model_directory(args, scratch),
+            model,
             max_model_len=args.context + 4 * args.steps + 64,
             chunked_prefill_size=max(8192, args.context),
             attention_backend=args.attention_backend,
             disable_cuda_graph=args.disable_cuda_graph,
+            speculative=speculative_settings(args, model, scratch),
         )
     engine = llm.engine
     backend = type(engine.attention_backend).__name__
@@ -85,6 +95,24 @@ def main() -> None:
             if event.device_type == torch.autograd.DeviceType.CUDA
         )
         print(f"GPU time per {args.mode} step ({backend}): {kernels_us / args.steps / 1e3:.2f} ms")
+
+
+def speculative_settings(args, model: str, scratch: str):
+    from pdserve.protocol.spec_settings import SpecSettings
+
+    if args.speculative == "ngram-chain":
+        return SpecSettings("NGRAM", None, 4, 1, 5)
+    if args.speculative != "eagle3-chain":
+        return None
+    draft = args.draft
+    if draft is None:
+        from pdserve.engine.model_files import resolve_model_dir
+        from pdserve.speculative.checkpoints import make_tiny_eagle_draft
+
+        target = resolve_model_dir(model)
+        vocab = list(range(4096))  # a reduced draft vocabulary, as train-eagle writes
+        draft = str(make_tiny_eagle_draft(f"{scratch}/eagle3", target, draft_vocab_ids=vocab))
+    return SpecSettings("EAGLE3", draft, 4, 1, 5)
 
 
 def random_prompt(engine, length: int, generator: torch.Generator) -> list[int]:
