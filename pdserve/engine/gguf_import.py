@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import shutil
-import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
 import torch
 
 from pdserve.engine.model_config import UnsupportedModelError
-from pdserve.engine.model_files import pdserve_cache_dir
+from pdserve.engine.model_files import pdserve_cache_dir, write_cache_entry
 
 logger = logging.getLogger(__name__)
 
@@ -57,23 +55,8 @@ def gguf_model_dir(gguf_file: Path) -> Path:
     if (final_dir / "config.json").is_file():
         return final_dir
     check_gguf(gguf_file)
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.", dir=final_dir.parent))
-    try:
-        logger.info("dequantizing %s into %s (once)", gguf_file, final_dir)
-        _convert(gguf_file, staging_dir)
-        # NOTE: safetensors writes its files owner-only; a shared cache must be readable.
-        for written in staging_dir.iterdir():
-            written.chmod(0o644)
-        staging_dir.chmod(0o755)
-        try:
-            staging_dir.rename(final_dir)
-        except OSError:
-            if not final_dir.is_dir():
-                raise
-    finally:
-        shutil.rmtree(staging_dir, ignore_errors=True)
-    return final_dir
+    logger.info("dequantizing %s into %s (once)", gguf_file, final_dir)
+    return write_cache_entry(final_dir, lambda staging_dir: _convert(gguf_file, staging_dir))
 
 
 def _cache_entry(gguf_file: Path) -> Path:

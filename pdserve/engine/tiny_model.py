@@ -15,8 +15,6 @@ the same arguments give byte-identical files.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from pdserve.engine.dtypes import parse_dtype
-from pdserve.engine.model_files import pdserve_cache_dir
+from pdserve.engine.model_files import pdserve_cache_dir, write_cache_entry
 from pdserve.engine.tiny_tokenizer import IM_END_TOKEN, build_tokenizer
 
 __all__ = [
@@ -197,20 +195,7 @@ def default_model_dir() -> Path:
     temporary directory and renamed into place, so concurrent callers never see a partial
     model; when two processes race, the loser discards its copy.
     """
-    cache_root = pdserve_cache_dir()
-    final_dir = cache_root / f"tiny-llama-v{TINY_MODEL_VERSION}"
+    final_dir = pdserve_cache_dir() / f"tiny-llama-v{TINY_MODEL_VERSION}"
     if final_dir.is_dir():
         return final_dir
-    cache_root.mkdir(parents=True, exist_ok=True)
-    staging_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.", dir=cache_root))
-    try:
-        make_tiny_model(staging_dir)
-        staging_dir.chmod(0o755)
-        try:
-            staging_dir.rename(final_dir)
-        except OSError:
-            if not final_dir.is_dir():
-                raise
-    finally:
-        shutil.rmtree(staging_dir, ignore_errors=True)
-    return final_dir
+    return write_cache_entry(final_dir, make_tiny_model)
