@@ -41,7 +41,9 @@ def test_ci_runs_exactly_the_readme_set_up_commands():
 def test_every_shell_block_is_a_command_or_marked_as_a_synopsis():
     for _, code in blocks("bash"):
         for command in commands(code):
-            assert "[" not in command.split("#")[0] or "[dev]" in command, (
+            # NOTE: brackets inside a single-quoted argument (a JSON body) are data.
+            unquoted = re.sub(r"'[^']*'", "''", command.split("#")[0])
+            assert "[" not in unquoted or "[dev]" in command, (
                 f"a synopsis fenced as bash (fence it as text): {command}"
             )
 
