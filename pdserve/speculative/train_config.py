@@ -18,7 +18,17 @@ class TrainConfig:
         'or {"prompt": "text"}; answers end at EOS (default: random token prompts)',
     )
     num_sequences: int = option(
-        256, "sequences the target generates to train on (with --prompts-file: its first N)"
+        256, "prompts the target answers to train on (with --prompts-file: its first N)"
+    )
+    answers_per_prompt: int = option(
+        1,
+        "answers the target gives each prompt: the first greedy, the others sampled "
+        "(temperature 0.8); the labels are always the target's greedy choices",
+    )
+    sequences_file: str | None = option(
+        None,
+        "a .safetensors file of generated prompts + answers: read instead of generating when "
+        "it exists, written after generating when it does not",
     )
     prompt_len: int = option(16, "random prompt tokens (without --prompts-file)")
     gen_len: int = option(112, "tokens generated per prompt (at most, with --prompts-file)")
@@ -38,7 +48,8 @@ class TrainConfig:
     eval_fraction: float = 0.1
 
     def __post_init__(self) -> None:
-        for name in ("num_sequences", "prompt_len", "gen_len", "steps", "batch_size"):
+        positive = ("num_sequences", "prompt_len", "gen_len", "steps", "batch_size")
+        for name in (*positive, "answers_per_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be at least 1")
         if not 1 <= self.ttt_steps <= 16:

@@ -1,8 +1,10 @@
 """`pdserve train-eagle`: train an EAGLE-3 draft head for a target on the target's own
 generations, and write a draft directory the server loads.
 
-1. Generate: prompts (a JSONL file of chat or text prompts, or random tokens), answered
-   greedily by the target (pdserve's engine); a chat answer ends at EOS.
+1. Generate: prompts (a JSONL file of chat or text prompts, or random tokens), answered by
+   the target (pdserve's engine): greedily, and with more sampled answers per prompt if
+   asked; a chat answer ends at EOS. A sequences file keeps what was generated, so a later
+   run (other training settings, or the next part of a job) starts from it.
 2. Capture: one target forward over each sequence keeps the outputs of the capture layers
    (the EAGLE-3 features) and the target's own next-token choice at every position (labels).
    Only the answer's labels are learned: drafting starts after the prompt.
@@ -19,6 +21,7 @@ generations, and write a draft directory the server loads.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -42,6 +45,7 @@ from pdserve.speculative.train_config import TrainConfig
 logger = logging.getLogger(__name__)
 
 STEP_DECAY = 0.8
+SAMPLE_TEMPERATURE = 0.8  # answers after a prompt's first (greedy) one
 
 
 @dataclass
@@ -54,14 +58,20 @@ class TrainReport:
 
 def train_eagle(config: TrainConfig) -> TrainReport:
     torch.manual_seed(config.seed)
-    prompts = None
-    if config.prompts_file is not None:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(config.model_path))
-        prompts = read_prompts_file(config.prompts_file, tokenizer, config.num_sequences)
-        if len(prompts) < 2:
-            raise ValueError(f"{config.prompts_file}: need at least 2 prompts (one is held out)")
-    prompt_len = max(map(len, prompts)) if prompts else config.prompt_len
-    max_len = prompt_len + config.gen_len + 8
+    prompts, stored = None, None
+    if config.sequences_file is not None and Path(config.sequences_file).is_file():
+        stored = load_sequences(config.sequences_file)
+        max_len = stored.tokens.shape[1] + 8
+    else:
+        if config.prompts_file is not None:
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(config.model_path))
+            prompts = read_prompts_file(config.prompts_file, tokenizer, config.num_sequences)
+            if len(prompts) < 2:
+                raise ValueError(
+                    f"{config.prompts_file}: need at least 2 prompts (one is held out)"
+                )
+        prompt_len = max(map(len, prompts)) if prompts else config.prompt_len
+        max_len = prompt_len + config.gen_len + 8
     engine = Engine(
         EngineConfig(
             config.model_path,
@@ -73,10 +83,7 @@ def train_eagle(config: TrainConfig) -> TrainReport:
     )
     target = engine.model_config
     aux = config.aux_layer_ids or _default_aux(target.num_layers)
-    real_prompts = prompts is not None
-    if prompts is None:
-        prompts = _random_prompts(engine, config)
-    sequences = _generate(engine, prompts, config.gen_len, stop_at_eos=real_prompts)
+    sequences = _sequences(engine, config, stored, prompts)
     features, labels = _capture(engine, sequences.tokens, tuple(aux))
     labels = _answer_labels_only(labels, sequences)
     draft_vocab = _draft_vocabulary(labels, min(config.draft_vocab_size, target.vocab_size))
@@ -93,7 +100,9 @@ def train_eagle(config: TrainConfig) -> TrainReport:
     _initialize_from_target(model, engine.model, draft_vocab)
     draft_labels = _to_draft_ids(labels, draft_vocab, target.vocab_size)
     tokens = sequences.tokens
-    split = max(1, int(len(tokens) * config.eval_fraction))
+    # NOTE: held out by whole prompts, so no answer to a held-out prompt is trained on.
+    held_prompts = max(1, int(len(tokens) // sequences.answers_per_prompt * config.eval_fraction))
+    split = held_prompts * sequences.answers_per_prompt
     train = (tokens[split:], features[split:], draft_labels[split:])
     held_out = (tokens[:split], features[:split], draft_labels[:split])
     started = time.perf_counter()
@@ -114,11 +123,64 @@ def _default_aux(num_layers: int) -> list[int]:
 
 @dataclass
 class Sequences:
-    """Prompts and the target's greedy answers, right-padded to one length."""
+    """Prompts and the target's answers, right-padded to one length; the answers to one
+    prompt are consecutive rows."""
 
     tokens: torch.Tensor  # [N, T]
     answer_starts: list[int]  # where each row's answer begins (its prompt length)
     lengths: list[int]  # each row's real tokens
+    answers_per_prompt: int = 1
+
+    def checked(self, vocab_size: int, source: str) -> Sequences:
+        """These sequences, after checking they fit a target of `vocab_size` tokens."""
+        rows = len(self.tokens)
+        problem = None
+        if self.tokens.dim() != 2 or len(self.answer_starts) != rows or len(self.lengths) != rows:
+            problem = "tokens, answer starts and lengths disagree on the number of rows"
+        elif rows < 2 * self.answers_per_prompt or rows % self.answers_per_prompt:
+            problem = f"{rows} rows for {self.answers_per_prompt} answers per prompt"
+        elif int(self.tokens.min()) < 0 or int(self.tokens.max()) >= vocab_size:
+            problem = f"token ids outside the target's vocabulary of {vocab_size}"
+        elif any(
+            not 0 < start < length <= self.tokens.shape[1]
+            for start, length in zip(self.answer_starts, self.lengths, strict=True)
+        ):
+            problem = "an answer start or length outside its row"
+        if problem is not None:
+            raise ValueError(f"{source}: not sequences for this target: {problem}")
+        return self
+
+
+def save_sequences(sequences: Sequences, path: str | Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(
+        {
+            "tokens": sequences.tokens.contiguous(),
+            "answer_starts": torch.tensor(sequences.answer_starts),
+            "lengths": torch.tensor(sequences.lengths),
+        },
+        str(path),
+        metadata={"answers_per_prompt": str(sequences.answers_per_prompt)},
+    )
+    logger.info("wrote %d sequences to %s", len(sequences.tokens), path)
+
+
+def load_sequences(path: str | Path) -> Sequences:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as stored:
+            answers = int((stored.metadata() or {}).get("answers_per_prompt", "1"))
+            tensors = {name: stored.get_tensor(name) for name in stored.keys()}  # noqa: SIM118
+        return Sequences(
+            tensors["tokens"],
+            tensors["answer_starts"].tolist(),
+            tensors["lengths"].tolist(),
+            answers,
+        )
+    except (KeyError, ValueError, OSError, SafetensorError) as e:
+        raise ValueError(f"{path}: not a sequences file written by train-eagle ({e})") from None
 
 
 def read_prompts_file(path: str | Path, tokenizer, limit: int | None = None) -> list[list[int]]:
@@ -150,6 +212,24 @@ def read_prompts_file(path: str | Path, tokenizer, limit: int | None = None) -> 
     return prompts
 
 
+def _sequences(
+    engine: Engine, config: TrainConfig, stored: Sequences | None, prompts: list[list[int]] | None
+) -> Sequences:
+    """The stored sequences, checked against the target; else the target's answers to the
+    prompts (random ones without a prompts file), stored when a sequences file is named."""
+    if stored is not None:
+        return stored.checked(engine.model_config.vocab_size, config.sequences_file)
+    real_prompts = prompts is not None
+    if prompts is None:
+        prompts = _random_prompts(engine, config)
+    sequences = _generate(
+        engine, prompts, config.gen_len, config.answers_per_prompt, stop_at_eos=real_prompts
+    )
+    if config.sequences_file is not None:
+        save_sequences(sequences, config.sequences_file)
+    return sequences
+
+
 def _random_prompts(engine: Engine, config: TrainConfig) -> list[list[int]]:
     vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
     generator = torch.Generator().manual_seed(config.seed)
@@ -158,32 +238,44 @@ def _random_prompts(engine: Engine, config: TrainConfig) -> list[list[int]]:
 
 
 def _generate(
-    engine: Engine, prompts: list[list[int]], gen_len: int, *, stop_at_eos: bool
+    engine: Engine,
+    prompts: list[list[int]],
+    gen_len: int,
+    answers_per_prompt: int = 1,
+    *,
+    stop_at_eos: bool,
 ) -> Sequences:
-    """The target's greedy answers to `prompts`, `gen_len` tokens at most: up to EOS after a
-    real prompt, always `gen_len` after a random one (random text has no end)."""
-    params = SamplingParams(max_new_tokens=gen_len, temperature=0, ignore_eos=not stop_at_eos)
+    """The target's answers to `prompts`, `gen_len` tokens at most: up to EOS after a real
+    prompt, always `gen_len` after a random one (random text has no end). The first answer
+    to a prompt is greedy, the others sampled (seeded), so the head also sees contexts off
+    the greedy path; its labels stay the target's greedy choices either way."""
+    greedy = SamplingParams(max_new_tokens=gen_len, temperature=0, ignore_eos=not stop_at_eos)
     started = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"train-{i}", prompt, params)
+    keys = [(i, k) for i in range(len(prompts)) for k in range(answers_per_prompt)]
+    for i, k in keys:
+        params = greedy
+        if k > 0:
+            seed = i * answers_per_prompt + k
+            params = dataclasses.replace(greedy, temperature=SAMPLE_TEMPERATURE, seed=seed)
+        engine.add_request(f"train-{i}-{k}", prompts[i], params)
     answers: dict[str, list[int]] = {}
     while engine.has_unfinished():
         for output in engine.step():
             if output.finished:
                 answers[output.request_id] = output.token_ids
-    rows = [prompt + answers[f"train-{i}"] for i, prompt in enumerate(prompts)]
+    rows = [prompts[i] + answers[f"train-{i}-{k}"] for i, k in keys]
     lengths = [len(row) for row in rows]
     width = max(lengths)
     logger.info(
         "generated %d answers (%d tokens) in %.1f s",
         len(rows),
-        sum(lengths) - sum(map(len, prompts)),
+        sum(lengths) - sum(len(prompts[i]) for i, _ in keys),
         time.perf_counter() - started,
     )
     # NOTE: padding only follows a row's real tokens, so (attention being causal) it changes
     # no feature or label of theirs; its labels are masked out.
     tokens = torch.tensor([row + [0] * (width - len(row)) for row in rows])
-    return Sequences(tokens, [len(p) for p in prompts], lengths)
+    return Sequences(tokens, [len(prompts[i]) for i, _ in keys], lengths, answers_per_prompt)
 
 
 def _answer_labels_only(labels: torch.Tensor, sequences: Sequences) -> torch.Tensor:

@@ -95,6 +95,8 @@ SAMPLES = {
         {
             "prompts_file": "p.jsonl",
             "num_sequences": 8,
+            "answers_per_prompt": 3,
+            "sequences_file": "s.safetensors",
             "prompt_len": 4,
             "gen_len": 8,
             "steps": 3,

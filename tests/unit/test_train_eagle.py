@@ -87,3 +87,69 @@ def test_bad_training_settings_are_refused():
         TrainConfig("m", "o", ttt_steps=0)
     with pytest.raises(ValueError, match="num-sequences"):
         TrainConfig("m", "o", num_sequences=1)
+
+
+def test_sampled_answers_and_a_sequences_file_that_a_later_run_trains_from(
+    tiny_model_dirs, tmp_path, monkeypatch
+):
+    from pdserve.speculative import train_eagle as module
+    from pdserve.speculative.train_eagle import TrainConfig, load_sequences, train_eagle
+
+    target = tiny_model_dirs("llama")
+    stored = tmp_path / "sequences.safetensors"
+    settings = {
+        "model_path": target,
+        "num_sequences": 4,
+        "prompt_len": 6,
+        "gen_len": 10,
+        "answers_per_prompt": 3,
+        "sequences_file": str(stored),
+        "steps": 2,
+        "batch_size": 2,
+        "aux_layer_ids": (1, 0),
+        "draft_vocab_size": 64,
+        "device": "cpu",
+    }
+    train_eagle(TrainConfig(out_dir=str(tmp_path / "first"), **settings))
+    sequences = load_sequences(stored)
+    assert sequences.answers_per_prompt == 3 and len(sequences.tokens) == 12
+    rows = sequences.tokens.tolist()
+    prompts = [rows[3 * i][:6] for i in range(4)]
+    assert all(rows[3 * i + k][:6] == prompts[i] for i in range(4) for k in range(3))
+    greedy = LLM(target, device="cpu").generate(
+        prompts, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    )
+    assert [rows[3 * i][6:] for i in range(4)] == [o.token_ids for o in greedy]
+    sampled = [rows[3 * i + k][6:] for i in range(4) for k in (1, 2)]
+    assert any(s != rows[3 * (j // 2)][6:] for j, s in enumerate(sampled)), "nothing sampled"
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generated again despite the sequences file")
+
+    monkeypatch.setattr(module, "_generate", no_generation)
+    report = train_eagle(TrainConfig(out_dir=str(tmp_path / "second"), **settings))
+    assert len(report.eval_accuracy) == 4
+    assert (tmp_path / "second" / "config.json").is_file()
+
+
+def test_a_sequences_file_that_does_not_fit_the_target_is_refused(tiny_model_dirs, tmp_path):
+    from pdserve.speculative.train_eagle import (
+        Sequences,
+        TrainConfig,
+        save_sequences,
+        train_eagle,
+    )
+
+    target = tiny_model_dirs("llama")
+    foreign = tmp_path / "foreign.safetensors"
+    tokens = torch.tensor([[1, 2, 3, 10**6], [1, 2, 3, 4]])  # an id past the vocabulary
+    save_sequences(Sequences(tokens, [2, 2], [4, 4]), foreign)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    for path, message in ((foreign, "outside the target's vocabulary"), (junk, "not a sequences")):
+        config = TrainConfig(
+            target, str(tmp_path / "out"), sequences_file=str(path), device="cpu", steps=1
+        )
+        with pytest.raises(ValueError, match=message) as refused:
+            train_eagle(config)
+        assert str(path) in str(refused.value)
