@@ -80,18 +80,13 @@ def _pip_download(requirement: str, into: Path) -> Path:
 
 
 def chat_prompt_ids(model_dir: str | os.PathLike, questions=CHAT_QUESTIONS) -> list[list[int]]:
-    """Each question as one user message under the model's chat template, tokenized as the
-    chat endpoint does it (the template's text, then the tokenizer, no extra special tokens)."""
+    """Each question as one user message, tokenized as the chat endpoint tokenizes it."""
     from transformers import AutoTokenizer
 
+    from pdserve.engine.chat_template import chat_prompt_ids as render
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    texts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
-        )
-        for q in questions
-    ]
-    return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    return [render(tokenizer, [{"role": "user", "content": q}]) for q in questions]
 
 
 def cut_layers(model_dir: str | os.PathLike, out_dir: Path, num_layers: int) -> Path:

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from pdserve.engine.chat_template import chat_prompt_ids
 from pdserve.protocol.engine_messages import TokenOutput
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.generation import (
@@ -188,12 +189,11 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest, contents: list
         for message, content in zip(body.messages, contents, strict=True)
     ]
     try:
-        text = state.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+        return chat_prompt_ids(
+            state.tokenizer, messages, add_generation_prompt=body.add_generation_prompt
         )
     except Exception as e:
         raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
-    return state.tokenizer.encode(text, add_special_tokens=False)
 
 
 # ---- responses -------------------------------------------------------------------------

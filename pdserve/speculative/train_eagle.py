@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
+from pdserve.engine.chat_template import chat_prompt_ids
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.forward_batch import Capture, ForwardBatch
@@ -197,10 +198,7 @@ def read_prompts_file(path: str | Path, tokenizer, limit: int | None = None) -> 
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path} line {number}: not JSON ({e.msg})") from None
             if isinstance(record, dict) and isinstance(record.get("messages"), list):
-                text = tokenizer.apply_chat_template(
-                    record["messages"], tokenize=False, add_generation_prompt=True
-                )
-                prompts.append(tokenizer.encode(text, add_special_tokens=False))
+                prompts.append(chat_prompt_ids(tokenizer, record["messages"]))
             elif isinstance(record, dict) and isinstance(record.get("prompt"), str):
                 prompts.append(tokenizer.encode(record["prompt"]))
             else:
@@ -241,7 +239,7 @@ def _generate(
     engine: Engine,
     prompts: list[list[int]],
     gen_len: int,
-    answers_per_prompt: int = 1,
+    answers_per_prompt: int,
     *,
     stop_at_eos: bool,
 ) -> Sequences:
