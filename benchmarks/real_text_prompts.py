@@ -31,7 +31,72 @@ spiders, the Sahara, submarines, the telescope, paper, cheese, the violin, the A
 solar panels, thunderstorms, ancient Egypt, the camera, salt, octopuses, the periodic table,
 bridges, rice, the brain, ants, snow, kites, democracy, the wheel, compost, clocks, tigers,
 the Arctic, elephants, dreams, gravity, the guitar, pizza, the bicycle chain, frogs,
-umbrellas, jazz, comets, the post office, yoga, paper boats""".replace("\n", " ").split(", ")
+umbrellas, jazz, comets, the post office, yoga, paper boats, atoms, DNA, evolution, the
+water cycle, plate tectonics, fossils, bacteria, viruses, antibiotics, the skeleton,
+muscles, the lungs, digestion, blood, the eye, hearing, taste, memory, emotions, habits,
+nutrition, vitamins, sugar, caffeine, stress, laughter, meditation, running, swimming,
+cycling races, football, basketball, tennis, baseball, cricket, golf, skiing, surfing, rock
+climbing, boxing, martial arts, the Tour de France, the World Cup, referees, stadiums,
+sports fans, video games, board games, card games, puzzles, crossword puzzles, magic tricks,
+circuses, theme parks, roller coasters, zoos, museums, art galleries, painting, sculpture,
+photography, film making, animation, cartoons, comic books, novels, poetry, fairy tales,
+mythology, Greek gods, Norse myths, dragons, unicorns, pirates, knights, samurai, Vikings,
+the Aztecs, the Maya, the Inca, ancient Greece, ancient China, the Ottoman Empire, the
+Industrial Revolution, the Cold War, the moon landing, the space race, the first computers,
+the telephone, the radio, television, the light bulb, the steam engine, cars, electric cars,
+motorcycles, ships, sailing, canals, highways, traffic lights, airports, rockets,
+satellites, the International Space Station, Mars, Jupiter, Saturn's rings, Venus, Pluto,
+asteroids, meteors, stars, galaxies, the Milky Way, the Big Bang, light, sound, heat,
+magnetism, friction, energy, nuclear power, oil, coal, natural gas, hydropower, geothermal
+energy, climate change, air pollution, plastic waste, deforestation, endangered species,
+national parks, forests, grasslands, wetlands, caves, islands, lakes, waterfalls, canyons,
+beaches, the Himalayas, the Alps, the Rocky Mountains, the Nile, the Mississippi River,
+Antarctica, Australia, Japan, India, Brazil, Canada, Mexico, Egypt, Italy, France, Kenya,
+Iceland, Norway, Peru, Russia, New York City, London, Paris, Tokyo, Rome, Venice, Istanbul,
+Cairo, Sydney, villages, cities, skyscrapers, houses, apartments, furniture, kitchens,
+cooking, baking cakes, soup, pasta, sushi, tacos, curry, noodles, dumplings, salads,
+sandwiches, breakfast, picnics, barbecues, spices, vegetables, fruit, apples, bananas,
+oranges, strawberries, potatoes, tomatoes, corn, wheat, farming, tractors, cows, horses,
+sheep, pigs, chickens, goats, dogs, cats, rabbits, hamsters, parrots, goldfish, turtles,
+snakes, lizards, crocodiles, sharks, dolphins, seals, polar bears, pandas, koalas,
+kangaroos, giraffes, zebras, lions, cheetahs, gorillas, chimpanzees, bats, butterflies,
+ladybugs, mosquitoes, earthworms, snails, crabs, lobsters, starfish, eagles, crows, pigeons,
+flamingos, swans, migration, hibernation, camouflage, food chains, trees, oak trees,
+redwoods, cactus plants, roses, tulips, seeds, leaves, soil, moss, algae, money, banks,
+taxes, budgeting, saving money, credit cards, shopping, advertising, marketing, small
+businesses, startups, job interviews, teamwork, leadership, negotiation, public speaking,
+writing a resume, time management, procrastination, motivation, goal setting, learning a
+language, reading, handwriting, spelling, grammar, punctuation, dictionaries, translation,
+sign language, school, homework, exams, teachers, universities, scholarships, science fairs,
+experiments, the scientific method, statistics, probability, geometry, algebra, fractions,
+prime numbers, infinity, zero, calculators, computers, smartphones, laptops, programming,
+Python, websites, email, social media, passwords, computer viruses, artificial intelligence,
+machine learning, data, cloud computing, 3D printing, drones, virtual reality, self-driving
+cars, electric scooters, the keyboard, the mouse, printers, headphones, music streaming,
+podcasts, newspapers, journalism, books for children, comics, libraries in schools, doctors,
+nurses, dentists, hospitals, ambulances, police officers, pilots, astronauts, chefs,
+farmers, carpenters, plumbers, electricians, architects, engineers, lawyers, judges,
+scientists, inventors, artists, musicians, actors, writers, photographers, gardeners, mail
+carriers, volunteers, charity, kindness, honesty, courage, patience, gratitude, happiness,
+loneliness, families, grandparents, siblings, babies, childhood, growing old, birthdays,
+weddings, holidays, New Year, festivals, fireworks, parades, costumes, masks, dancing,
+ballet, hip hop, rock music, classical music, opera, orchestras, drums, the flute, the
+trumpet, the harp, singing, choirs, concerts, radio shows, theater, Shakespeare, fashion,
+shoes, hats, jewelry, cotton, wool, silk, sewing, knitting, pottery, woodworking, glass,
+steel, gold, diamonds, concrete, rubber, plastic, water, ice, steam, wind, storms,
+hurricanes, tornadoes, floods, droughts, wildfires, seasons, spring, summer, autumn, winter,
+sunsets, the night sky, time zones, calendars, the speed of light, electricity at home,
+plumbing, heating, air conditioning, refrigerators, washing machines, vacuum cleaners,
+cleaning, laundry, camping, hiking, fishing, sailing trips, road trips, travel, passports,
+hotels, trains in Europe, maps and compasses, GPS, the Internet of Things, robots in
+factories, elevators, escalators, tunnels, dams, lighthouses at sea, ports, containers and
+shipping, trade, markets, coins, barter, chess openings, checkers, dominoes,
+playgrounds, swings, sandcastles, snowmen, treehouses, pets at home, veterinarians, bird
+watching, stargazing, astronomy clubs, microscopes, cells, genes, twins, blood types,
+allergies, the common cold, fever, handwashing, first aid, bandages, healthy eating, water
+drinking, posture, stretching, walking, breathing, the heartbeat, the skin, hair, teeth,
+bones, the stomach, the liver, the kidneys, the nose, fingerprints"""
+TRAIN_TOPICS = [topic.strip() for topic in TRAIN_TOPICS.replace("\n", " ").split(",")]
 
 HELD_OUT_TOPICS = """black holes, sourdough, the Silk Road, hummingbirds, tides, the saxophone,
 wind turbines, mushrooms, the Renaissance, cryptography, hot air balloons, jellyfish, origami,
@@ -60,6 +125,36 @@ TRAIN_TEMPLATES = [
     "Write a diary entry from the point of view of someone who loves {t}.",
     "What is a common misconception about {t}?",
     "Give a step-by-step explanation of how {t} works.",
+    "What is {t}?",
+    "Teach me the basics of {t}.",
+    "I would like to learn about {t}. Where do I start?",
+    "Give me an overview of {t}.",
+    "How has {t} changed over time?",
+    "What would the world be like without {t}?",
+    "Write a short dialogue between two friends talking about {t}.",
+    "Explain {t} as if I knew nothing about it.",
+    "What are the most important things to understand about {t}?",
+    "Write a blog post introduction about {t}.",
+    "Give me a quiz with three questions about {t}.",
+    "How is {t} connected to our daily lives?",
+    "Write a letter to a friend describing {t}.",
+    "What are some surprising things about {t}?",
+    "Explain the science behind {t}.",
+    "What would you tell a tourist about {t}?",
+    "Write a speech for a class presentation on {t}.",
+    "Describe {t} to someone who has never seen it.",
+    "What are the main parts of {t}?",
+    "What is the future of {t}?",
+    "Write a song chorus about {t}.",
+    "Give me a simple definition of {t} and an example.",
+    "How do people around the world think about {t}?",
+    "Write a short news report about {t}.",
+    "Explain why people find {t} interesting.",
+    "What problems are related to {t}, and how can they be solved?",
+    "Create a short lesson plan about {t}.",
+    "Write a riddle whose answer is {t}.",
+    "What should a beginner know about {t}?",
+    "Describe a day in the life of someone who works with {t}.",
 ]
 
 # Training prompts come plain and with each of these asks appended.

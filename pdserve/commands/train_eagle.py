@@ -29,6 +29,9 @@ def _train(config: TrainConfig) -> int:
     from pdserve.speculative.train_eagle import train_eagle
 
     report = train_eagle(config)
+    if config.steps == 0:
+        print(json.dumps({"sequences": str(report.out_dir)}))
+        return 0
     summary = {
         "draft": str(report.out_dir),
         "train_seconds": round(report.train_seconds, 1),

@@ -32,7 +32,7 @@ class TrainConfig:
     )
     prompt_len: int = option(16, "random prompt tokens (without --prompts-file)")
     gen_len: int = option(112, "tokens generated per prompt (at most, with --prompts-file)")
-    steps: int = option(1500, "optimizer steps")
+    steps: int = option(1500, "optimizer steps (0: only generate sequences, into --sequences-file)")
     batch_size: int = option(16, "sequences per optimizer step")
     lr: float = option(1e-3, "learning rate")
     ttt_steps: int = option(4, "training-time-test unroll (draft steps)")
@@ -48,10 +48,14 @@ class TrainConfig:
     eval_fraction: float = 0.1
 
     def __post_init__(self) -> None:
-        positive = ("num_sequences", "prompt_len", "gen_len", "steps", "batch_size")
+        positive = ("num_sequences", "prompt_len", "gen_len", "batch_size")
         for name in (*positive, "answers_per_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be at least 1")
+        if self.steps < 0:
+            raise ValueError("steps must be at least 0")
+        if self.steps == 0 and self.sequences_file is None:
+            raise ValueError("steps 0 only generates sequences: name --sequences-file to keep them")
         if not 1 <= self.ttt_steps <= 16:
             raise ValueError("ttt-steps must be in [1, 16]")
         if self.num_sequences < 2:

@@ -47,11 +47,12 @@ logger = logging.getLogger(__name__)
 
 STEP_DECAY = 0.8
 SAMPLE_TEMPERATURE = 0.8  # answers after a prompt's first (greedy) one
+GENERATE_CONCURRENCY = 1024  # answers generated together (the engine's default is 256)
 
 
 @dataclass
 class TrainReport:
-    out_dir: Path
+    out_dir: Path  # the draft; the sequences file when only generating (steps 0)
     train_seconds: float
     final_loss: float
     eval_accuracy: list[float]  # per unroll step, on held-out sequences
@@ -80,14 +81,22 @@ def train_eagle(config: TrainConfig) -> TrainReport:
             dtype=config.dtype,
             max_model_len=max_len,
             seed=config.seed,
+            max_running_requests=GENERATE_CONCURRENCY,
         )
     )
     target = engine.model_config
     aux = config.aux_layer_ids or _default_aux(target.num_layers)
     sequences = _sequences(engine, config, stored, prompts)
+    if config.steps == 0:
+        return TrainReport(Path(config.sequences_file), 0.0, float("nan"), [])
     features, labels = _capture(engine, sequences.tokens, tuple(aux))
     labels = _answer_labels_only(labels, sequences)
     draft_vocab = _draft_vocabulary(labels, min(config.draft_vocab_size, target.vocab_size))
+    learned = labels[labels >= 0]
+    covered = torch.isin(learned, draft_vocab.to(learned.device)).float().mean()
+    logger.info(
+        "draft vocabulary: %d tokens, %.1f%% of the answer tokens", len(draft_vocab), 100 * covered
+    )
     draft_config = eagle_draft_config(
         target,
         aux_layer_ids=list(aux),
@@ -157,7 +166,7 @@ def save_sequences(sequences: Sequences, path: str | Path) -> None:
 
     save_file(
         {
-            "tokens": sequences.tokens.contiguous(),
+            "tokens": sequences.tokens.to(torch.int32).contiguous(),
             "answer_starts": torch.tensor(sequences.answer_starts),
             "lengths": torch.tensor(sequences.lengths),
         },
@@ -175,7 +184,7 @@ def load_sequences(path: str | Path) -> Sequences:
             answers = int((stored.metadata() or {}).get("answers_per_prompt", "1"))
             tensors = {name: stored.get_tensor(name) for name in stored.keys()}  # noqa: SIM118
         return Sequences(
-            tensors["tokens"],
+            tensors["tokens"].long(),
             tensors["answer_starts"].tolist(),
             tensors["lengths"].tolist(),
             answers,
@@ -291,15 +300,18 @@ def _answer_labels_only(labels: torch.Tensor, sequences: Sequences) -> torch.Ten
 
 @torch.inference_mode()
 def _capture(engine, sequences: torch.Tensor, aux: tuple[int, ...]):
-    """Target features [N, T, num_aux x hidden] (kept in host memory: they outgrow what the
-    target's KV pool leaves of a GPU; pinned there, so each training batch copies up
-    quickly) and the target's next token at every position [N, T] (on the device), a few
-    sequences per forward pass."""
-    length = sequences.shape[1]
+    """Target features [N, T, num_aux x hidden] and the target's next token at every
+    position [N, T] (on the device), a few sequences per forward pass. The features stay in
+    host memory: they outgrow what the target's KV pool leaves of a GPU. On a GPU they are
+    pinned, so each training batch copies up quickly, and kept in bfloat16, the precision
+    the draft reads them in under autocast."""
+    count, length = sequences.shape
     per_pass = max(1, 4096 // length)
     page_size = engine.config.page_size
-    features, labels = [], []
-    for start in range(0, len(sequences), per_pass):
+    cuda = engine.device.type == "cuda"
+    features = None
+    labels = []
+    for start in range(0, count, per_pass):
         chunk = sequences[start : start + per_pass]
         pages = [engine.allocator.allocate(pages_needed(length, page_size)) for _ in chunk]
         try:
@@ -309,13 +321,14 @@ def _capture(engine, sequences: torch.Tensor, aux: tuple[int, ...]):
             output = engine.runner.forward(inputs, Capture.layers(aux))
             hidden, captured = output.hidden, output.features
             labels.append(engine.model.compute_logits(hidden).argmax(-1).view(len(chunk), length))
-            features.append(captured.view(len(chunk), length, -1).cpu())
+            if features is None:
+                dtype = torch.bfloat16 if cuda else captured.dtype
+                shape = (count, length, captured.shape[-1])
+                features = torch.empty(shape, dtype=dtype, pin_memory=cuda)
+            features[start : start + len(chunk)].copy_(captured.view(len(chunk), length, -1))
         finally:
             for p in pages:
                 engine.allocator.free(p)
-    features = torch.cat(features)
-    if engine.device.type == "cuda":
-        features = features.pin_memory()
     return features, torch.cat(labels)
 
 

@@ -87,6 +87,8 @@ def test_bad_training_settings_are_refused():
         TrainConfig("m", "o", ttt_steps=0)
     with pytest.raises(ValueError, match="num-sequences"):
         TrainConfig("m", "o", num_sequences=1)
+    with pytest.raises(ValueError, match="--sequences-file"):
+        TrainConfig("m", "o", steps=0)
 
 
 def test_sampled_answers_and_a_sequences_file_that_a_later_run_trains_from(
@@ -104,13 +106,14 @@ def test_sampled_answers_and_a_sequences_file_that_a_later_run_trains_from(
         "gen_len": 10,
         "answers_per_prompt": 3,
         "sequences_file": str(stored),
-        "steps": 2,
         "batch_size": 2,
         "aux_layer_ids": (1, 0),
         "draft_vocab_size": 64,
         "device": "cpu",
     }
-    train_eagle(TrainConfig(out_dir=str(tmp_path / "first"), **settings))
+    # steps 0: generate and store the sequences, train nothing
+    generated = train_eagle(TrainConfig(out_dir=str(tmp_path / "first"), steps=0, **settings))
+    assert generated.out_dir == stored and not (tmp_path / "first").exists()
     sequences = load_sequences(stored)
     assert sequences.answers_per_prompt == 3 and len(sequences.tokens) == 12
     rows = sequences.tokens.tolist()
@@ -127,7 +130,7 @@ def test_sampled_answers_and_a_sequences_file_that_a_later_run_trains_from(
         raise AssertionError("generated again despite the sequences file")
 
     monkeypatch.setattr(module, "_generate", no_generation)
-    report = train_eagle(TrainConfig(out_dir=str(tmp_path / "second"), **settings))
+    report = train_eagle(TrainConfig(out_dir=str(tmp_path / "second"), steps=2, **settings))
     assert len(report.eval_accuracy) == 4
     assert (tmp_path / "second" / "config.json").is_file()
 
