@@ -66,6 +66,9 @@ class EngineConfig:
         256, "largest decode batch replayed from a captured CUDA graph (Triton attention)"
     )
     disable_cuda_graph: bool = option(False, "run every decode step eagerly")
+    disable_prefix_caching: bool = option(
+        False, "compute every prompt whole (no reuse of earlier requests' KV pages)"
+    )
     disable_overlap_schedule: bool = option(
         False, "schedule each step after the previous one's tokens are back (no overlap)"
     )

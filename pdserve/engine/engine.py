@@ -36,6 +36,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.overlap import InFlightStep, is_placeholder, placeholder
 from pdserve.engine.page_allocator import PageAllocator, pages_needed
 from pdserve.engine.page_table import DevicePageTable
+from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
@@ -93,6 +94,7 @@ class Engine:
         self.max_pages_per_request = pages_needed(self.max_model_len + lookahead, config.page_size)
         self.kv_pool: KVPool = self._build_kv_pool()
         self.allocator = PageAllocator(self.kv_pool.num_pages)
+        self.prefix_cache = self._build_prefix_cache()
         self.scheduler = Scheduler(
             SchedulerConfig(
                 page_size=config.page_size,
@@ -102,6 +104,7 @@ class Engine:
                 lookahead=lookahead,
             ),
             self.allocator,
+            self.prefix_cache,
         )
         # Target features every forward pass keeps for the draft.
         self.capture = speculator.target_capture() if speculator else Capture.NONE
@@ -141,7 +144,8 @@ class Engine:
         # Live requests whose tokens the host needs at once (`_overlaps`).
         self._host_bound: set[str] = set()
         logger.info(
-            "engine ready: %s on %s (%s, %s attention), %d KV pages of %d tokens, max_model_len %d",
+            "engine ready: %s on %s (%s, %s attention), %d KV pages of %d tokens, "
+            "max_model_len %d, prefix caching %s",
             self.model_config.architecture,
             self.device,
             self.dtype,
@@ -149,6 +153,7 @@ class Engine:
             self.kv_pool.num_pages,
             config.page_size,
             self.max_model_len,
+            "on" if self.prefix_cache is not None else "off",
         )
 
     # ---- start-up -------------------------------------------------------------------------
@@ -173,6 +178,24 @@ class Engine:
         if speculator is not None:
             speculator.build_pools(pool.num_pages)
         return pool
+
+    def _build_prefix_cache(self) -> PrefixCache | None:
+        if self.config.disable_prefix_caching:
+            return None
+        if self.speculator is not None and self.speculator.draft_page_bytes():
+            # NOTE: a draft's KV at a page's last slot depends on the next page's first token
+            # (EAGLE reads x_{i+1} at position i), so a page's draft KV is not a function of
+            # its own tokens and cannot be keyed by them. Drafts without KV (NGRAM) cache.
+            logger.info("prefix caching is off: the speculative draft keeps KV of its own")
+            return None
+        return PrefixCache(self.allocator, self.config.page_size)
+
+    @property
+    def kv_pages_in_use(self) -> int:
+        """Pages requests hold (their own and cached ones they read), plus any held for a
+        transfer; cached pages no request reads are not counted: they are freed on demand."""
+        unreferenced = self.prefix_cache.num_unreferenced if self.prefix_cache else 0
+        return self.allocator.num_used - unreferenced
 
     def kv_tokens_for_transfer(self, num_prompt_tokens: int) -> int:
         """Token slots of KV a handoff moves for a prompt of this length."""
@@ -236,10 +259,7 @@ class Engine:
     def reserve_pages(self, num_tokens: int) -> list[int] | None:
         """Pages for `num_tokens` of KV that a transfer will fill, or None if they are not
         free now (the caller waits: decode's free memory throttles prefill)."""
-        count = pages_needed(num_tokens, self.config.page_size)
-        if not self.allocator.can_allocate(count):
-            return None
-        return self.allocator.allocate(count)
+        return self.scheduler.reserve(pages_needed(num_tokens, self.config.page_size))
 
     def free_pages(self, pages: list[int]) -> None:
         self.allocator.free(pages)
@@ -275,11 +295,12 @@ class Engine:
             first_top_logprobs = {}  # NOTE: keeps one top-N entry per token, even if empty
         return self._accept_token(request, first_token, first_logprob, first_top_logprobs)
 
-    def release_held(self, request_id: str) -> list[int]:
-        """Free the pages of a finished `hold_pages` request; returns them (now free)."""
+    def release_held(self, request_id: str, *, cache: bool = True) -> list[int]:
+        """Let the pages of a finished `hold_pages` request go (into the prefix cache unless
+        not `cache`); returns them."""
         request = self.held.pop(request_id)
-        pages, request.pages = request.pages, []
-        self.allocator.free(pages)
+        pages = list(request.pages)
+        self.scheduler.release_pages(request, cache=cache)
         return pages
 
     def validate_prompt(self, prompt: str | Sequence[int]) -> list[int]:
@@ -449,11 +470,11 @@ class Engine:
         outputs = []
         for request in touched:
             if not request.finished:
-                self.scheduler.finish(request, FinishReason.ABORT)
+                self.scheduler.finish(request, FinishReason.ABORT, cache=False)
                 self._forget(request.request_id)
                 request.detokenizer = None
             elif request.request_id in self.held:
-                self.release_held(request.request_id)
+                self.release_held(request.request_id, cache=False)
             request.failure = failure
             outputs.append(self._output(request, []))
         return outputs

@@ -42,6 +42,10 @@ class Request:
     output_token_ids: list[int] = field(init=False, default_factory=list)
     num_computed_tokens: int = 0
     pages: list[int] = field(default_factory=list)
+    # Prefix caching: the cache's nodes of pages[:len(cached_pages)] (read, never written,
+    # by this request) and how many prompt tokens the cache saved at its first admission.
+    cached_pages: list[Any] = field(default_factory=list)
+    num_cached_tokens: int = 0
     # pages[pages_changed_from:] may differ from what the device page table last wrote: the
     # scheduler lowers it when it frees pages, the page table raises it when it writes them.
     pages_changed_from: int = 0

@@ -6,6 +6,10 @@ being prefilled), then waiting requests in arrival order while the prefill token
 `max_running_requests` and free pages allow. When a running request needs a page and none is
 free, the most recently admitted request is preempted: its pages are freed and it goes back to
 the front of the queue to be recomputed later (its generated tokens are kept).
+
+With a prefix cache (prefix_cache.py), a request is admitted after the longest cached prefix
+of its tokens (at least its last token is computed: it needs the logits), the pages it lets go
+join the cache, and pages are evicted from the cache before anyone is refused or preempted.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.engine.page_allocator import PageAllocator, pages_needed
+from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -49,9 +54,15 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: PageAllocator,
+        prefix_cache: PrefixCache | None = None,
+    ):
         self.config = config
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -84,23 +95,54 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and len(self.running) < self.config.max_running_requests:
             request = self.waiting[0]
-            remaining = request.num_tokens - request.num_computed_tokens
-            count = self._chunk(remaining, budget, bool(batch))
+            cached = self._cached_prefix(request)
+            start = len(cached) * self.config.page_size
+            count = self._chunk(request.num_tokens - start, budget, bool(batch))
             if count == 0:
                 return
-            needed = self._pages_for(request, count)
+            slots = start + count + self.config.lookahead
+            needed = pages_needed(slots, self.config.page_size) - len(cached)
+            # NOTE: referenced before any eviction below, which must not take these pages.
+            pages = self.prefix_cache.acquire(cached) if cached else []
             # Keep one free page per running request so admitted work can keep decoding
             # without immediately preempting someone.
-            if needed + len(self.running) > self.allocator.num_free and self.running:
+            if (self.running and not self._can_allocate(needed + len(self.running))) or (
+                not self._can_allocate(needed)
+            ):
+                if cached:
+                    self.prefix_cache.release(cached)
                 return
-            if not self.allocator.can_allocate(needed):
-                return
-            request.pages.extend(self.allocator.allocate(needed))
+            request.cached_pages = cached
+            request.pages = pages + self.allocator.allocate(needed)
+            request.num_computed_tokens = start
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = start
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             batch.add(request, count)
             budget -= count
+
+    def _cached_prefix(self, request: Request) -> list:
+        """The cached pages holding the longest prefix of the request's tokens, short of
+        its last token (which must be computed for its logits)."""
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.match(request.token_ids, request.num_tokens - 1)
+
+    def _can_allocate(self, count: int) -> bool:
+        """Whether `count` pages can be taken now, after evicting cached pages if needed."""
+        short = count - self.allocator.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
+        return self.allocator.can_allocate(count)
+
+    def reserve(self, count: int) -> list[int] | None:
+        """`count` pages outside any request (a KV transfer fills them), evicting cached
+        pages if needed; None if they cannot be had now."""
+        if not self._can_allocate(count):
+            return None
+        return self.allocator.allocate(count)
 
     def _chunk(self, remaining: int, budget: int, batch_has_work: bool) -> int:
         """Prompt tokens to run now: all that fit the budget, split only when allowed."""
@@ -122,7 +164,7 @@ class Scheduler:
         needed = self._pages_for(request, count)
         if needed == 0:
             return True  # NOTE: most decode steps: the current page has room
-        while not self.allocator.can_allocate(needed):
+        while not self._can_allocate(needed):
             victim = self._pick_victim(scheduled)
             self._preempt(victim)
             if victim is request:
@@ -138,16 +180,24 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self._release_pages(request)
+        self.release_pages(request)
         request.num_computed_tokens = 0
         request.draft_state = None  # its draft KV went with its pages
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def finish(self, request: Request, reason: FinishReason, *, keep_pages: bool = False) -> None:
-        """End a request (running or waiting) and free its pages at once, unless
-        `keep_pages` (a prefill worker holds them until their KV has been sent)."""
+    def finish(
+        self,
+        request: Request,
+        reason: FinishReason,
+        *,
+        keep_pages: bool = False,
+        cache: bool = True,
+    ) -> None:
+        """End a request (running or waiting) and let its pages go at once (into the prefix
+        cache unless not `cache`: a failed step's KV is not trusted), unless `keep_pages` (a
+        prefill worker holds them until their KV has been sent)."""
         if request.finished:
             return
         if request.status is RequestStatus.RUNNING:
@@ -155,7 +205,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         if not keep_pages:
-            self._release_pages(request)
+            self.release_pages(request, cache=cache)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
@@ -167,14 +217,38 @@ class Scheduler:
 
     def trim_pages(self, request: Request, num_slots: int) -> None:
         """Free the pages past the first `num_slots` slots (rejected speculative KV)."""
-        keep = pages_needed(num_slots, self.config.page_size)
+        keep = max(pages_needed(num_slots, self.config.page_size), len(request.cached_pages))
         if len(request.pages) > keep:
             self.allocator.free(request.pages[keep:])
             del request.pages[keep:]
             request.pages_changed_from = min(request.pages_changed_from, keep)
 
-    def _release_pages(self, request: Request) -> None:
-        if request.pages:
-            self.allocator.free(request.pages)
-            request.pages = []
-            request.pages_changed_from = 0
+    def release_pages(self, request: Request, *, cache: bool = True) -> None:
+        """Let the request's pages go: its full pages of computed KV into the prefix cache
+        (if there is one and `cache`), the rest back to the allocator."""
+        pages, cached = request.pages, request.cached_pages
+        if not pages:
+            return
+        if self.prefix_cache is None:
+            self.allocator.free(pages)
+        else:
+            if cache:
+                spare = self.prefix_cache.insert(
+                    request.token_ids, pages, _known_kv_tokens(request), len(cached)
+                )
+            else:
+                spare = pages[len(cached) :]
+            self.prefix_cache.release(cached)
+            self.allocator.free(spare)
+        request.pages = []
+        request.cached_pages = []
+        request.pages_changed_from = 0
+
+
+def _known_kv_tokens(request: Request) -> int:
+    """Computed tokens whose ids the host knows: with overlap scheduling the newest computed
+    token can still be a placeholder (a negative id) until its step lands."""
+    known = request.num_computed_tokens
+    while known and request.token_ids[known - 1] < 0:
+        known -= 1
+    return known

@@ -249,7 +249,7 @@ class EngineLoop:
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
-            kv_pages_used=self.engine.allocator.num_used,
+            kv_pages_used=self.engine.kv_pages_in_use,
             kv_pages_total=self.engine.allocator.num_pages,
             num_steps=self.num_steps,
             step_seconds=self.step_seconds,

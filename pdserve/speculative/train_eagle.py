@@ -38,7 +38,6 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.forward_batch import Capture, ForwardBatch
 from pdserve.engine.model_files import resolve_model_dir
-from pdserve.engine.page_allocator import pages_needed
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.speculative.checkpoints import build_draft_model, eagle_draft_config, save_draft
 from pdserve.speculative.train_config import TrainConfig
@@ -307,13 +306,14 @@ def _capture(engine, sequences: torch.Tensor, aux: tuple[int, ...]):
     the draft reads them in under autocast."""
     count, length = sequences.shape
     per_pass = max(1, 4096 // length)
-    page_size = engine.config.page_size
     cuda = engine.device.type == "cuda"
     features = None
     labels = []
     for start in range(0, count, per_pass):
         chunk = sequences[start : start + per_pass]
-        pages = [engine.allocator.allocate(pages_needed(length, page_size)) for _ in chunk]
+        pages = [engine.reserve_pages(length) for _ in chunk]
+        if None in pages:
+            raise RuntimeError(f"the KV pool cannot hold {len(chunk)} sequences of {length}")
         try:
             inputs = ForwardBatch()
             for tokens, pages_of_row in zip(chunk.tolist(), pages, strict=True):
@@ -328,7 +328,8 @@ def _capture(engine, sequences: torch.Tensor, aux: tuple[int, ...]):
             features[start : start + len(chunk)].copy_(captured.view(len(chunk), length, -1))
         finally:
             for p in pages:
-                engine.allocator.free(p)
+                if p is not None:
+                    engine.free_pages(p)
     return features, torch.cat(labels)
 
 

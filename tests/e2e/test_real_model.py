@@ -58,7 +58,7 @@ def test_offline_llm_from_the_gguf_file_equals_transformers(smollm2_gguf, prompt
     greedy = SamplingParams(max_new_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.token_ids for o in outputs] == expected
-    assert llm.engine.allocator.num_used == 0
+    assert llm.engine.kv_pages_in_use == 0
 
 
 def test_disaggregated_generate_equals_transformers(launched, prompts, expected):

@@ -39,7 +39,7 @@ def test_gpu_speculation_is_exactly_the_target(algorithm, shape, drafts, tiny_mo
     llm = LLM(model, speculative=settings, **OPTIONS)
     spec = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert llm.engine.allocator.num_used == 0
+    assert llm.engine.kv_pages_in_use == 0
     if algorithm == "STANDALONE" and shape == "chain":
         # A copy of the target: every verify step emits num_steps + 1 tokens (the last may
         # be cut by max_new_tokens).

@@ -44,7 +44,7 @@ def test_streamed_handoff_on_a_gpu_equals_colocated(backend, tiny_model_dirs):
             assert tokens(outputs, f"d{i}") == want, f"prompt {i}"
         assert prefill.metrics.pieces_sent > len(prompts)  # the long prompts streamed
         drive(prefill, until=lambda _: not prefill.sending, deadline_s=20)
-        assert prefill.engine.allocator.num_used == 0 and decode.engine.allocator.num_used == 0
+        assert prefill.engine.kv_pages_in_use == 0 and decode.engine.kv_pages_in_use == 0
     finally:
         prefill.stop()
         decode.stop()

@@ -110,7 +110,7 @@ def test_every_bucket_and_a_padded_size_ran_and_pages_came_back(runs):
     assert 3 in sizes, "the waves no longer make a padded decode batch"
     assert set(graphs.eager_runs + graphs.replays) == set(batch_buckets(MAX_BS))
     assert preemptions == 0
-    assert engine.allocator.num_used == 0
+    assert engine.kv_pages_in_use == 0
 
 
 def test_only_decode_batches_that_fit_run_on_static_inputs(runs):
@@ -132,4 +132,4 @@ def test_preemption_recomputes_and_stays_exact(tiny_model_dirs, runs):
     tokens, engine, _, preemptions = run(tiny_model_dirs("llama"), graphs=True, pages=9)
     assert preemptions > 0
     assert tokens == plain
-    assert engine.allocator.num_used == 0
+    assert engine.kv_pages_in_use == 0

@@ -152,14 +152,14 @@ def test_abort_frees_pages_and_others_finish(llm):
         engine.add_request(f"abort-{i}", PROMPT, greedy(20))
     engine.step()
     engine.step()
-    assert engine.allocator.num_used > 0
+    assert engine.kv_pages_in_use > 0
     assert engine.abort_request("abort-1")
     assert not engine.abort_request("abort-1")
     finished = []
     while engine.has_unfinished():
         finished += [o.request_id for o in engine.step() if o.finished]
     assert sorted(finished) == ["abort-0", "abort-2"]
-    assert engine.allocator.num_used == 0
+    assert engine.kv_pages_in_use == 0
 
 
 @pytest.mark.parametrize(
@@ -185,7 +185,7 @@ def test_kv_cache_too_small_for_one_sequence_fails_at_start(tiny_model_dirs, llm
     )
     out = fits.generate([[5] * 30, [6] * 40], greedy(34))
     assert [len(o.token_ids) for o in out] == [34, 24]
-    assert fits.engine.allocator.num_used == 0
+    assert fits.engine.kv_pages_in_use == 0
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):

@@ -68,7 +68,7 @@ def test_handoff_by_gather_and_scatter_equals_colocated(engines, params):
         output = engine_d.add_prebuilt(f"r{i}", prompt, params, pages_d, first)
         rest = run_to_end(engine_d)[f"r{i}"]
         assert [first, *rest] == expected[i] and output.new_token_ids == [first]
-    assert engine_p.allocator.num_used == 0 and engine_d.allocator.num_used == 0
+    assert engine_p.kv_pages_in_use == 0 and engine_d.kv_pages_in_use == 0
 
 
 def test_handoff_over_the_tcp_transfer_layer_equals_colocated(engines):
@@ -106,7 +106,7 @@ def test_handoff_over_the_tcp_transfer_layer_equals_colocated(engines):
         record = receiver.commit(stager_d)
         engine_d.add_prebuilt("t", prompt, GREEDY, pages_d, record.first_token)
         assert [record.first_token, *run_to_end(engine_d)["t"]] == expected
-        assert engine_p.allocator.num_used == 0 and engine_d.allocator.num_used == 0
+        assert engine_p.kv_pages_in_use == 0 and engine_d.kv_pages_in_use == 0
     finally:
         client.stop()
         server.stop()
@@ -118,7 +118,7 @@ def test_prebuilt_request_needs_pages_for_its_prompt(engines):
     with pytest.raises(InvalidRequestError, match="cannot hold"):
         engine_d.add_prebuilt("short", list(range(10, 30)), GREEDY, pages, 5)
     engine_d.free_pages(pages)
-    assert engine_d.allocator.num_used == 0
+    assert engine_d.kv_pages_in_use == 0
 
 
 def test_prebuilt_request_that_ends_on_its_first_token_frees_its_pages(engines):
@@ -127,7 +127,7 @@ def test_prebuilt_request_that_ends_on_its_first_token_frees_its_pages(engines):
     one = dataclasses.replace(GREEDY, max_new_tokens=1)
     output = engine_d.add_prebuilt("one", list(range(10, 18)), one, pages, 42)
     assert output.finished and output.finish_reason == "length"
-    assert output.token_ids == [42] and engine_d.allocator.num_used == 0
+    assert output.token_ids == [42] and engine_d.kv_pages_in_use == 0
 
 
 def test_first_token_output_keeps_its_own_logprobs_after_the_next_step(engines):

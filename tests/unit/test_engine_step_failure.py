@@ -61,21 +61,21 @@ def break_next_steps(monkeypatch, engine, count: int) -> None:
 
 def test_a_failed_step_fails_its_requests_and_frees_their_pages(engine, loop, monkeypatch):
     tick(loop, generate("a", [5, 6, 7]), generate("b", [8, 9, 10, 11]))
-    assert engine.allocator.num_used > 0  # prefilled: both requests hold pages now
+    assert engine.kv_pages_in_use > 0  # prefilled: both requests hold pages now
     break_next_steps(monkeypatch, engine, 1)
     outputs = tick(loop)
     assert sorted(o.request_id for o in outputs) == ["a", "b"]
     for output in outputs:
         assert output.finished
         assert output.failure == Failure(FailureKind.INTERNAL, FailureStage.ENGINE, DEVICE_LOST)
-    assert engine.allocator.num_used == 0
+    assert engine.kv_pages_in_use == 0
     assert not engine.has_unfinished()
     outputs = tick(loop, generate("c", [5, 6, 7], 3))
     while engine.has_unfinished():
         outputs += tick(loop)
     assert outputs[-1].finished and outputs[-1].error is None
     assert outputs[-1].num_output_tokens == 3
-    assert engine.allocator.num_used == 0
+    assert engine.kv_pages_in_use == 0
 
 
 def test_a_request_admitted_in_the_failed_step_is_failed_too(engine, loop, monkeypatch):
@@ -83,7 +83,7 @@ def test_a_request_admitted_in_the_failed_step_is_failed_too(engine, loop, monke
     outputs = tick(loop, generate("fresh", [5, 6, 7]))
     assert [o.request_id for o in outputs] == ["fresh"]
     assert outputs[0].failure.kind is FailureKind.INTERNAL
-    assert engine.allocator.num_used == 0 and not engine.requests
+    assert engine.kv_pages_in_use == 0 and not engine.requests
 
 
 def test_consecutive_failures_end_the_loop(engine, loop, monkeypatch):
@@ -93,7 +93,7 @@ def test_consecutive_failures_end_the_loop(engine, loop, monkeypatch):
     with pytest.raises(RuntimeError, match="device lost"):
         tick(loop, generate("last", [5, 6]))
     engine.abort_request("last")
-    assert engine.allocator.num_used == 0
+    assert engine.kv_pages_in_use == 0
 
 
 def test_a_step_that_succeeds_resets_the_failure_count(engine, loop, monkeypatch):
@@ -143,7 +143,7 @@ def test_a_handoff_that_fails_on_a_steps_outputs_fails_their_requests(engine):
         assert output.new_token_ids == []
     # Aborted through the handoff, which ends them in the engine: nothing left, pages free.
     assert sorted(handoff.aborted) == ["a", "b"]
-    assert not engine.has_unfinished() and engine.allocator.num_used == 0
+    assert not engine.has_unfinished() and engine.kv_pages_in_use == 0
     assert loop.consecutive_failures == 1
 
 
@@ -174,9 +174,9 @@ def test_invalid_sampling_settings_are_refused_not_raised(engine, loop):
 
 def test_abort_and_shutdown_messages(engine, loop):
     tick(loop, generate("long", [5, 6, 7], 50))
-    assert engine.allocator.num_used > 0
+    assert engine.kv_pages_in_use > 0
     assert tick(loop, AbortRequest("long")) == []
-    assert not engine.has_unfinished() and engine.allocator.num_used == 0
+    assert not engine.has_unfinished() and engine.kv_pages_in_use == 0
     assert loop.running
     assert loop.tick([Shutdown("test")]) is None and not loop.running
 
@@ -200,7 +200,7 @@ def test_a_failed_overlapped_step_fails_the_step_in_flight_too(tiny_model_dirs, 
         assert output.finished and output.failure.kind is FailureKind.INTERNAL
         assert output.token_ids and all(t >= 0 for t in output.token_ids)
     assert engine.in_flight is None and not engine.has_unfinished()
-    assert engine.allocator.num_used == 0
+    assert engine.kv_pages_in_use == 0
     engine.add_request("c", [5, 6, 7], params(3))
     tokens = []
     while engine.has_unfinished():

@@ -108,7 +108,7 @@ def test_requests_flow_through_and_equal_colocated(pair):
     for i in range(3):
         assert tokens(outputs, f"d{i}") == expected[i]
         assert tokens(outputs, f"p{i}") == expected[i][:1]  # prefill's leg: the first token
-    assert prefill.engine.allocator.num_used == 0 and decode.engine.allocator.num_used == 0
+    assert prefill.engine.kv_pages_in_use == 0 and decode.engine.kv_pages_in_use == 0
 
 
 def test_decode_admits_by_free_pages_in_order(pair):
@@ -124,7 +124,7 @@ def test_decode_admits_by_free_pages_in_order(pair):
     prefill.add("pb", second, long, boot(prefill, 2))
     outputs = drive(prefill, decode, until=lambda o: finished(o, "a") and finished(o, "b"))
     assert outputs["a"][-1].error is None and outputs["b"][-1].error is None
-    assert decode.engine.allocator.num_used == 0
+    assert decode.engine.kv_pages_in_use == 0
 
 
 def test_decode_waiting_for_pages_times_out_with_a_reason(pair):
@@ -144,8 +144,8 @@ def test_aborts_free_pages_in_every_queue(pair):
     # Decode transferring (prefill never gets this room): abort frees the reservation.
     decode.add("d", prompt, GREEDY, boot(prefill, 4))
     decode.poll()
-    assert decode.engine.allocator.num_used > 0
-    assert decode.abort("d") and decode.engine.allocator.num_used == 0
+    assert decode.engine.kv_pages_in_use > 0
+    assert decode.abort("d") and decode.engine.kv_pages_in_use == 0
     # Prefill bootstrapping: nothing computed, nothing held.
     prefill.add("p", prompt, GREEDY, boot(prefill, 5))
     assert prefill.abort("p") and not prefill.bootstrapping
@@ -154,8 +154,8 @@ def test_aborts_free_pages_in_every_queue(pair):
     prefill.add("p2", prompt, GREEDY, boot(prefill, 6))
     decode.transferring.clear()  # decode stops listening (its pages stay reserved below)
     drive(prefill, decode, until=lambda _: bool(prefill.sending), deadline_s=10)
-    assert prefill.engine.allocator.num_used > 0
-    assert prefill.abort("p2") and prefill.engine.allocator.num_used == 0
+    assert prefill.engine.kv_pages_in_use > 0
+    assert prefill.abort("p2") and prefill.engine.kv_pages_in_use == 0
 
 
 def test_refused_prompt_fails_the_decode_room_at_once(pair):
@@ -167,7 +167,7 @@ def test_refused_prompt_fails_the_decode_room_at_once(pair):
     outputs = drive(prefill, decode, until=lambda o: finished(o, "d"), deadline_s=2)
     assert "prefill rejected" in outputs["d"][-1].error
     assert outputs["d"][-1].failure.kind is FailureKind.INVALID
-    assert decode.engine.allocator.num_used == 0
+    assert decode.engine.kv_pages_in_use == 0
 
 
 def test_fail_room_from_the_front_end_reaches_decode(pair):
@@ -196,7 +196,7 @@ def test_decode_refusal_fails_the_prefill_room(pair):
     decode.fail_room(FailRoom(11, "too many tokens", "127.0.0.1", prefill.bootstrap_port))
     outputs = drive(prefill, decode, until=lambda o: finished(o, "p"), deadline_s=2)
     assert "decode rejected the request: too many tokens" in outputs["p"][-1].error
-    assert prefill.engine.allocator.num_used == 0
+    assert prefill.engine.kv_pages_in_use == 0
 
 
 def test_a_bootstrap_host_outside_the_allow_list_is_refused_as_invalid(pair):
@@ -208,7 +208,7 @@ def test_a_bootstrap_host_outside_the_allow_list_is_refused_as_invalid(pair):
     # The front end then reports the refusal; still nothing is contacted.
     decode.fail_room(FailRoom(12, refused.error, "127.0.0.1", prefill.bootstrap_port))
     decode.poll()
-    assert decode.engine.allocator.num_used == 0 and not decode.client.peers
+    assert decode.engine.kv_pages_in_use == 0 and not decode.client.peers
 
 
 def test_a_refused_room_counts_as_one_failure_on_each_side(pair):
@@ -239,9 +239,9 @@ def test_an_abort_message_ends_the_request_in_the_handoff(pair):
     loop = EngineLoop(decode)
     # Pages reserved and waiting for KV that never comes (prefill never gets this room).
     assert loop.tick([generate("d", [5] * 30, GREEDY, boot(prefill, 14))]) is None
-    assert list(decode.transferring) == ["d"] and decode.engine.allocator.num_used > 0
+    assert list(decode.transferring) == ["d"] and decode.engine.kv_pages_in_use > 0
     loop.tick([AbortRequest("d")])
-    assert not decode.transferring and decode.engine.allocator.num_used == 0
+    assert not decode.transferring and decode.engine.kv_pages_in_use == 0
 
 
 def test_an_abort_message_ends_a_request_that_joined_the_decode_batch(pair):
@@ -254,7 +254,7 @@ def test_an_abort_message_ends_a_request_that_joined_the_decode_batch(pair):
     drive(prefill, decode, until=lambda o: "d" in o, messages=messages)
     assert decode.engine.has_unfinished() and not decode.transferring  # decoding now
     EngineLoop(decode).tick([AbortRequest("d")])
-    assert not decode.engine.has_unfinished() and decode.engine.allocator.num_used == 0
+    assert not decode.engine.has_unfinished() and decode.engine.kv_pages_in_use == 0
 
 
 @pytest.fixture
@@ -293,7 +293,7 @@ def test_kv_streamed_while_prefill_runs_equals_colocated(streaming_pair):
     # 41 tokens: 10 pages completed chunk by chunk (4 pieces of 2), then the rest (11th page).
     assert prefill.metrics.pieces_sent >= 3 + 4 + 2
     drive(prefill, until=lambda _: not prefill.sending, deadline_s=10)  # decode's ack lands
-    assert prefill.engine.allocator.num_used == 0 and decode.engine.allocator.num_used == 0
+    assert prefill.engine.kv_pages_in_use == 0 and decode.engine.kv_pages_in_use == 0
 
 
 def test_a_prefill_aborted_after_some_pieces_fails_decode_and_frees_both_sides(streaming_pair):
@@ -308,4 +308,4 @@ def test_a_prefill_aborted_after_some_pieces_fails_decode_and_frees_both_sides(s
     assert prefill.abort("p")
     outputs = drive(prefill, decode, until=lambda o: finished(o, "d"), deadline_s=10)
     assert "prefill request was aborted" in outputs["d"][-1].error
-    assert prefill.engine.allocator.num_used == 0 and decode.engine.allocator.num_used == 0
+    assert prefill.engine.kv_pages_in_use == 0 and decode.engine.kv_pages_in_use == 0

@@ -29,7 +29,7 @@ def test_overlapped_steps_give_the_tokens_of_plain_steps(tiny_model_dirs, pages)
     overlapped, engine, _, preemptions = run(model, graphs=True, pages=pages, overlap=True)
     assert overlapped == plain
     assert preemptions > 0 or pages == 40
-    assert engine.in_flight is None and engine.allocator.num_used == 0
+    assert engine.in_flight is None and engine.kv_pages_in_use == 0
 
 
 def engine(model_dir: str, overlap: bool) -> Engine:
@@ -71,7 +71,7 @@ def test_a_request_that_stops_emits_nothing_after_its_stop(tiny_model_dirs):
             k: ([t for o in v for t in o.new_token_ids], v[-1].finish_reason, v[-1].token_ids)
             for k, v in outputs.items()
         }
-        assert e.allocator.num_used == 0
+        assert e.kv_pages_in_use == 0
     assert results[True] == results[False]
     for new, reason, tokens in results[True].values():
         assert reason == "stop" and new == tokens and not any(map(is_placeholder, tokens))
@@ -89,7 +89,7 @@ def test_an_abort_while_a_step_is_in_flight_drops_its_token(tiny_model_dirs):
     outputs = drain(e)
     assert "a" not in outputs
     assert outputs["b"][-1].finished and len(outputs["b"][-1].token_ids) == 4
-    assert e.allocator.num_used == 0
+    assert e.kv_pages_in_use == 0
 
 
 def test_logprobs_and_penalties_step_without_overlap(tiny_model_dirs):
@@ -137,6 +137,6 @@ def test_chunked_prompts_beside_overlapped_decoding(tiny_model_dirs):
             if step > 3 and not e.has_unfinished():
                 break
         tokens[overlap] = outputs
-        assert e.allocator.num_used == 0
+        assert e.kv_pages_in_use == 0
     assert tokens[True] == tokens[False]
     assert all(len(t) == 6 for t in tokens[True].values())

@@ -47,4 +47,4 @@ def test_greedy_on_each_backend_equals_transformers(backend, two_layers, prompts
     greedy = SamplingParams(max_new_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.token_ids for o in outputs] == [hf_greedy(two_layers, p, NUM_TOKENS) for p in prompts]
-    assert llm.engine.allocator.num_used == 0
+    assert llm.engine.kv_pages_in_use == 0

@@ -54,7 +54,7 @@ def test_greedy_output_is_exactly_the_targets(algorithm, shape, drafts, referenc
     outputs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == expected
     assert all(o.spec_verify_ct > 0 for o in outputs)
-    assert llm.engine.allocator.num_used == 0
+    assert llm.engine.kv_pages_in_use == 0
 
 
 @pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE3"])
@@ -82,7 +82,7 @@ def test_chunked_prefill_and_preemption_stay_exact(algorithm, drafts, reference,
                 final[output.request_id] = output.token_ids
     assert [final[i] for i in ids] == expected
     assert preempted > 0, "the KV budget was meant to force a preemption"
-    assert engine.allocator.num_used == 0
+    assert engine.kv_pages_in_use == 0
 
 
 def page_bytes(tiny_model_dirs, algorithm, draft):
@@ -116,7 +116,7 @@ def test_pages_past_the_accepted_tokens_are_freed_every_step(tiny_model_dirs, dr
         for request in engine.scheduler.running:
             if request.draft_state is not None:
                 assert len(request.pages) == pages_needed(request.num_tokens, 4)
-    assert engine.allocator.num_used == 0
+    assert engine.kv_pages_in_use == 0
 
 
 def test_token_limits_stops_and_logprobs_match_the_target(tiny_model_dirs, drafts, reference):
@@ -157,7 +157,7 @@ def test_seeded_sampling_runs_and_reproduces(tiny_model_dirs, drafts):
     first = [o.token_ids for o in llm.generate(prompts, params)]
     again = [o.token_ids for o in llm.generate(prompts, params)]
     assert first == again and all(len(t) == 16 for t in first)
-    assert llm.engine.allocator.num_used == 0
+    assert llm.engine.kv_pages_in_use == 0
 
 
 def test_seeded_tokens_do_not_depend_on_where_a_batchs_chunks_end(tiny_model_dirs, drafts):

@@ -53,8 +53,8 @@ def test_disaggregated_speculation_is_exactly_the_targets(
         for i, want in enumerate(expected):
             assert [t for o in outputs[f"d{i}"] for t in o.new_token_ids] == want, f"prompt {i}"
             assert outputs[f"d{i}"][-1].spec_verify_ct > 0
-        assert prefill.engine.allocator.num_used == 0
-        assert decode.engine.allocator.num_used == 0
+        assert prefill.engine.kv_pages_in_use == 0
+        assert decode.engine.kv_pages_in_use == 0
         if algorithm != "NGRAM":
             assert len(prefill.transfer.stager.pools) == 2  # target and draft KV moved
     finally:
@@ -107,8 +107,8 @@ def test_the_handshake_refuses_mismatched_speculation(
         outputs = drive(prefill, decode, until=lambda o: finished(o, "d") and finished(o, "p"))
         error = outputs["d"][-1].error
         assert error is not None and field in error, error
-        assert prefill.engine.allocator.num_used == 0
-        assert decode.engine.allocator.num_used == 0
+        assert prefill.engine.kv_pages_in_use == 0
+        assert decode.engine.kv_pages_in_use == 0
     finally:
         prefill.stop()
         decode.stop()
@@ -123,7 +123,7 @@ def test_a_hook_that_returns_none_fails_the_room_not_the_worker(drafts, tiny_mod
     try:
         outputs = run_pair(prefill, decode, [[5, 6, 7, 8]])
         assert "returned None" in outputs["d0"][-1].error
-        assert decode.engine.allocator.num_used == 0
+        assert decode.engine.kv_pages_in_use == 0
     finally:
         prefill.stop()
         decode.stop()

@@ -134,7 +134,7 @@ def test_greedy_output_equals_the_torch_backend(arch, tiny_model_dirs, prompts):
     for backend in ("torch", "triton"):
         llm = LLM(tiny_model_dirs(arch), page_size=4, attention_backend=backend, **ENGINE)
         outputs[backend] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-        assert llm.engine.allocator.num_used == 0
+        assert llm.engine.kv_pages_in_use == 0
     assert outputs["triton"] == outputs["torch"]
 
 

@@ -64,7 +64,7 @@ def test_verification_over_static_inputs_is_exact(
     )
     outputs = llm.generate(prompts, _params())
     assert [o.token_ids for o in outputs] == expected
-    assert llm.engine.allocator.num_used == 0
+    assert llm.engine.kv_pages_in_use == 0
     graphs = llm.engine.runner.verify_graphs
     assert graphs.tokens_per_seq == tokens and graphs.max_bs == 12 // tokens
     runs = graphs.eager_runs + graphs.replays
@@ -121,7 +121,7 @@ def test_chains_left_on_the_device_verify_as_chains_copied_first(
         results[graphs] = llm.generate(prompts, params)
         on_device = llm.engine.speculator.steps_drafted_on_device
         assert (on_device > 0) == graphs, f"{on_device} steps drafted on the device"
-        assert llm.engine.allocator.num_used == 0
+        assert llm.engine.kv_pages_in_use == 0
     for device, host in zip(results[True], results[False], strict=True):
         assert device.token_ids == host.token_ids
         if host.logprobs is not None:
