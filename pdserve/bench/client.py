@@ -76,6 +76,9 @@ class RequestRecord:
     e2e_s: float | None = None
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    # Of those, the ones the server took from its prefix cache (its usage's
+    # prompt_tokens_details.cached_tokens; None where it does not say).
+    cached_tokens: int | None = None
     answer: str = ""  # the text received, for the next turn of a conversation
 
     @property
@@ -97,6 +100,7 @@ class RequestRecord:
             "e2e_s": self.e2e_s,
             "itl_s": self.itl_s,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "output_tokens": self.output_tokens,
             "max_tokens": self.max_tokens,
         }
@@ -209,6 +213,9 @@ class BenchClient:
         record.prompt_tokens = stream.usage.get("prompt_tokens")
         if record.prompt_tokens is None and isinstance(prompt, tuple):
             record.prompt_tokens = len(prompt)
+        details = stream.usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            record.cached_tokens = details["cached_tokens"]
         record.answer = "".join(stream.text)
         return record
 

@@ -82,6 +82,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> 
     failed = [r for r in records if not r.success]
     input_tokens = sum(r.prompt_tokens or 0 for r in done)
     output_tokens = sum(r.output_tokens for r in done)
+    reported = [r for r in done if r.cached_tokens is not None]
+    cached_tokens = sum(r.cached_tokens for r in reported) if reported else None
 
     def per_second(amount: float) -> float:
         return amount / duration_s if duration_s > 0 else 0.0
@@ -91,6 +93,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> 
         "failed": len(failed),
         "duration_s": duration_s,
         "input_tokens": input_tokens,
+        # prompt tokens served from the server's prefix cache, and what was left to compute
+        "cached_input_tokens": cached_tokens,
+        "computed_input_tokens": None if cached_tokens is None else input_tokens - cached_tokens,
         "output_tokens": output_tokens,
         "request_throughput": per_second(len(done)),
         "output_throughput": per_second(output_tokens),
@@ -123,6 +128,8 @@ def format_summary(summary: dict[str, Any], title: str) -> str:
     row("Failed requests", summary["failed"])
     row("Duration", summary["duration_s"], "s")
     row("Input tokens", summary["input_tokens"])
+    if summary.get("cached_input_tokens") is not None:
+        row("Input tokens from the prefix cache", summary["cached_input_tokens"])
     row("Output tokens", summary["output_tokens"])
     row("Request throughput", summary["request_throughput"], "req/s")
     if summary["goodput"] is not None:

@@ -201,6 +201,7 @@ class DecodeHandoff(DisaggHandoff):
                     record.first_logprob,
                     record.first_top_logprobs,
                     draft_state=state,
+                    num_cached_tokens=record.cached_tokens,
                 )
             except (InvalidRequestError, RuntimeError) as e:
                 failure = _failure(FailureKind.INTERNAL, f"could not join the batch: {e}")

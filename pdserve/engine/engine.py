@@ -274,11 +274,13 @@ class Engine:
         first_logprob: float | None = None,
         first_top_logprobs: dict[int, float] | None = None,
         draft_state=None,
+        num_cached_tokens: int = 0,
     ) -> RequestOutput:
         """Join the running batch with the prompt's KV already in `pages` (the decode side of
         a handoff) and the first token sampled elsewhere. No forward pass: the next step
         decodes from here. Returns the first token's output (it may already finish).
-        `draft_state` is the speculative algorithm's first draft input (decode side).
+        `draft_state` is the speculative algorithm's first draft input (decode side);
+        `num_cached_tokens` the prompt tokens the prefill side took from its prefix cache.
         NOTE: admission (max_running_requests, free pages) is the decode worker's job: it
         reserved these pages before the transfer started."""
         token_ids = self.validate_prompt(prompt_token_ids)
@@ -286,10 +288,15 @@ class Engine:
             raise InvalidRequestError(
                 f"{len(pages)} pages cannot hold the KV of a {len(token_ids)}-token prompt"
             )
+        if not 0 <= num_cached_tokens <= len(token_ids):
+            raise InvalidRequestError(
+                f"{num_cached_tokens} cached tokens reported for a {len(token_ids)}-token prompt"
+            )
         request = self._new_request(request_id, token_ids, params)
         request.pages = list(pages)
         request.num_computed_tokens = len(token_ids)
         request.draft_state = draft_state
+        request.num_cached_tokens = num_cached_tokens
         self.scheduler.add_running(request)
         if params.logprobs and first_logprob is not None and first_top_logprobs is None:
             first_top_logprobs = {}  # NOTE: keeps one top-N entry per token, even if empty
@@ -585,4 +592,5 @@ class Engine:
             ),
             spec_verify_ct=request.spec_verify_steps,
             spec_emitted_tokens=request.spec_emitted_tokens,
+            num_cached_tokens=request.num_cached_tokens,
         )

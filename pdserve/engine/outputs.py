@@ -43,6 +43,8 @@ class RequestOutput:
     # Speculative decoding: verify steps so far and the tokens they emitted.
     spec_verify_ct: int = 0
     spec_emitted_tokens: int = 0
+    # Prompt tokens whose KV came from the prefix cache (not computed for this request).
+    num_cached_tokens: int = 0
 
     @property
     def error(self) -> str | None:

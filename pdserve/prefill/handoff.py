@@ -251,6 +251,7 @@ class PrefillHandoff(DisaggHandoff):
             first_token=output.token_ids[0],
             first_logprob=output.logprobs[0] if output.logprobs else None,
             first_top_logprobs=dict(top) if top is not None else None,
+            cached_tokens=request.num_cached_tokens,
             # The draft's state after the prompt (speculative decoding): seeds decode's draft.
             topk_p=None if seed is None else seed.topk_p,
             topk_index=None if seed is None else seed.topk_index,

@@ -78,6 +78,8 @@ class TokenOutput:
     # Speculative decoding, cumulative: verify steps and the tokens they emitted.
     spec_verify_ct: int = 0
     spec_emitted_tokens: int = 0
+    # Prompt tokens this worker took from its prefix cache instead of computing them.
+    num_cached_tokens: int = 0
 
     @property
     def error(self) -> str | None:
@@ -113,6 +115,9 @@ class EngineStats:
     num_steps: int = 0
     step_seconds: float = 0.0
     batched_tokens: int = 0
+    # Prefix caching: pages the cache holds (in use or not), pages it evicted since start.
+    kv_pages_cached: int = 0
+    prefix_cache_evictions: int = 0
     disagg: DisaggStats | None = None
 
 

@@ -84,6 +84,17 @@ class RouterConfig:
         "a request with several prompts or n > 1 takes one prefill/decode room per (prompt, "
         "choice); requests asking for more get 400",
     )
+    cache_threshold: float = option(
+        0.5,
+        "cache_aware: send a request to the worker that has seen the longest prefix of it "
+        "when that covers more than this fraction of it (else to the emptiest index)",
+    )
+    balance_abs_threshold: int = option(
+        32, "cache_aware: loads count as imbalanced when max - min exceeds this"
+    )
+    balance_rel_threshold: float = option(
+        1.0001, "cache_aware: ... and max exceeds min times this (then: least loaded)"
+    )
 
     @property
     def colocated(self) -> bool:
@@ -113,6 +124,10 @@ class RouterConfig:
             raise ValueError("health_failure_threshold must be >= 1 and max_retries >= 0")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if not 0 <= self.cache_threshold <= 1:
+            raise ValueError(f"cache-threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
+            raise ValueError("balance-abs-threshold must be >= 0 and balance-rel-threshold >= 1")
         if self.max_rooms_per_request < 1:
             raise ValueError(
                 f"max_rooms_per_request must be >= 1, got {self.max_rooms_per_request}"

@@ -140,11 +140,17 @@ def _usage(parts: list[Part], usages: list[dict]) -> dict:
     prompt = sum(u["prompt_tokens"] for part, u in zip(parts, usages, strict=True)
                  if part.first_of_prompt)  # fmt: skip
     completion = sum(u["completion_tokens"] for u in usages)
-    return {
+    merged = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+    details = [u.get("prompt_tokens_details") for u in usages]
+    if all(isinstance(d, dict) for d in details):
+        cached = sum(d.get("cached_tokens") or 0 for part, d in zip(parts, details, strict=True)
+                     if part.first_of_prompt)  # fmt: skip
+        merged["prompt_tokens_details"] = {"cached_tokens": cached}
+    return merged
 
 
 class RoomFailed(Exception):

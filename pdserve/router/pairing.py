@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.router.policies import Policy
+from pdserve.router.prefix_index import RoutingKey
 from pdserve.router.workers import NoHealthyWorker, Worker, WorkerPool, WorkersBusy
 
 ROOM_BITS = 63
@@ -33,18 +34,20 @@ def choose_pair(
     *,
     avoid: Pair | None = None,
     max_in_flight: int = 0,
+    key: RoutingKey | None = None,
 ) -> Pair:
     """A healthy prefill and decode worker and a fresh room; a retry passes the failed pair
     as `avoid` so it lands elsewhere where another healthy worker exists. With
     `max_in_flight` > 0 only workers with fewer requests in flight than that are chosen
-    (WorkersBusy when none is left)."""
+    (WorkersBusy when none is left). `key` is the request's routing key, for cache-aware
+    policies."""
     prefill_up = available(prefill, max_in_flight)
     decode_up = available(decode, max_in_flight)
     exclude_p = [avoid.prefill] if avoid else []
     exclude_d = [avoid.decode] if avoid else []
     return Pair(
-        prefill=prefill_policy.choose(prefill_up, exclude=exclude_p),
-        decode=decode_policy.choose(decode_up, exclude=exclude_d),
+        prefill=prefill_policy.choose(prefill_up, exclude=exclude_p, key=key),
+        decode=decode_policy.choose(decode_up, exclude=exclude_d, key=key),
         room=new_room(),
     )
 

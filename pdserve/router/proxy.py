@@ -29,6 +29,7 @@ from pdserve.router.errors import LegError, error_response
 from pdserve.router.fanout import BadAnswer, StreamMerge, TooManyRooms, merge_bodies
 from pdserve.router.legs import Answer
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.prefix_index import routing_key
 from pdserve.router.relay import EventStream, Relay
 from pdserve.router.routes import PairRoute, WorkerRoute
 from pdserve.router.workers import NoHealthyWorker, WorkersBusy
@@ -155,9 +156,10 @@ class Proxy:
     ) -> Answer | Response:
         """Open room `room` on a route; retry once on a new route if that may help."""
         avoid = None
+        key = routing_key(body)
         for attempt in range(self.config.max_retries + 1):
             try:
-                route = self.route.choose(avoid)
+                route = self.route.choose(avoid, key)
             except NoHealthyWorker as e:
                 return error_response(503, str(e), "no_healthy_worker", _reply(headers))
             except WorkersBusy as e:

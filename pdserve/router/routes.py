@@ -24,8 +24,15 @@ from pdserve.router.errors import LegError
 from pdserve.router.fanout import Part, split
 from pdserve.router.legs import Answer, Legs
 from pdserve.router.pairing import Pair, available, choose_pair, with_bootstrap
-from pdserve.router.policies import make_policy
+from pdserve.router.policies import CacheAwareSettings, make_policy
+from pdserve.router.prefix_index import RoutingKey
 from pdserve.router.workers import Worker, WorkerPool
+
+
+def _settings(config: RouterConfig) -> CacheAwareSettings:
+    return CacheAwareSettings(
+        config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold
+    )
 
 
 def _timed_out() -> LegError:
@@ -40,15 +47,15 @@ class PairRoute:
         self.legs = legs
         self.prefill = prefill
         self.decode = decode
-        self.prefill_policy = make_policy(config.prefill_policy)
-        self.decode_policy = make_policy(config.decode_policy)
+        self.prefill_policy = make_policy(config.prefill_policy, cache_aware=_settings(config))
+        self.decode_policy = make_policy(config.decode_policy, cache_aware=_settings(config))
 
     def split(self, endpoint: str, body: dict) -> list[Part]:
         """One room per (prompt, choice) (`fanout.split`); raises TooManyRooms."""
         limit = self.config.max_rooms_per_request
         return split(endpoint, body, limit, 2 * self.config.max_body_bytes)
 
-    def choose(self, avoid: Pair | None) -> Pair:
+    def choose(self, avoid: Pair | None, key: RoutingKey | None = None) -> Pair:
         return choose_pair(
             self.prefill,
             self.decode,
@@ -56,6 +63,7 @@ class PairRoute:
             self.decode_policy,
             avoid=avoid,
             max_in_flight=self.config.max_requests_per_worker,
+            key=key,
         )
 
     async def open(self, pair: Pair, endpoint, body, headers, stream, deadline) -> Answer:
@@ -109,14 +117,14 @@ class WorkerRoute:
         self.config = config
         self.legs = legs
         self.workers = workers
-        self.policy = make_policy(config.policy)
+        self.policy = make_policy(config.policy, cache_aware=_settings(config))
 
     def split(self, endpoint: str, body: dict) -> list[Part]:
         return [Part(body, True)]  # NOTE: the worker splits prompt lists and n > 1 itself
 
-    def choose(self, avoid: Worker | None) -> Worker:
+    def choose(self, avoid: Worker | None, key: RoutingKey | None = None) -> Worker:
         candidates = available(self.workers, self.config.max_requests_per_worker)
-        return self.policy.choose(candidates, exclude=[avoid] if avoid else [])
+        return self.policy.choose(candidates, exclude=[avoid] if avoid else [], key=key)
 
     async def open(self, worker: Worker, endpoint, body, headers, stream, deadline) -> Answer:
         self.workers.acquire(worker)

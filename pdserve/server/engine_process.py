@@ -246,6 +246,7 @@ class EngineLoop:
 
     def _stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
+        cache = self.engine.prefix_cache
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -254,6 +255,8 @@ class EngineLoop:
             num_steps=self.num_steps,
             step_seconds=self.step_seconds,
             batched_tokens=self.batched_tokens,
+            kv_pages_cached=cache.num_pages if cache else 0,
+            prefix_cache_evictions=cache.num_evicted if cache else 0,
             disagg=self.handoff.stats(),
         )
 
@@ -335,4 +338,5 @@ def _to_wire(output: RequestOutput) -> TokenOutput:
         new_top_logprobs=top,
         spec_verify_ct=output.spec_verify_ct,
         spec_emitted_tokens=output.spec_emitted_tokens,
+        num_cached_tokens=output.num_cached_tokens,
     )

@@ -281,6 +281,7 @@ async def run_one(
                 if first:
                     metrics.time_to_first_token.observe(now - arrival)
                     metrics.prompt_tokens.inc(len(prompt_ids))
+                    metrics.cached_prompt_tokens.inc(output.num_cached_tokens)
                     first = False
                 else:
                     metrics.inter_token_latency.observe(now - last)

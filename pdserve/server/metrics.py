@@ -62,6 +62,17 @@ class ServerMetrics:
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV pages in use (0-1)")
         self.kv_pages_used = gauge("kv_cache_pages_used", "KV pages in use")
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens processed")
+        self.cached_prompt_tokens = counter(
+            "prefix_cache_hit_tokens_total",
+            "Prompt tokens taken from the prefix cache (hit rate: over prompt_tokens_total)",
+        )
+        self.kv_pages_cached = gauge(
+            "kv_cache_pages_cached", "KV pages the prefix cache holds (in use or not)"
+        )
+        self.prefix_cache_evictions = counter(
+            "prefix_cache_evicted_pages_total", "KV pages evicted from the prefix cache"
+        )
+        self._evictions_seen = 0
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated")
         self._success = counter(
             "request_success_total", "Finished requests by finish reason", ("finished_reason",)
@@ -84,6 +95,10 @@ class ServerMetrics:
 
     def observe_stats(self, stats) -> None:
         """Every stats message from the engine (counters advance by their deltas)."""
+        evictions = stats.prefix_cache_evictions
+        if evictions > self._evictions_seen:
+            self.prefix_cache_evictions.inc(evictions - self._evictions_seen)
+        self._evictions_seen = evictions
         if self.disagg is not None and stats.disagg is not None:
             self.disagg.observe(stats.disagg)
 
@@ -94,6 +109,7 @@ class ServerMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_pages_used.set(stats.kv_pages_used)
+        self.kv_pages_cached.set(stats.kv_pages_cached)
         total = stats.kv_pages_total or 1
         self.kv_cache_usage.set(stats.kv_pages_used / total)
         if self.disagg is not None and stats.disagg is not None:

@@ -149,7 +149,7 @@ def _result(job, state: dict, arrival: float) -> dict:
         "finish_reason": finish,
         "prompt_tokens": len(prompt_ids),
         "completion_tokens": state["completion_tokens"],
-        "cached_tokens": 0,
+        "cached_tokens": state["cached_tokens"],
         "e2e_latency": time.monotonic() - arrival,
     }
     if state["spec_verify_ct"]:
@@ -179,6 +179,7 @@ def _new_states(jobs) -> list[dict]:
             "top_logprobs": [],
             "spec_verify_ct": 0,
             "spec_emitted_tokens": 0,
+            "cached_tokens": 0,
         }
         for _ in jobs
     ]
@@ -190,6 +191,7 @@ def _update(state: dict, output, new_text: str) -> None:
     state["completion_tokens"] = output.num_output_tokens
     state["spec_verify_ct"] = output.spec_verify_ct
     state["spec_emitted_tokens"] = output.spec_emitted_tokens
+    state["cached_tokens"] = output.num_cached_tokens
     if output.new_logprobs is not None:
         state["logprobs"] = (state["logprobs"] or []) + list(output.new_logprobs)
         state["top_logprobs"].extend(output.new_top_logprobs or [[]] * len(output.new_token_ids))

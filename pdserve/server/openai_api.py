@@ -261,11 +261,14 @@ class _View:
         }
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage block; `prompt_tokens_details.cached_tokens` are the prompt tokens
+    served from the prefix cache, as OpenAI and vLLM report them."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -310,7 +313,10 @@ async def _collect(state, jobs, view: _View, bootstrap) -> dict:
         if last.stop_reason is not None:
             choice["stop_reason"] = last.stop_reason
         choices.append(choice)
-    return view.envelope(False, choices, _usage(prompt_tokens, completion_tokens))
+    cached = sum(
+        outs[-1].num_cached_tokens for i, outs in enumerate(outputs) if _is_first_choice(jobs, i)
+    )
+    return view.envelope(False, choices, _usage(prompt_tokens, completion_tokens, cached))
 
 
 def _is_first_choice(jobs, index: int) -> bool:
@@ -324,6 +330,7 @@ async def _stream(state, jobs, view: _View, include_usage: bool, bootstrap) -> A
 
     text_length = [0] * len(jobs)
     completion_tokens = [0] * len(jobs)
+    cached_tokens = [0] * len(jobs)
     # NOTE: chat's role chunk goes out with the first output, not before: a stream whose
     # first event is an error has sent nothing yet, so the router may still retry it.
     roles_sent = not view.chat
@@ -336,6 +343,7 @@ async def _stream(state, jobs, view: _View, include_usage: bool, bootstrap) -> A
                     choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
                     yield event(view.envelope(True, [choice]))
             completion_tokens[index] = output.num_output_tokens
+            cached_tokens[index] = output.num_cached_tokens
             if not (new_text or output.finished or (view.logprobs and output.new_token_ids)):
                 continue
             choice: dict[str, Any] = {
@@ -355,7 +363,9 @@ async def _stream(state, jobs, view: _View, include_usage: bool, bootstrap) -> A
             prompt_tokens = sum(
                 len(ids) for i, (_, ids, _) in enumerate(jobs) if _is_first_choice(jobs, i)
             )
-            yield event(view.envelope(True, [], _usage(prompt_tokens, sum(completion_tokens))))
+            cached = sum(c for i, c in enumerate(cached_tokens) if _is_first_choice(jobs, i))
+            usage = _usage(prompt_tokens, sum(completion_tokens), cached)
+            yield event(view.envelope(True, [], usage))
     except APIError as e:
         yield e.sse()
     yield "data: [DONE]\n\n"

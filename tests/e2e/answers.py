@@ -9,14 +9,28 @@ FLOAT_TOLERANCE = 1e-5
 
 def normalized(body):
     """A response body (or one streamed event) without what differs between any two answers:
-    ids, creation times, latencies."""
+    ids, creation times, latencies, and how many prompt tokens came from a worker's prefix
+    cache (that depends on what the worker served before, not on the answer)."""
     if isinstance(body, list):  # /generate with several prompts
         return [normalized(item) for item in body]
     body = {k: v for k, v in body.items() if k not in ("id", "created")}
     if "meta_info" in body:
         meta = body["meta_info"]
-        body["meta_info"] = {k: v for k, v in meta.items() if k not in ("id", "e2e_latency")}
+        dropped = ("id", "e2e_latency", "cached_tokens")
+        body["meta_info"] = {k: v for k, v in meta.items() if k not in dropped}
+    if isinstance(body.get("usage"), dict):
+        body["usage"] = without_cached_tokens(body["usage"])
     return body
+
+
+def without_cached_tokens(usage: dict) -> dict:
+    """An OpenAI usage block without `prompt_tokens_details` (checked to be well formed)."""
+    usage = dict(usage)
+    details = usage.pop("prompt_tokens_details", None)
+    if details is not None:
+        cached = details["cached_tokens"]
+        assert isinstance(cached, int) and 0 <= cached <= usage["prompt_tokens"], details
+    return usage
 
 
 def openai_stream(events: list[dict]) -> dict:

@@ -254,6 +254,23 @@ def test_a_wrong_type_is_the_same_400_through_the_router(deployments, path, body
     assert "leg_failures_total{" not in cluster.router.get("/metrics").text
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens_colocated_and_disaggregated(deployments):
+    """The second request of a prompt reads its full pages from the prefix cache (of the
+    colocated worker; of the prefill worker, which reports them to decode in the metadata
+    record), and the usage block says how many tokens that was, as OpenAI and vLLM do."""
+    reference, cluster = deployments["plain"]
+    body = {"prompt": list(range(100, 141)), "max_tokens": 2, "temperature": 0}
+    hits_before = reference.metric("prefix_cache_hit_tokens_total")
+    for base in (reference.url, cluster.router.url):
+        usages = [
+            httpx.post(base + COMPLETIONS, json=body, timeout=120).json()["usage"] for _ in "12"
+        ]
+        # 41 tokens: two full pages of 16 are cached, the last page is computed again
+        assert [u["prompt_tokens_details"]["cached_tokens"] for u in usages] == [0, 32], base
+    assert reference.metric("prefix_cache_hit_tokens_total") == hits_before + 32
+    assert reference.metric("kv_cache_pages_cached") >= 2
+
+
 def test_every_page_is_free_afterwards(deployments):
     for _, cluster in deployments.values():
         cluster.wait_all_free()

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from pdserve.bench.client import BenchClient, ClientSettings
-from pdserve.bench.metrics import SLO, summarize
+from pdserve.bench.metrics import SLO, format_summary, summarize
 from pdserve.bench.runner import Load, run_load
 from pdserve.bench.workloads import Conversation, Turn
 
@@ -99,6 +99,19 @@ def test_completion_stream_times_each_chunk():
     assert record.e2e_s == pytest.approx(0.50)
     assert record.tpot_s == pytest.approx((0.50 - 0.25) / 2)
     assert (record.output_tokens, record.prompt_tokens, record.answer) == (3, 5, "abc")
+    assert record.cached_tokens is None  # the usage did not say
+
+
+def test_cached_prompt_tokens_come_from_the_usage_details():
+    clock = FakeClock()
+    cached = usage(5, 1)
+    cached["usage"]["prompt_tokens_details"] = {"cached_tokens": 4}
+    script = [(0.25, text_chunk("a", finish="length")), (0.3, cached), (0.4, DONE)]
+    record = send(scripted(script, clock), ONE, clock=clock)
+    assert (record.prompt_tokens, record.cached_tokens) == (5, 4)
+    summary = summarize([record], 1.0, SLO())
+    assert (summary["cached_input_tokens"], summary["computed_input_tokens"]) == (4, 1)
+    assert "Input tokens from the prefix cache" in format_summary(summary, "t")
 
 
 def test_chat_stream_ignores_the_role_chunk_and_counts_chunks_without_usage():

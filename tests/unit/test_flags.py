@@ -41,6 +41,7 @@ SAMPLES = {
             "cuda_graph_max_bs": 16,
             "disable_cuda_graph": True,
             "disable_overlap_schedule": True,
+            "disable_prefix_caching": True,
         },
     ),
     SpecSettings: (
@@ -77,6 +78,9 @@ SAMPLES = {
             "max_body_bytes": 4096,
             "max_requests_per_worker": 4,
             "max_rooms_per_request": 8,
+            "cache_threshold": 0.7,
+            "balance_abs_threshold": 8,
+            "balance_rel_threshold": 1.5,
         },
     ),
     HttpSettings: (

@@ -204,3 +204,17 @@ def test_a_prefill_engine_reuses_its_cache_and_the_handoff_stays_exact(model):
         assert [first, *run_to_end(engine_d)[f"p{i}"]] == expected[i]
     assert engine_p.kv_pages_in_use == 0 and engine_d.kv_pages_in_use == 0
     assert engine_p.prefix_cache.num_pages == 5  # the stem's 3 pages and each prompt's 4th
+
+
+def test_overlap_scheduling_caches_what_its_steps_computed(model):
+    """With overlap scheduling a request's newest token is a placeholder until its step
+    lands: pages are cached up to the tokens the host knows, and found again."""
+    cached = _llm(model)
+    cached.engine.overlap = True  # on CPU only the bookkeeping overlaps, which is what counts
+    reference = _llm(model, disable_prefix_caching=True)
+    prompts = _prompts_sharing_prefixes(reference.engine.model_config.vocab_size)
+    expected = [r.output_token_ids for r in _run(reference.engine, prompts)]
+    got = [_run(cached.engine, [p], prefix=f"o{i}-")[0] for i, p in enumerate(prompts)]
+    assert [r.output_token_ids for r in got] == expected
+    assert [r.num_cached_tokens for r in got] == [0, 4, 8, 36, 36, 4, 20, 0]
+    assert cached.engine.in_flight is None and cached.engine.kv_pages_in_use == 0

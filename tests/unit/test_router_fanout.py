@@ -141,6 +141,21 @@ def test_a_prompt_list_with_n_merges_into_one_answer_in_colocated_order():
     assert fakes.posts.count("prefill") == fakes.posts.count("decode") == 4
 
 
+def test_cached_prompt_tokens_count_once_per_prompt_like_its_prompt_tokens():
+    async def decode(body):
+        answer = _completion(body)
+        # as a worker reports it: the prompt's length in tokens served from the cache
+        answer["usage"]["prompt_tokens_details"] = {"cached_tokens": len(body["prompt"]) - 1}
+        return httpx.Response(200, json=answer)
+
+    fakes = FakeWorkers(decode=decode)
+    body = {"prompt": ["aaaa", "bb"], "n": 3, "max_tokens": 2}
+    with _router(fakes) as client:
+        answer = client.post("/v1/completions", json=body).json()
+    assert answer["usage"]["prompt_tokens"] == 6
+    assert answer["usage"]["prompt_tokens_details"] == {"cached_tokens": 3 + 1}
+
+
 def test_merged_streams_share_one_id_renumber_choices_and_end_once():
     fakes = FakeWorkers(decode=_decode)
     body = {

@@ -1,0 +1,169 @@
+"""Prefix caching on multi-turn chat: the cache off and on, round robin and cache-aware routing.
+
+Workload (`pdserve bench --workload multi-turn`, chat, streamed): --conversations
+conversations of --turns turns, all at once; every system prompt starts with the same
+--shared-words words (a shared system prompt), then --own-words of the conversation's own;
+each user turn adds U[--turn-words] words, each answer U[--output-len] tokens (EOS ignored).
+Turn n + 1's messages are turn n's plus the answer it got plus a new user message, so a
+worker that kept turn n's KV computes only what is new.
+
+Deployments, one after the other on this machine (each worker's memory is a share of the GPU):
+- `single-off`: one `pdserve serve --disable-prefix-caching`;
+- `single-on`: one `pdserve serve` (prefix caching on, the default);
+- `replicas-rr`: two `pdserve serve` behind `pdserve router --policy round_robin`;
+- `replicas-cache-aware`: the same behind `pdserve router --policy cache_aware`.
+
+Per deployment: TTFT (median, P99), prompt tokens sent, the ones the workers took from their
+caches (usage.prompt_tokens_details.cached_tokens) and so the ones computed, throughput.
+
+    python benchmarks/multiturn.py --preset llama-3.2-1b --out multiturn.json
+    python benchmarks/multiturn.py --smoke   # the tiny model on CPU, a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pdserve.server.local_process import LocalServer
+
+START_S = 600.0
+DEPLOYMENTS = ("single-off", "single-on", "replicas-rr", "replicas-cache-aware")
+WORKLOAD_FIELDS = (
+    "max_concurrency",
+    "conversations",
+    "turns",
+    "shared_words",
+    "own_words",
+    "turn_words",
+    "output_len",
+)
+
+
+def _serve(model: str, args, extra: list[str], share: float, logs: Path, name: str):
+    flags = ["serve", "--model-path", model, "--device", args.device, *extra]
+    if args.device != "cpu":
+        flags += ["--gpu-memory-utilization", f"{share:.3f}"]
+    if args.max_model_len:
+        flags += ["--max-model-len", str(args.max_model_len)]
+    return LocalServer(flags, log_path=str(logs / f"{name}.log"))
+
+
+def _start(name: str, model: str, args, logs: Path) -> tuple[str, list[LocalServer]]:
+    """The deployment's URL and its processes (healthy)."""
+    share = args.gpu_share
+    if name.startswith("single"):
+        extra = ["--disable-prefix-caching"] if name == "single-off" else []
+        server = _serve(model, args, extra, share, logs, name)
+        return server.wait_healthy(START_S).url, [server]
+    workers = [_serve(model, args, [], share / 2, logs, f"{name}-{i}") for i in range(2)]
+    for worker in workers:
+        worker.wait_healthy(START_S)
+    policy = "cache_aware" if name == "replicas-cache-aware" else "round_robin"
+    router = LocalServer(
+        ["router", "--worker-urls", *[w.url for w in workers], "--policy", policy],
+        log_path=str(logs / f"{name}-router.log"),
+    )
+    return router.wait_healthy(START_S).url, [*workers, router]
+
+
+def _bench(url: str, args, out: Path) -> dict:
+    command = [
+        sys.executable, "-m", "pdserve.cli", "bench", "--base-url", url,
+        "--workload", "multi-turn", "--endpoint", "chat",
+        "--num-prompts", str(args.conversations), "--num-turns", str(args.turns),
+        "--shared-prefix-len", str(args.shared_words), "--system-prompt-len", str(args.own_words),
+        "--input-len", args.turn_words, "--output-len", args.output_len,
+        "--warmup-requests", "0", "--disable-tqdm", "--result-json", str(out),
+    ]  # fmt: skip
+    if args.max_concurrency:
+        command += ["--max-concurrency", str(args.max_concurrency)]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def _row(name: str, result: dict, seconds: float) -> dict:
+    run = result["runs"][0]
+    summary, ttft = run["summary"], run["summary"]["ttft_ms"]
+    later = sorted(r["ttft_s"] for r in run["requests"] if r["success"] and r["turn"] > 0)
+    return {
+        "deployment": name,
+        "completed": summary["completed"],
+        "failed": summary["failed"],
+        "ttft_median_ms": ttft.get("median"),
+        "ttft_p99_ms": ttft.get("p99"),
+        # turns after the first: the ones whose conversation's earlier KV can be cached
+        "later_turns_ttft_median_ms": 1e3 * later[len(later) // 2] if later else None,
+        "input_tokens": summary["input_tokens"],
+        "cached_input_tokens": summary["cached_input_tokens"],
+        "computed_input_tokens": summary["computed_input_tokens"],
+        "output_throughput": summary["output_throughput"],
+        "duration_s": summary["duration_s"],
+        "elapsed_s": seconds,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--preset", default="llama-3.2-1b", help="random weights, real config")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, CPU, a small workload")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS), choices=DEPLOYMENTS)
+    parser.add_argument("--conversations", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--shared-words", type=int, default=1000)
+    parser.add_argument("--own-words", type=int, default=24)
+    parser.add_argument("--turn-words", default="100:300")
+    parser.add_argument("--output-len", default="128:256")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight")
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--gpu-share", type=float, default=0.8, help="of GPU memory, all workers")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="pdserve-multiturn-"))
+    if args.smoke:
+        from pdserve.engine.tiny_model import default_model_dir
+
+        model = str(default_model_dir())
+        args.device, args.conversations, args.turns = "cpu", 4, 3
+        args.shared_words, args.turn_words, args.output_len = 40, "8:16", "4:8"
+        args.max_model_len = 1024
+    elif args.model_path:
+        model = args.model_path
+    else:
+        from pdserve.engine.random_model import make_random_model
+
+        model = str(make_random_model(scratch / "model", args.preset))
+    logs = scratch / "logs"
+    logs.mkdir()
+    rows = []
+    for name in args.deployments:
+        started = time.perf_counter()
+        url, processes = _start(name, model, args, logs)
+        try:
+            result = _bench(url, args, scratch / f"{name}.json")
+        finally:
+            for process in reversed(processes):
+                process.stop()
+        rows.append(_row(name, result, time.perf_counter() - started))
+        print(json.dumps(rows[-1]), flush=True)
+    report = {
+        "model": args.model_path or ("tiny" if args.smoke else f"random {args.preset}"),
+        "workload": {k: getattr(args, k) for k in WORKLOAD_FIELDS},
+        "results": rows,
+        "logs": str(logs),
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""What the router remembers of each worker's prefix cache, for cache-aware routing. Torch-free.
+
+A request's routing key (its text, or its token ids: `routing_key`) is cut into blocks, and
+each block is named by a hash of every block up to it, so a block's name stands for the whole
+prefix that ends with it: a path in a prefix tree, as sglang-router keeps one per worker,
+without the tree. A worker's index holds the names of the prefixes sent to it, least recently
+used first out once it holds `capacity` of them; a key's match on a worker is how many of its
+leading blocks the worker has seen. It is an approximation of the worker's real cache (which
+evicts on its own), good enough to send a conversation's next turn where its last one went.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+RoutingKey = str | tuple[int, ...]
+
+TEXT_BLOCK = 32  # characters per block of a text key
+TOKEN_BLOCK = 8  # token ids per block of a token key
+
+
+def block_names(key: RoutingKey) -> list[int]:
+    """One name per full block of `key`, each a hash of the blocks up to it."""
+    size = TEXT_BLOCK if isinstance(key, str) else TOKEN_BLOCK
+    names, previous = [], 0
+    for start in range(0, len(key) - size + 1, size):
+        previous = hash((previous, key[start : start + size]))
+        names.append(previous)
+    return names
+
+
+def block_units(key: RoutingKey) -> int:
+    """Characters or token ids per block of this kind of key."""
+    return TEXT_BLOCK if isinstance(key, str) else TOKEN_BLOCK
+
+
+class PrefixIndex:
+    """The prefixes one worker was sent, by block name, least recently used first."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"a prefix index needs a capacity of at least 1, got {capacity}")
+        self.capacity = capacity
+        self._names: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def match(self, names: Sequence[int]) -> int:
+        """How many of the leading `names` this worker has seen."""
+        count = 0
+        for name in names:
+            if name not in self._names:
+                break
+            count += 1
+        return count
+
+    def insert(self, names: Sequence[int]) -> None:
+        """Remember `names` as the most recently used; the oldest go past `capacity`."""
+        # NOTE: longest prefix first, so a key's shorter prefixes end up the most recent and
+        # its longest ones leave first, as a tree's leaves would.
+        for name in reversed(names):
+            self._names[name] = None
+            self._names.move_to_end(name)
+        while len(self._names) > self.capacity:
+            self._names.popitem(last=False)
+
+
+def routing_key(body: dict) -> RoutingKey | None:
+    """The part of a request that decides which cache can serve it: a chat's messages (role
+    and text, in order), a completion's prompt, a /generate's text or input ids. None where
+    there is nothing to go by (a cache-aware policy then balances load alone)."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return "".join(_message_text(m) for m in messages) or None
+    for field in ("prompt", "text", "input_ids"):
+        value = body.get(field)
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]  # one prompt in a list
+        if isinstance(value, str):
+            return value or None
+        if isinstance(value, list) and value and all(type(v) is int for v in value):
+            return tuple(value)
+    return None
+
+
+def _message_text(message) -> str:
+    if not isinstance(message, dict):
+        return ""
+    content = message.get("content")
+    if isinstance(content, list):  # OpenAI content parts: keep the text ones
+        content = "".join(
+            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+        )
+    if not isinstance(content, str):
+        content = ""
+    return f"<{message.get('role')}>{content}"
