@@ -14,7 +14,8 @@ Deployments, one after the other on this machine (each worker's memory is a shar
 - `replicas-cache-aware`: the same behind `pdserve router --policy cache_aware`.
 
 Per deployment: TTFT (median, P99), prompt tokens sent, the ones the workers took from their
-caches (usage.prompt_tokens_details.cached_tokens) and so the ones computed, throughput.
+caches (usage.prompt_tokens_details.cached_tokens) and so the ones computed, throughput, and
+the workers' own mean TTFT (their /metrics: from a request's arrival at the worker).
 
     python benchmarks/multiturn.py --preset llama-3.2-1b --out multiturn.json
     python benchmarks/multiturn.py --smoke   # the tiny model on CPU, a minute
@@ -29,6 +30,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import httpx
 
 from pdserve.server.local_process import LocalServer
 
@@ -80,11 +83,28 @@ def _bench(url: str, args, out: Path) -> dict:
         "--shared-prefix-len", str(args.shared_words), "--system-prompt-len", str(args.own_words),
         "--input-len", args.turn_words, "--output-len", args.output_len,
         "--warmup-requests", "0", "--disable-tqdm", "--result-json", str(out),
+        # NOTE: a chunk per token, text or not: random weights sample many ids the tiny
+        # tokenizer decodes to nothing, and a first chunk of text would come tokens late.
+        "--logprobs", "0",
     ]  # fmt: skip
     if args.max_concurrency:
         command += ["--max-concurrency", str(args.max_concurrency)]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
+
+
+def _server_ttft_ms(workers: list[LocalServer]) -> float | None:
+    """The workers' own mean TTFT (from a request's arrival at the worker to its first
+    token, `pdserve:time_to_first_token_seconds`): beside the client's, it tells the time
+    spent in the worker from the time spent on the way."""
+    total = count = 0.0
+    for worker in workers:
+        for line in httpx.get(worker.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("pdserve:time_to_first_token_seconds_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("pdserve:time_to_first_token_seconds_count"):
+                count += float(line.rsplit(" ", 1)[1])
+    return 1e3 * total / count if count else None
 
 
 def _row(name: str, result: dict, seconds: float) -> dict:
@@ -148,10 +168,13 @@ def main() -> None:
         url, processes = _start(name, model, args, logs)
         try:
             result = _bench(url, args, scratch / f"{name}.json")
+            workers = processes[:1] if len(processes) == 1 else processes[:-1]
+            server_ttft = _server_ttft_ms(workers)
         finally:
             for process in reversed(processes):
                 process.stop()
         rows.append(_row(name, result, time.perf_counter() - started))
+        rows[-1]["worker_ttft_mean_ms"] = server_ttft
         print(json.dumps(rows[-1]), flush=True)
     report = {
         "model": args.model_path or ("tiny" if args.smoke else f"random {args.preset}"),
