@@ -18,13 +18,17 @@ RoutingKey = str | tuple[int, ...]
 
 TEXT_BLOCK = 32  # characters per block of a text key
 TOKEN_BLOCK = 8  # token ids per block of a token key
+# Blocks of a key that count: its first 32k characters or 8k token ids. A conversation grows
+# at its end, so its beginning tells workers apart; and a huge body costs the router's event
+# loop no more hashing than this.
+MAX_BLOCKS = 1024
 
 
 def block_names(key: RoutingKey) -> list[int]:
     """One name per full block of `key`, each a hash of the blocks up to it."""
     size = TEXT_BLOCK if isinstance(key, str) else TOKEN_BLOCK
     names, previous = [], 0
-    for start in range(0, len(key) - size + 1, size):
+    for start in range(0, min(len(key), MAX_BLOCKS * size) - size + 1, size):
         previous = hash((previous, key[start : start + size]))
         names.append(previous)
     return names

@@ -11,7 +11,13 @@ from fastapi.testclient import TestClient
 from pdserve.router.app import build_router_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import CacheAware, CacheAwareSettings
-from pdserve.router.prefix_index import TEXT_BLOCK, PrefixIndex, block_names, routing_key
+from pdserve.router.prefix_index import (
+    MAX_BLOCKS,
+    TEXT_BLOCK,
+    PrefixIndex,
+    block_names,
+    routing_key,
+)
 from pdserve.router.workers import Role, Worker
 
 
@@ -40,6 +46,7 @@ def test_block_names_stand_for_whole_prefixes():
     assert len(a) == len(b) == 2
     assert a[1] != b[1], "the same block after different prefixes is another prefix"
     assert block_names((1, 2, 3)) == []  # shorter than a block
+    assert len(block_names("x" * (TEXT_BLOCK * MAX_BLOCKS * 4))) == MAX_BLOCKS  # a huge body
 
 
 def test_an_index_forgets_long_prefixes_first():
