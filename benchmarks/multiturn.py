@@ -36,6 +36,7 @@ import httpx
 from pdserve.server.local_process import LocalServer
 
 START_S = 600.0
+BENCH_S = 3600.0  # one deployment's whole benchmark run
 DEPLOYMENTS = ("single-off", "single-on", "replicas-rr", "replicas-cache-aware")
 WORKLOAD_FIELDS = (
     "max_concurrency",
@@ -57,22 +58,37 @@ def _serve(model: str, args, extra: list[str], share: float, logs: Path, name: s
     return LocalServer(flags, log_path=str(logs / f"{name}.log"))
 
 
-def _start(name: str, model: str, args, logs: Path) -> tuple[str, list[LocalServer]]:
-    """The deployment's URL and its processes (healthy)."""
+def _start(name: str, model: str, args, logs: Path) -> tuple[list[LocalServer], LocalServer]:
+    """The deployment's workers and the process clients talk to (a router in front of
+    several workers, else the worker), all healthy; what started is stopped on a failure."""
     share = args.gpu_share
     if name.startswith("single"):
         extra = ["--disable-prefix-caching"] if name == "single-off" else []
-        server = _serve(model, args, extra, share, logs, name)
-        return server.wait_healthy(START_S).url, [server]
-    workers = [_serve(model, args, [], share / 2, logs, f"{name}-{i}") for i in range(2)]
-    for worker in workers:
-        worker.wait_healthy(START_S)
-    policy = "cache_aware" if name == "replicas-cache-aware" else "round_robin"
-    router = LocalServer(
-        ["router", "--worker-urls", *[w.url for w in workers], "--policy", policy],
-        log_path=str(logs / f"{name}-router.log"),
-    )
-    return router.wait_healthy(START_S).url, [*workers, router]
+        workers = [_serve(model, args, extra, share, logs, name)]
+    else:
+        workers = [_serve(model, args, [], share / 2, logs, f"{name}-{i}") for i in range(2)]
+    started = list(workers)
+    try:
+        for worker in workers:
+            worker.wait_healthy(START_S)
+        if len(workers) == 1:
+            return workers, workers[0]
+        policy = "cache_aware" if name == "replicas-cache-aware" else "round_robin"
+        router = LocalServer(
+            ["router", "--worker-urls", *[w.url for w in workers], "--policy", policy],
+            log_path=str(logs / f"{name}-router.log"),
+        )
+        started.append(router)
+        return workers, router.wait_healthy(START_S)
+    except BaseException:
+        _stop(started)
+        raise
+
+
+def _stop(processes: list[LocalServer]) -> None:
+    """Front first, then the workers."""
+    for process in reversed(processes):
+        process.stop()
 
 
 def _bench(url: str, args, out: Path) -> dict:
@@ -89,7 +105,7 @@ def _bench(url: str, args, out: Path) -> dict:
     ]  # fmt: skip
     if args.max_concurrency:
         command += ["--max-concurrency", str(args.max_concurrency)]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, timeout=BENCH_S)
     return json.loads(out.read_text())
 
 
@@ -107,7 +123,7 @@ def _server_ttft_ms(workers: list[LocalServer]) -> float | None:
     return 1e3 * total / count if count else None
 
 
-def _row(name: str, result: dict, seconds: float) -> dict:
+def _row(name: str, result: dict, seconds: float, worker_ttft_ms: float | None) -> dict:
     run = result["runs"][0]
     summary, ttft = run["summary"], run["summary"]["ttft_ms"]
     later = sorted(r["ttft_s"] for r in run["requests"] if r["success"] and r["turn"] > 0)
@@ -125,6 +141,7 @@ def _row(name: str, result: dict, seconds: float) -> dict:
         "output_throughput": summary["output_throughput"],
         "duration_s": summary["duration_s"],
         "elapsed_s": seconds,
+        "worker_ttft_mean_ms": worker_ttft_ms,
     }
 
 
@@ -165,16 +182,13 @@ def main() -> None:
     rows = []
     for name in args.deployments:
         started = time.perf_counter()
-        url, processes = _start(name, model, args, logs)
+        workers, front = _start(name, model, args, logs)
         try:
-            result = _bench(url, args, scratch / f"{name}.json")
-            workers = processes[:1] if len(processes) == 1 else processes[:-1]
-            server_ttft = _server_ttft_ms(workers)
+            result = _bench(front.url, args, scratch / f"{name}.json")
+            worker_ttft = _server_ttft_ms(workers)
         finally:
-            for process in reversed(processes):
-                process.stop()
-        rows.append(_row(name, result, time.perf_counter() - started))
-        rows[-1]["worker_ttft_mean_ms"] = server_ttft
+            _stop(workers if front in workers else [*workers, front])
+        rows.append(_row(name, result, time.perf_counter() - started, worker_ttft))
         print(json.dumps(rows[-1]), flush=True)
     report = {
         "model": args.model_path or ("tiny" if args.smoke else f"random {args.preset}"),
