@@ -1,14 +1,19 @@
 """How much of a long prompt's KV handoff hides behind its prefill: for one prompt, the time
 from the start of its prefill to the decode worker's commit, against the prefill alone.
 
-Both handoffs run in this process on one device (`drive` turns both workers' engine loops, as
-`pdserve prefill` and `pdserve decode` would), so the figure is the handoff's own cost: the
-prefill alone is the same engine settings' time to the first token of the same prompt. Each
-setting is measured with the KV sent whole after the prefill (`--transfer-piece-bytes 0`) and
-streamed while the prompt is computed (pieces of `--piece-bytes`), at each prefill chunk size.
+Both workers' engine loops are turned here, as `pdserve prefill` and `pdserve decode` would turn
+them, so the figure is the handoff's own cost: the prefill alone is the same engine settings'
+time to the first token of the same prompt. By default both run in this process on one device;
+with `--decode-device` the decode worker runs in a process of its own on that device (nccl needs
+it: prefill on cuda:0, decode on cuda:1), and its commit is read from the host's monotonic
+clock, which both processes share. Each setting is measured with the KV sent whole after the
+prefill (`--transfer-piece-bytes 0`) and streamed while the prompt is computed (pieces of
+`--piece-bytes`), at each prefill chunk size.
 
     python benchmarks/handoff_overlap.py --preset llama-3.1-8b --prompt-len 8192 \
         --chunk-sizes 2048 8192 --backend tcp
+    NCCL_NVLS_ENABLE=0 python benchmarks/handoff_overlap.py --preset llama-3.1-8b \
+        --prompt-len 8192 --chunk-sizes 2048 8192 --backend nccl --decode-device cuda:1
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import multiprocessing
 import statistics
 import sys
 import tempfile
@@ -51,34 +57,144 @@ def prefill_alone(llm: LLM, prompt: list[int]) -> float:
     return time.perf_counter() - started
 
 
-def handoff(prefill: PrefillHandoff, decode: DecodeHandoff, prompt: list[int], room: int):
+class LocalDecode:
+    """The decode worker's loop turned in this process."""
+
+    def __init__(self, decode: DecodeHandoff):
+        self.handoff = decode
+        self.loop = EngineLoop(decode)
+        self.committed_at: float | None = None
+
+    def start(self, request: GenerateRequest) -> None:
+        self.committed_at = None
+        self.loop.tick([request])
+
+    def turn(self) -> float | None:
+        """One tick; the clock at the commit of the room's first token, once it happened."""
+        sent = self.loop.tick([])
+        for output in sent.outputs if sent is not None else []:
+            if output.error:
+                raise RuntimeError(f"{output.request_id}: {output.error}")
+            if self.committed_at is None:
+                sync()
+                self.committed_at = time.perf_counter()
+        return self.committed_at
+
+    def stop(self) -> None:
+        self.handoff.stop()
+
+
+def decode_process(conn, model: str, engine: dict) -> None:
+    """A decode worker on a device of its own. Commands from `conn`: ("config", TransferConfig)
+    starts a handoff with it (stopping the last); ("run", request) hands it a request and
+    answers with the clock at its commit (or the error); ("stop", None) ends."""
+    if engine["device"].startswith("cuda"):
+        torch.cuda.set_device(torch.device(engine["device"]))
+    llm = LLM(model, **engine)
+    decode = None
+    conn.send(("ready", None))
+    waiting = False
+    try:
+        while True:
+            if conn.poll(0 if waiting or decode is not None else 0.01):
+                command, value = conn.recv()
+                if command == "stop":
+                    return
+                if command == "config":
+                    if decode is not None:
+                        decode.stop()
+                    decode = LocalDecode(DecodeHandoff(llm.engine, value))
+                    conn.send(("ready", None))
+                    continue
+                decode.start(value)
+                waiting = True
+            if decode is None:
+                continue
+            try:
+                committed_at = decode.turn()
+            except RuntimeError as exc:
+                conn.send(("error", str(exc)))
+                waiting = False
+                continue
+            if waiting and committed_at is not None:
+                conn.send(("committed", committed_at))
+                waiting = False
+    finally:
+        if decode is not None:
+            decode.stop()
+
+
+class RemoteDecode:
+    """The decode worker in a child process (decode_process), as a second GPU's worker; its
+    model is loaded once, a handoff is started per transfer setting (`use`)."""
+
+    def __init__(self, model: str, engine: dict):
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(
+            target=decode_process, args=(child, model, engine), daemon=True
+        )
+        self.process.start()
+        self.committed_at: float | None = None
+        self._expect("ready", timeout=600)
+
+    def _expect(self, kind: str, timeout: float):
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"the decode process sent no {kind!r} within {timeout:.0f} s")
+        got, value = self.conn.recv()
+        if got != kind:
+            raise RuntimeError(f"the decode process: {got}: {value}")
+        return value
+
+    def use(self, config: TransferConfig) -> RemoteDecode:
+        self.conn.send(("config", config))
+        self._expect("ready", timeout=60)
+        return self
+
+    def start(self, request: GenerateRequest) -> None:
+        self.committed_at = None
+        self.conn.send(("run", request))
+
+    def turn(self) -> float | None:
+        if self.committed_at is None and self.conn.poll(0):
+            self.committed_at = self._expect("committed", timeout=0)
+        return self.committed_at
+
+    def stop(self) -> None:
+        """The handoff's end is the next `use` (or `close`)."""
+
+    def close(self) -> None:
+        self.conn.send(("stop", None))
+        self.process.join(timeout=60)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+def handoff(prefill: PrefillHandoff, decode: LocalDecode | RemoteDecode, prompt, room) -> float:
     """Seconds from handing the prompt to the prefill loop (decode's pages already reserved,
     prefill already asked) to the decode loop reporting the committed first token."""
     body = dataclasses.asdict(FIRST)
     boot = Bootstrap("127.0.0.1", prefill.bootstrap_port, room)
-    loops = {"p": EngineLoop(prefill), "d": EngineLoop(decode)}
-    loops["d"].tick([GenerateRequest(f"d{room}", prompt, body, boot)])
+    loop = EngineLoop(prefill)
+    decode.start(GenerateRequest(f"d{room}", prompt, body, boot))
     deadline = time.monotonic() + 60
     while prefill.server.rooms.get(room) is None or prefill.server.rooms[room].peer is None:
-        loops["d"].tick([])
+        decode.turn()
         if time.monotonic() > deadline:
             raise TimeoutError("decode's transfer request never reached prefill")
     sync()
     started = time.perf_counter()
-    loops["p"].tick([GenerateRequest(f"p{room}", prompt, body, boot)])
-    committed = None
-    while committed is None or prefill.sending or prefill.prefilling:
-        for name, loop in loops.items():
-            sent = loop.tick([])
-            for output in sent.outputs if sent is not None else []:
-                if output.error:
-                    raise RuntimeError(f"{output.request_id}: {output.error}")
-                if name == "d" and committed is None:
-                    sync()
-                    committed = time.perf_counter() - started
+    loop.tick([GenerateRequest(f"p{room}", prompt, body, boot)])
+    committed_at = None
+    while committed_at is None or prefill.sending or prefill.prefilling:
+        sent = loop.tick([])
+        for output in sent.outputs if sent is not None else []:
+            if output.error:
+                raise RuntimeError(f"{output.request_id}: {output.error}")
+        committed_at = decode.turn()
         if time.monotonic() > deadline:
             raise TimeoutError("the handoff did not finish within 60 s")
-    return committed
+    return committed_at - started
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,12 +203,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=8192)
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--piece-bytes", type=int, default=64 << 20)
-    parser.add_argument("--backend", default="tcp", choices=("tcp", "gloo"))
+    parser.add_argument("--backend", default="tcp", choices=("tcp", "gloo", "nccl"))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--decode-device",
+        help="run the decode worker in a process of its own on this device (nccl: cuda:1)",
+    )
     parser.add_argument("--kv-cache-gib", type=float, default=4.0)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.backend == "nccl" and args.decode_device is None:
+        parser.error("--backend nccl needs --decode-device (a second GPU, e.g. cuda:1)")
     scratch = tempfile.mkdtemp(prefix="pdserve-overlap-")
     model = model_directory(args, scratch)
     engine = dict(
@@ -103,15 +225,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     room = 1
     base = TransferConfig(bootstrap_port=0, backend=args.backend)
-    decode_llm = LLM(model, **engine)
-    prompt = prompt_of(args.prompt_len, decode_llm.engine.model_config.vocab_size, seed=0)
+    if args.decode_device:
+        decode_llm, remote = None, RemoteDecode(model, dict(engine, device=args.decode_device))
+    else:
+        decode_llm, remote = LLM(model, **engine), None
     for chunk in args.chunk_sizes:
         prefill_llm = LLM(model, chunked_prefill_size=chunk, **engine)
+        prompt = prompt_of(args.prompt_len, prefill_llm.engine.model_config.vocab_size, seed=0)
         alone = [prefill_alone(prefill_llm, prompt) for _ in range(args.repeats + 1)][1:]
         for piece_bytes in (0, args.piece_bytes):
             config = dataclasses.replace(base, piece_bytes=piece_bytes)
             prefill = PrefillHandoff(prefill_llm.engine, config)
-            decode = DecodeHandoff(decode_llm.engine, config)
+            if remote is not None:
+                decode = remote.use(config)
+            else:
+                decode = LocalDecode(DecodeHandoff(decode_llm.engine, config))
             try:
                 times = []
                 for _ in range(args.repeats + 1):
@@ -134,11 +262,14 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    if remote is not None:
+        remote.close()
     report = {
         "device": device_name(),
         "model": args.preset or args.model_path,
         "prompt_len": args.prompt_len,
         "backend": args.backend,
+        "decode": args.decode_device or "in this process, same device",
         "piece_bytes": args.piece_bytes,
         "rows": rows,
         "command": " ".join(["python", "benchmarks/handoff_overlap.py", *sys.argv[1:]]),
