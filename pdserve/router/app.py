@@ -27,6 +27,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from pdserve import __version__
+from pdserve.protocol.api_key import ApiKeyMiddleware
 from pdserve.protocol.asgi_watch import client_left
 from pdserve.router.access_log import AccessLog, AccessRecord
 from pdserve.router.config import RouterConfig
@@ -34,7 +35,7 @@ from pdserve.router.discovery import Discovery
 from pdserve.router.errors import error_response, http_error_handler, internal_error_handler
 from pdserve.router.health import HealthChecker
 from pdserve.router.http1 import Http1Pool
-from pdserve.router.intake import ApiKeyMiddleware, BadBody, read_json_body
+from pdserve.router.intake import BadBody, read_json_body
 from pdserve.router.legs import Legs, TransportLegClient
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.proxy import Proxy

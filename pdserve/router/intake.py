@@ -1,5 +1,6 @@
-"""What the router takes from a client before any worker is involved: the API key, a body of
-bounded size that is a JSON object, and the moment the client leaves. Torch-free.
+"""What the router takes from a client before any worker is involved (past the API key,
+protocol/api_key.py): a body of bounded size that is a JSON object, and the moment the client
+leaves. Torch-free.
 
 The body is read as it arrives and refused with 413 as soon as it passes the limit (at once
 when its Content-Length says it will), so an oversized upload costs the router no more memory
@@ -8,11 +9,7 @@ than the limit; the 413 closes the connection, so the rest of the upload is neve
 
 from __future__ import annotations
 
-import hmac
-
-from starlette.datastructures import Headers
 from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.protocol.strict_json import BodyTooLarge, InvalidJSON, parse_json, read_bounded
 from pdserve.router.errors import error_response
@@ -49,23 +46,3 @@ async def read_json_body(request: Request, limit: int) -> dict:
     if not isinstance(body, dict):
         raise BadBody(400, "the request body must be a JSON object")
     return body
-
-
-class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer KEY` everywhere but `open_paths`. Plain ASGI rather
-    than an `http` middleware function, so handlers read the client's own receive channel:
-    the body as it streams in, and the disconnect the moment it happens."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None, open_paths: set[str]):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-        self.open_paths = open_paths
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.expected and scope["path"] not in self.open_paths:
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response(401, "invalid or missing API key", "invalid_api_key")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)

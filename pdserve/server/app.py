@@ -8,7 +8,6 @@ API key is set (Kubernetes probes and Prometheus scrapes carry no key).
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 from typing import Any
 
@@ -21,6 +20,7 @@ from transformers import AutoTokenizer
 from pdserve import __version__
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_files import resolve_model_dir
+from pdserve.protocol.api_key import ApiKeyMiddleware
 from pdserve.server import native_api, openai_api
 from pdserve.server.engine_client import EngineClient, EngineClientConfig
 from pdserve.server.errors import (
@@ -67,7 +67,6 @@ def build_app(
             max_model_len=ready.max_model_len,
             metrics=metrics,
             max_queued_requests=max_queued_requests,
-            api_key=api_key,
             role=role,
             server_args=dict(server_args or {}),
         )
@@ -91,17 +90,7 @@ def build_app(
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, internal_error_handler)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        key = request.app.state.pdserve.api_key
-        if key and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                return APIError(
-                    401, "invalid or missing API key", code="invalid_api_key"
-                ).response()
-        return await call_next(request)
+    app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=OPEN_PATHS)
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -47,7 +47,6 @@ class ServerState:
     metrics: ServerMetrics
     max_queued_requests: int
     role: WorkerRole
-    api_key: str | None = None
     server_args: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     # Disaggregated requests in flight: bootstrap_room -> engine request id (see abort_room).

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pathlib
 import tomllib
-from types import SimpleNamespace
 
 from fastapi.testclient import TestClient
 
@@ -36,8 +35,8 @@ def test_the_router_serves_its_version_without_the_key():
 
 
 def test_a_worker_serves_its_version_without_the_key():
-    app = build_app(EngineConfig(model_path="unused"), WorkerRole("colocated", build_worker))
-    app.state.pdserve = SimpleNamespace(api_key="sesame")  # NOTE: all the middleware reads
+    role = WorkerRole("colocated", build_worker)
+    app = build_app(EngineConfig(model_path="unused"), role, api_key="sesame")
     client = TestClient(app)  # NOTE: no lifespan, no engine
     response = client.get("/version")
     assert response.status_code == 200

@@ -25,7 +25,6 @@ COLOCATED = WorkerRole("colocated", build_worker)
 
 def test_a_bug_in_a_handler_is_an_openai_500():
     app = build_app(EngineConfig(model_path="unused"), COLOCATED)
-    app.state.pdserve = SimpleNamespace(api_key=None)  # NOTE: all the middleware reads
 
     @app.get("/broken")
     async def broken():
@@ -47,7 +46,6 @@ def test_a_field_of_several_types_is_named_with_the_types_it_takes():
     """`prompt` is a string, a list of strings, token ids or token-id lists: an error names
     the field (not pydantic's `prompt.str`) and the types it takes."""
     app = build_app(EngineConfig(model_path="unused"), COLOCATED)
-    app.state.pdserve = SimpleNamespace(api_key=None)
     client = TestClient(app, raise_server_exceptions=False)
     cases = [
         ({"prompt": ["hi", 3]}, "prompt", "an array"),
