@@ -3,11 +3,14 @@ running batch.
 
 A request first waits for KV pages for its prompt (FIFO, as pages and the running-request
 limit allow: our free memory throttles the prefill side, which computes nothing before our
-reservation arrives). With pages reserved it gets a receiver for its room; once the room
-succeeded the KV is committed into the pages and the request joins the running batch without
-a forward pass, with the first token prefill sampled. From there the ordinary decode loop
-streams, stops and samples exactly as in colocated mode. A room that fails frees its pages at
-once (nothing writes a page before commit).
+reservation arrives). Where our prefix cache holds the start of the prompt (the previous turn
+of a conversation decoded here), the reservation begins with those cached pages and tells the
+prefill worker to skip them: only the pages after them travel. With pages reserved it gets a
+receiver for its room; once the room succeeded the KV is committed into the pages and the
+request joins the running batch without a forward pass, with the first token prefill sampled.
+From there the ordinary decode loop streams, stops and samples exactly as in colocated mode. A
+room that fails frees its pages at once and drops its cached pages' references (nothing writes
+a page before commit).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from pdserve.disagg.handoff_base import DisaggHandoff, PendingRequest, refusal_message
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.prefix_cache import PromptPages
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
@@ -41,7 +45,7 @@ logger = logging.getLogger(__name__)
 class _Pending(PendingRequest):
     bootstrap: Bootstrap
     queued_at: float = field(default_factory=time.monotonic)
-    pages: list[int] = field(default_factory=list)
+    reserved: PromptPages | None = None  # given back when the room ends, unless committed
     receiver: ReceiverRoom | None = None
 
 
@@ -154,18 +158,17 @@ class DecodeHandoff(DisaggHandoff):
             if running + len(self.transferring) >= self.engine.config.max_running_requests:
                 return
             pending = next(iter(self.prealloc.values()))
-            pages = self.engine.reserve_pages(
-                self.engine.kv_tokens_for_transfer(len(pending.prompt_ids))
-            )
-            if pages is None:
+            reserved = self.engine.reserve_for_prompt(pending.prompt_ids)
+            if reserved is None:
                 return  # FIFO: later requests wait behind the oldest
             del self.prealloc[pending.request_id]
-            pending.pages = pages
-            boot = pending.bootstrap
+            pending.reserved = reserved
+            boot, pages = pending.bootstrap, reserved.pages
             try:
+                # NOTE: no cached pages with a draft pool (the engine caches no draft KV).
                 draft_pages = pages if len(self.stager.pools) > 1 else None
                 pending.receiver = self.client.receiver(
-                    boot.room, boot.host, boot.port, pages, draft_pages
+                    boot.room, boot.host, boot.port, pages, draft_pages, len(reserved.cached)
                 )
             except ValueError as e:  # the room is in use here
                 failure = Failure(FailureKind.INVALID, FailureStage.BOOTSTRAP, str(e))
@@ -196,19 +199,22 @@ class DecodeHandoff(DisaggHandoff):
                     pending.request_id,
                     pending.prompt_ids,
                     pending.params,
-                    pending.pages,
+                    pending.reserved.pages,
                     record.first_token,
                     record.first_logprob,
                     record.first_top_logprobs,
                     draft_state=state,
                     num_cached_tokens=record.cached_tokens,
+                    cached_pages=pending.reserved.cached,
                 )
             except (InvalidRequestError, RuntimeError) as e:
                 failure = _failure(FailureKind.INTERNAL, f"could not join the batch: {e}")
                 outputs.append(self._fail(pending, failure))
                 continue
             # NOTE: the engine owns the pages now (freed when the request ends).
-            pending.pages = []
+            skipped = len(pending.reserved.cached)
+            self.metrics.bytes_skipped += skipped * self.stager.page_bytes[0]
+            pending.reserved = None
             self._end(pending)
             outputs.append(output)
         return outputs
@@ -244,9 +250,9 @@ class DecodeHandoff(DisaggHandoff):
 
     def _end(self, pending: _Pending) -> None:
         self.transferring.pop(pending.request_id, None)
-        if pending.pages:
-            self.engine.free_pages(pending.pages)
-            pending.pages = []
+        if pending.reserved is not None:
+            self.engine.release_reserved(pending.reserved)
+            pending.reserved = None
         self.client.release(pending.bootstrap.room)
         self.rooms_in_use.discard(pending.bootstrap.room)
         self.ended.add(pending.bootstrap.room)

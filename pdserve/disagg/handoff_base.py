@@ -53,6 +53,7 @@ class DisaggHandoff(Handoff):
             **queues,
             bytes_sent=self.metrics.bytes_sent,
             bytes_received=self.metrics.bytes_received,
+            bytes_skipped=self.metrics.bytes_skipped,
             transfers_succeeded=self.metrics.rooms_succeeded,
             transfer_latencies=self.metrics.take_latencies(),
             failures=dict(self.failures),

@@ -36,7 +36,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.overlap import InFlightStep, is_placeholder, placeholder
 from pdserve.engine.page_allocator import PageAllocator, pages_needed
 from pdserve.engine.page_table import DevicePageTable
-from pdserve.engine.prefix_cache import PrefixCache
+from pdserve.engine.prefix_cache import CachedPage, PrefixCache, PromptPages
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
@@ -261,6 +261,28 @@ class Engine:
         free now (the caller waits: decode's free memory throttles prefill)."""
         return self.scheduler.reserve(pages_needed(num_tokens, self.config.page_size))
 
+    def reserve_for_prompt(self, prompt_ids: list[int]) -> PromptPages | None:
+        """The pages a transfer of this prompt's KV needs (decode side): first the cached
+        pages that hold the prompt's longest cached prefix, short of its last token (referenced
+        now; the transfer skips them), then free ones for the rest. None if they are not free
+        now. Give them back with `release_reserved` unless `add_prebuilt` takes them."""
+        cached = self.scheduler.cached_prefix(prompt_ids)
+        held = self.prefix_cache.acquire(cached) if cached else []
+        total = pages_needed(self.kv_tokens_for_transfer(len(prompt_ids)), self.config.page_size)
+        fresh = self.scheduler.reserve(total - len(held))
+        if fresh is None:
+            if cached:
+                self.prefix_cache.release(cached)
+            return None
+        return PromptPages(held + fresh, cached)
+
+    def release_reserved(self, reserved: PromptPages) -> None:
+        """A reservation no request took: its own pages freed, its cached ones released."""
+        self.allocator.free(reserved.pages[len(reserved.cached) :])
+        if reserved.cached:
+            self.prefix_cache.release(reserved.cached)
+        reserved.pages, reserved.cached = [], []
+
     def free_pages(self, pages: list[int]) -> None:
         self.allocator.free(pages)
 
@@ -275,12 +297,15 @@ class Engine:
         first_top_logprobs: dict[int, float] | None = None,
         draft_state=None,
         num_cached_tokens: int = 0,
+        cached_pages: list[CachedPage] | None = None,
     ) -> RequestOutput:
         """Join the running batch with the prompt's KV already in `pages` (the decode side of
         a handoff) and the first token sampled elsewhere. No forward pass: the next step
         decodes from here. Returns the first token's output (it may already finish).
         `draft_state` is the speculative algorithm's first draft input (decode side);
-        `num_cached_tokens` the prompt tokens the prefill side took from its prefix cache.
+        `num_cached_tokens` the prompt tokens the prefill side took from its prefix cache;
+        `cached_pages` this worker's cached pages that begin `pages` (`reserve_for_prompt`:
+        the request holds their references from now on).
         NOTE: admission (max_running_requests, free pages) is the decode worker's job: it
         reserved these pages before the transfer started."""
         token_ids = self.validate_prompt(prompt_token_ids)
@@ -292,8 +317,12 @@ class Engine:
             raise InvalidRequestError(
                 f"{num_cached_tokens} cached tokens reported for a {len(token_ids)}-token prompt"
             )
+        cached_pages = list(cached_pages or [])
+        if [node.page for node in cached_pages] != list(pages[: len(cached_pages)]):
+            raise InvalidRequestError("the cached pages given do not begin the request's pages")
         request = self._new_request(request_id, token_ids, params)
         request.pages = list(pages)
+        request.cached_pages = cached_pages
         request.num_computed_tokens = len(token_ids)
         request.draft_state = draft_state
         request.num_cached_tokens = num_cached_tokens

@@ -39,6 +39,16 @@ class CachedPage:
     last_used: int = 0  # the cache's clock at the latest match or insert through here
 
 
+@dataclass
+class PromptPages:
+    """Pages reserved for a prompt whose KV arrives by transfer (a decode worker): `pages`
+    begins with the pages of `cached` (nodes it holds references on; their KV is there
+    already), the rest are free pages taken for the transfer to fill."""
+
+    pages: list[int]
+    cached: list[CachedPage]
+
+
 class PrefixCache:
     def __init__(self, allocator: PageAllocator, page_size: int):
         self.allocator = allocator

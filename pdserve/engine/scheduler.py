@@ -15,6 +15,7 @@ join the cache, and pages are evicted from the cache before anyone is refused or
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.page_allocator import PageAllocator, pages_needed
@@ -124,11 +125,16 @@ class Scheduler:
             budget -= count
 
     def _cached_prefix(self, request: Request) -> list:
-        """The cached pages holding the longest prefix of the request's tokens, short of
-        its last token (which must be computed for its logits)."""
+        return self.cached_prefix(request.token_ids, request.num_tokens)
+
+    def cached_prefix(self, token_ids: Sequence[int], num_tokens: int | None = None) -> list:
+        """The cached pages holding the longest prefix of the first `num_tokens` (default:
+        all) of `token_ids`, short of the last of them (which must be computed for its
+        logits, or sent: a handoff always moves the page holding it). Not referenced yet."""
         if self.prefix_cache is None:
             return []
-        return self.prefix_cache.match(request.token_ids, request.num_tokens - 1)
+        num_tokens = len(token_ids) if num_tokens is None else num_tokens
+        return self.prefix_cache.match(token_ids, num_tokens - 1)
 
     def _can_allocate(self, count: int) -> bool:
         """Whether `count` pages can be taken now, after evicting cached pages if needed."""

@@ -2,6 +2,10 @@
 reserved pages for its room, then prefills (chunked when long) with its pages held, samples
 the first token, and sends KV + metadata. Its pages are freed once the send ended.
 
+Pages the decode worker holds already (the start of the prompt, in its prefix cache: the
+previous turn of a conversation it decoded) are not sent; the prompt is still computed whole
+here (or from this worker's own cache), as the first token needs it.
+
 The KV leaves while the prompt is still being computed: after every step, the pages a chunk
 completed are gathered (on the compute stream, right behind the chunk) and sent as a piece once
 they add up to `--transfer-piece-bytes`; the last piece, after the first token, takes the rest
@@ -45,7 +49,9 @@ class _Pending(PendingRequest):
     first: RequestOutput | None = None  # the first-token output, reported when the room ends
     started: bool = False  # the engine began computing it (it left the engine's queue)
     num_pages: int = 0  # pages the transfer moves (target pool; the draft pool's are as many)
-    pages_sent: int = 0  # target pages already sent as pieces
+    # Target pages already sent as pieces, or that decode holds already (its prefix cache):
+    # the room's first `sender.num_cached_pages` are never sent.
+    pages_sent: int = 0
 
 
 class PrefillHandoff(DisaggHandoff):
@@ -188,6 +194,7 @@ class PrefillHandoff(DisaggHandoff):
             return
         tokens = self.engine.kv_tokens_for_transfer(len(pending.prompt_ids))
         pending.num_pages = pages_needed(tokens, self.engine.config.page_size)
+        pending.pages_sent = pending.sender.num_cached_pages
         self.prefilling[pending.request_id] = pending
 
     def _stream_pieces(self) -> None:

@@ -98,6 +98,7 @@ class DisaggStats:
     num_prefilling: int = 0  # prefill: computing, pages to be sent
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_skipped: int = 0  # decode: KV its prefix cache held, so not transferred
     transfers_succeeded: int = 0
     transfer_latencies: list[float] = field(default_factory=list)
     # Failure.label ("stage/kind") -> count.

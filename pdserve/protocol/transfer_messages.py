@@ -98,11 +98,14 @@ class RegisterRejected:
 @message("transfer_request")
 class TransferRequest:
     """Decode -> prefill: pages are reserved for this room; send when ready. The counts bound
-    the room (a prompt within prefill's max_model_len never needs more)."""
+    the room (a prompt within prefill's max_model_len never needs more). The first
+    `num_cached_pages` target pages decode holds already (its prefix cache has the prompt's
+    start): prefill sends none of them; at least the last page is always sent."""
 
     room: int
     num_pages: int
     num_draft_pages: int
+    num_cached_pages: int = 0
 
 
 @message("kv_piece")

@@ -314,7 +314,12 @@ class EngineClient:
     def _set_stats(self, stats: EngineStats) -> None:
         self.stats = stats
         for listener in self.stats_listeners:
-            listener(stats)
+            try:
+                listener(stats)
+            except Exception:
+                # NOTE: a broken counter must not stop this reader: every request's outputs
+                # come through it, right after these stats.
+                logger.exception("a stats listener failed (outputs are still delivered)")
 
     def _check_alive(self) -> None:
         if self._process is not None and not self._process.is_alive():

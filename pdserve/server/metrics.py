@@ -140,6 +140,10 @@ class _DisaggMetrics:
         self.bytes = counter(
             "kv_transfer_bytes_total", "KV bytes moved, by direction", ("direction",)
         )
+        self.skipped = counter(
+            "kv_transfer_skipped_bytes_total",
+            "KV bytes a decode worker did not receive: its prefix cache held them already",
+        )
         self.transfers = counter("kv_transfers_total", "KV transfers that succeeded")
         self.latency = histogram(
             "kv_transfer_latency_seconds", "Time from a room's start to its successful end"
@@ -160,23 +164,24 @@ class _DisaggMetrics:
             metric.set(getattr(stats, name))
 
     def observe(self, stats) -> None:
-        self._advance(self.bytes, "sent", stats.bytes_sent, direction="sent")
-        self._advance(self.bytes, "received", stats.bytes_received, direction="received")
-        self._advance(None, "succeeded", stats.transfers_succeeded)
-        self._advance(self.malformed, "malformed", stats.malformed_messages)
+        model = self._model
+        self._advance("sent", stats.bytes_sent, self.bytes.labels(**model, direction="sent"))
+        received = self.bytes.labels(**model, direction="received")
+        self._advance("received", stats.bytes_received, received)
+        self._advance("skipped", stats.bytes_skipped, self.skipped)
+        self._advance("succeeded", stats.transfers_succeeded, self.transfers)
+        self._advance("malformed", stats.malformed_messages, self.malformed)
         for key, count in stats.failures.items():
             stage, _, kind = key.partition("/")
-            self._advance(self.failures, key, count, stage=stage, kind=kind)
+            self._advance(key, count, self.failures.labels(**model, stage=stage, kind=kind))
         for latency in stats.transfer_latencies:
             self.latency.observe(latency)
         self.set_queues(stats)
 
-    def _advance(self, metric, key: str, total: float, **labels) -> None:
+    def _advance(self, key: str, total: float, counter) -> None:
+        """Add to `counter` (a labelled child) what the cumulative `total` grew by."""
         delta = total - self._seen.get(key, 0)
         if delta <= 0:
             return
         self._seen[key] = total
-        if metric is None:
-            self.transfers.inc(delta)
-        else:
-            metric.labels(**self._model, **labels).inc(delta)
+        counter.inc(delta)

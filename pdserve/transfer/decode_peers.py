@@ -125,7 +125,7 @@ class PrefillPeers:
 
     def _transfer_request(self, receiver) -> TransferRequest:
         num_pages, num_draft = len(receiver.page_ids), len(receiver.draft_page_ids)
-        return TransferRequest(receiver.room, num_pages, num_draft)
+        return TransferRequest(receiver.room, num_pages, num_draft, receiver.num_cached_pages)
 
     def _tell_abort(self, address: str, room: int, kind: FailureKind, message: str) -> None:
         peer = self._peer(address)

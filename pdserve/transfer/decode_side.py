@@ -84,8 +84,10 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         port: int,
         page_ids: list[int],
         draft_page_ids: list[int] | None = None,
+        num_cached_pages: int = 0,
     ) -> ReceiverRoom:
-        """Start receiving `room` from the prefill worker at host:port into these pages.
+        """Start receiving `room` from the prefill worker at host:port into these pages; the
+        first `num_cached_pages` of them hold their KV already (prefill skips them).
         PeerNotAllowed (a ValueError) if host is outside the allow list: nothing is sent."""
         address = zmq_endpoint(self.allow_list.resolve(host), port)
         draft_page_ids = list(draft_page_ids or [])
@@ -94,7 +96,7 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         with self.lock:
             if room in self.rooms or room in self.tombstones:
                 raise ValueError(f"bootstrap_room {room} is already in use on this decode worker")
-            receiver = ReceiverRoom(self, room, list(page_ids), draft_page_ids)
+            receiver = ReceiverRoom(self, room, list(page_ids), draft_page_ids, num_cached_pages)
             self.rooms[room] = receiver
         self.io.call(lambda: self._start_room(receiver, address))
         return receiver

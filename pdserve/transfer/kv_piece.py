@@ -6,8 +6,9 @@ still being computed; a room sent whole is one piece.
 The receiving side keeps a `PieceLedger` per room: every announced piece is checked against
 the room's own reservation before a byte is allocated for it (its pages exist, none of them
 was covered by an earlier piece, its size is what those pages hold), and the room is complete
-when its pieces cover every page once and have all landed. Pieces may arrive in any order and
-interleaved with other rooms' pieces.
+when its pieces cover every page once and have all landed. Leading target pages the receiver
+already holds (from its prefix cache) are not sent: a piece may not cover them. Pieces may
+arrive in any order and interleaved with other rooms' pieces.
 """
 
 from __future__ import annotations
@@ -64,11 +65,18 @@ class _Incoming:
 class PieceLedger:
     """The pieces of one room on the receiving side. Not thread-safe: the IO thread owns it."""
 
-    def __init__(self, num_pages: int, num_draft_pages: int, page_bytes: list[int]):
+    def __init__(
+        self, num_pages: int, num_draft_pages: int, page_bytes: list[int], num_cached: int = 0
+    ):
+        """num_cached: the room's first target pages, which the receiver holds already."""
+        if not 0 <= num_cached < max(num_pages, 1):
+            raise ValueError(f"{num_cached} cached pages of a room with {num_pages}")
         self.num_pages = num_pages
         self.num_draft_pages = num_draft_pages
+        self.num_cached = num_cached
         self.page_bytes = page_bytes
-        self.expected_bytes = PageSpan(0, num_pages, 0, num_draft_pages).nbytes(page_bytes)
+        self.expected = PageSpan(num_cached, num_pages - num_cached, 0, num_draft_pages)
+        self.expected_bytes = self.expected.nbytes(page_bytes)
         self._covered = [bytearray(num_pages), bytearray(num_draft_pages)]
         self.pieces: dict[int, _Incoming] = {}
         self.announced_bytes = 0
@@ -86,6 +94,11 @@ class PieceLedger:
                     f"KV piece {index} covers pages [{first}, {first + count}) of a room "
                     f"with {reserved} reserved"
                 )
+        if span.count and span.first < self.num_cached:
+            return (
+                f"KV piece {index} covers page {span.first}, but the first {self.num_cached} "
+                "pages are the receiver's own (cached): they must not be sent"
+            )
         if span.count + span.draft_count == 0:
             return f"KV piece {index} covers no page"
         if nbytes != span.nbytes(self.page_bytes):

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 class TransferMetrics:
     bytes_sent: int = 0
     bytes_received: int = 0
+    # Decode: KV bytes not transferred because this worker's prefix cache held them already.
+    bytes_skipped: int = 0
     pieces_sent: int = 0  # KV pieces announced (a room streamed while prefilling has several)
     rooms_succeeded: int = 0
     malformed_messages: int = 0  # dropped peer messages that failed the schema checks

@@ -205,9 +205,17 @@ class PrefillTransferServer(DecodePeers, Endpoint):
             )
             self.refuse_room(peer, msg.room, FailureKind.INVALID, message)
             return
+        if not 0 <= msg.num_cached_pages < max(msg.num_pages, 1):
+            message = (
+                f"decode's transfer request skips {msg.num_cached_pages} cached pages of a room "
+                f"of {msg.num_pages}: at least the last page must be sent"
+            )
+            self.refuse_room(peer, msg.room, FailureKind.TRANSFER, message)
+            return
         room = self._room(msg.room)
         if room.peer is None and not room.done:  # else a duplicate, or a room that ended
             room.num_pages, room.num_draft_pages = msg.num_pages, msg.num_draft_pages
+            room.num_cached_pages = msg.num_cached_pages
             self.attach(room, peer)
 
     def submit(self, room: SenderRoom, command, ready: torch.cuda.Event | None) -> None:

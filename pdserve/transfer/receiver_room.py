@@ -30,14 +30,20 @@ class ReceiverRoom(Room):
         room: int,
         page_ids: list[int],
         draft_page_ids: list[int],
+        num_cached_pages: int = 0,
     ):
+        """page_ids: every target page of the room; the first `num_cached_pages` hold their
+        KV already (this worker's prefix cache) and are neither received nor written."""
         super().__init__(room, RoomState(room, progress_timeout_s=client.config.progress_timeout_s))
         self._client = client
         self._buffers: BufferPool = client.buffers
         self.peer: Peer | None = None
         self.page_ids = page_ids
         self.draft_page_ids = draft_page_ids
-        self._pieces = PieceLedger(len(page_ids), len(draft_page_ids), client.page_bytes)
+        self.num_cached_pages = num_cached_pages
+        self._pieces = PieceLedger(
+            len(page_ids), len(draft_page_ids), client.page_bytes, num_cached_pages
+        )
         self.expected_bytes = self._pieces.expected_bytes
         # NOTE: until the first byte, the room waits for the prefill worker's queue too.
         self._state.hold(client.config.queue_timeout_s)

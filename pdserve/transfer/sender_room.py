@@ -25,9 +25,11 @@ class SenderRoom(Room):
         super().__init__(room, state)
         self._server = server
         self.peer: Peer | None = None
-        # The pages decode reserved (from its transfer request): what the pieces must cover.
+        # The pages decode reserved (from its transfer request): what the pieces must cover,
+        # but the first `num_cached_pages`, which decode holds already.
         self.num_pages = 0
         self.num_draft_pages = 0
+        self.num_cached_pages = 0
         self._buffers: list[torch.Tensor] = []
         self.pieces_sent = 0
         self.bytes_sent = 0
@@ -85,8 +87,9 @@ class SenderRoom(Room):
             self._state.hold(self._server.config.queue_timeout_s)
 
     def whole(self) -> PageSpan:
-        """Every page decode reserved."""
-        return PageSpan(0, self.num_pages, 0, self.num_draft_pages)
+        """Every page decode reserved and does not hold already."""
+        first = self.num_cached_pages
+        return PageSpan(first, self.num_pages - first, 0, self.num_draft_pages)
 
     def begin_piece(self) -> int | str:
         """The next piece's index (the room is TRANSFERRING from its first); why not, if it

@@ -26,12 +26,14 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from pdserve import LLM, SamplingParams
 from pdserve.server.local_process import LocalServer
 from pdserve.speculative.checkpoints import make_tiny_eagle_draft
 from tests.e2e.answers import assert_same, generate_stream, normalized, openai_stream, values_of
 from tests.e2e.conftest import START_DEADLINE_S, Server
 from tests.e2e.pd_cluster import begin_cluster
 from tests.e2e.sse import stream_post
+from tests.waiting import wait_until
 
 ARGS = ("--dtype", "float32", "--max-model-len", "256", "--chunked-prefill-size", "16")
 COMPLETIONS, CHAT, GENERATE = "/v1/completions", "/v1/chat/completions", "/generate"
@@ -269,6 +271,56 @@ def test_a_repeated_prompt_reports_its_cached_tokens_colocated_and_disaggregated
         assert [u["prompt_tokens_details"]["cached_tokens"] for u in usages] == [0, 32], base
     assert reference.metric("prefix_cache_hit_tokens_total") == hits_before + 32
     assert reference.metric("kv_cache_pages_cached") >= 2
+
+
+def test_a_conversation_sends_the_decode_worker_only_its_new_pages(deployments, tiny_model_dirs):
+    """Turn n + 1 resends turn n's prompt and answer: the decode worker that decoded turn n
+    holds their KV in its prefix cache, so the prefill worker sends only the pages after
+    them (decode's transfer counters show it), and every answer equals colocated serving
+    without prefix caching."""
+    _, cluster = deployments["plain"]
+    (decode,) = cluster.decode
+    plain = LLM(
+        tiny_model_dirs("llama"),
+        device="cpu",
+        dtype="float32",
+        chunked_prefill_size=16,
+        disable_prefix_caching=True,
+    )
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    page = 16  # the engine's default page size
+    prompt = list(range(400, 441))
+    before = cluster.state(decode)
+    page_bytes = None
+    known = 0  # tokens of the conversation whose KV decode holds
+    for turn in range(3):
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0,
+                "ignore_eos": True}}  # fmt: skip
+        answer = httpx.post(cluster.router.url + GENERATE, json=body, timeout=120).json()
+        assert answer["output_ids"] == plain.generate([prompt], greedy)[0].token_ids, turn
+        cached = min(known, len(prompt) - 1) // page
+        pages = -(-len(prompt) // page)
+
+        def counted(last=before, cached=cached) -> bool:
+            # NOTE: workers report their counters with their stats, a moment after a step;
+            # decode counts the bytes it skipped when it commits, after all others landed.
+            state = cluster.state(decode)
+            return state["bytes_received"] > last["bytes_received"] and (
+                cached == 0 or state["bytes_skipped"] > last["bytes_skipped"]
+            )
+
+        wait_until(counted, f"turn {turn}'s transfer counters", 10, describe=cluster.states)
+        now = cluster.state(decode)
+        received = now["bytes_received"] - before["bytes_received"]
+        page_bytes = page_bytes or received // pages  # turn 0 receives every page
+        assert received == (pages - cached) * page_bytes, turn
+        assert now["bytes_skipped"] - before["bytes_skipped"] == cached * page_bytes, turn
+        if turn:
+            assert cached >= 3  # the previous turn's prompt and answer, but its last token
+        before = now
+        known = len(prompt) + len(answer["output_ids"]) - 1
+        prompt = prompt + answer["output_ids"] + list(range(500 + 10 * turn, 509 + 10 * turn))
+    assert decode.metric("kv_transfer_skipped_bytes_total") > 0
 
 
 def test_every_page_is_free_afterwards(deployments):

@@ -309,3 +309,62 @@ def test_a_prefill_aborted_after_some_pieces_fails_decode_and_frees_both_sides(s
     outputs = drive(prefill, decode, until=lambda o: finished(o, "d"), deadline_s=10)
     assert "prefill request was aborted" in outputs["d"][-1].error
     assert prefill.engine.kv_pages_in_use == 0 and decode.engine.kv_pages_in_use == 0
+
+
+def test_a_conversation_decoded_here_receives_only_its_new_pages(streaming_pair):
+    """Turn n + 1's prompt is turn n's prompt, its answer and new tokens: decode's prefix
+    cache holds the start, so prefill sends only the pages after it (streamed in pieces),
+    and the answers equal a colocated engine without caching."""
+    prefill, decode, model = streaming_pair
+    plain = LLM(model, device="cpu", disable_prefix_caching=True)
+    page_bytes = decode.stager.page_bytes[0]
+    prompt = random_prompts((22,), 250, seed=9)[0]
+    known = 0  # tokens of this conversation whose KV decode computed or received
+    for turn in range(3):
+        received, skipped = decode.metrics.bytes_received, decode.metrics.bytes_skipped
+        room = 40 + turn
+        messages = {
+            prefill: [generate(f"p{turn}", prompt, GREEDY, boot(prefill, room))],
+            decode: [generate(f"d{turn}", prompt, GREEDY, boot(prefill, room))],
+        }
+        outputs = drive(
+            prefill, decode, until=lambda o, t=turn: finished(o, f"d{t}"), messages=messages
+        )
+        answer = tokens(outputs, f"d{turn}")
+        assert answer == plain.generate([prompt], GREEDY)[0].token_ids
+        # The full pages of what decode knew are cached (not the page holding the prompt's
+        # last token, which always travels); the rest of the prompt's pages are received.
+        cached = min(known, len(prompt) - 1) // PAGE
+        pages = -(-len(prompt) // PAGE)
+        assert decode.metrics.bytes_skipped - skipped == cached * page_bytes
+        assert decode.metrics.bytes_received - received == (pages - cached) * page_bytes
+        known = len(prompt) + len(answer) - 1  # the last answer token was never computed
+        prompt = prompt + answer + random_prompts((9,), 250, seed=10 + turn)[0]
+    drive(prefill, until=lambda _: not prefill.sending, deadline_s=10)  # decode's ack lands
+    for handoff in (prefill, decode):
+        assert handoff.engine.kv_pages_in_use == 0
+        cache = handoff.engine.prefix_cache
+        assert cache.num_unreferenced == cache.num_pages  # no reference left behind
+
+
+def test_a_room_that_ends_before_its_kv_drops_its_cached_pages(streaming_pair):
+    prefill, decode, _ = streaming_pair
+    prompt = random_prompts((22,), 250, seed=11)[0]
+    messages = {
+        prefill: [generate("p", prompt, GREEDY, boot(prefill, 50))],
+        decode: [generate("d", prompt, GREEDY, boot(prefill, 50))],
+    }
+    answer = tokens(
+        drive(prefill, decode, until=lambda o: finished(o, "d"), messages=messages), "d"
+    )
+    cache = decode.engine.prefix_cache
+    assert cache.num_pages >= 6
+    # Turn 2 reaches decode only: it holds the cached pages and waits for KV that never comes.
+    loop = EngineLoop(decode)
+    assert loop.tick([generate("d2", prompt + answer + [7, 8], GREEDY, boot(prefill, 51))]) is None
+    room = decode.transferring["d2"].receiver
+    assert room.num_cached_pages == (len(prompt) + len(answer) - 1) // PAGE
+    assert cache.num_unreferenced == cache.num_pages - room.num_cached_pages
+    loop.tick([AbortRequest("d2")])
+    assert not decode.transferring and decode.engine.kv_pages_in_use == 0
+    assert cache.num_unreferenced == cache.num_pages

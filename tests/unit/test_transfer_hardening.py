@@ -227,6 +227,22 @@ def test_a_transfer_request_for_too_many_pages_is_refused_before_any_room(zmq_co
         pair.server.stop()
 
 
+@pytest.mark.parametrize("num_cached", [3, 4, -1])
+def test_a_transfer_request_that_would_skip_every_page_is_refused(zmq_context, num_cached):
+    """Decode may skip the pages its cache holds, never the last one (nor a negative count)."""
+    pair = start_pair(CONFIG)
+    try:
+        raw = authenticated_dealer(zmq_context, pair.server.port, "")
+        raw.send(encode(TransferRequest(13, 3, 0, num_cached)))
+        reply = decode(receive(raw)[0])
+        assert f"skips {num_cached} cached pages of a room of 3" in reply.failure.message
+        assert pair.server.sender(13).poll() is TransferState.FAILED
+        raw.close(0)
+    finally:
+        pair.client.stop()
+        pair.server.stop()
+
+
 def test_a_decode_peer_that_stops_reading_does_not_delay_a_healthy_one(zmq_context):
     config = dataclasses.replace(CONFIG, chunk_bytes=1 << 10, peer_timeout_s=1)
     pair = start_pair(config)

@@ -52,6 +52,21 @@ def test_a_room_is_complete_only_when_every_page_is_covered_and_every_byte_lande
     assert ledger.complete and len(ledger.buffers()) == 1
 
 
+def test_pages_the_receiver_holds_already_are_neither_expected_nor_accepted():
+    ledger = PieceLedger(num_pages=4, num_draft_pages=0, page_bytes=PAGE_BYTES[:1], num_cached=2)
+    assert ledger.expected_bytes == 200
+    assert "the first 2 pages are the receiver's own" in ledger.check(0, PageSpan(1, 2), 200)
+    assert ledger.check(0, PageSpan(2, 1), 100) is None
+    ledger.add(0, PageSpan(2, 1), torch.empty(100, dtype=torch.uint8))
+    ledger.landed(0, 100)
+    assert not ledger.complete  # page 3 missing
+    ledger.add(1, PageSpan(3, 1), torch.empty(100, dtype=torch.uint8))
+    ledger.landed(1, 100)
+    assert ledger.complete
+    with pytest.raises(ValueError, match="4 cached pages of a room with 4"):
+        PieceLedger(num_pages=4, num_draft_pages=0, page_bytes=PAGE_BYTES[:1], num_cached=4)
+
+
 DRAFT = Case(room=0, draft=True)  # both sides hold a target and a draft KV pool
 
 
