@@ -11,11 +11,19 @@ Deployments, one after the other on this machine (each worker's memory is a shar
 - `single-off`: one `pdserve serve --disable-prefix-caching`;
 - `single-on`: one `pdserve serve` (prefix caching on, the default);
 - `replicas-rr`: two `pdserve serve` behind `pdserve router --policy round_robin`;
-- `replicas-cache-aware`: the same behind `pdserve router --policy cache_aware`.
+- `replicas-cache-aware`: the same behind `pdserve router --policy cache_aware`;
+- `pd-off`: `pdserve prefill` + `pdserve decode` (tcp transfer, same GPU) behind `pdserve
+  router`, both with `--disable-prefix-caching`;
+- `pd-on`: the same with prefix caching on: prefill reuses its cache, and the decode worker,
+  which holds the previous turn of a conversation it decoded, receives only the pages after
+  what it holds.
 
 Per deployment: TTFT (median, P99), prompt tokens sent, the ones the workers took from their
 caches (usage.prompt_tokens_details.cached_tokens) and so the ones computed, throughput, and
-the workers' own mean TTFT (their /metrics: from a request's arrival at the worker).
+the workers' own mean TTFT (their /metrics: from a request's arrival at the worker). PD rows
+add the KV bytes the decode worker received and skipped (its /server_info), beside the KV of
+the turns' new tokens: a turn's prompt less the previous turn's prompt and answer (a first
+turn's whole prompt), at the model's KV bytes per token.
 
     python benchmarks/multiturn.py --preset llama-3.2-1b --out multiturn.json
     python benchmarks/multiturn.py --smoke   # the tiny model on CPU, a minute
@@ -33,11 +41,11 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.server.local_process import LocalServer
+from pdserve.server.local_process import LocalServer, free_port
 
 START_S = 600.0
 BENCH_S = 3600.0  # one deployment's whole benchmark run
-DEPLOYMENTS = ("single-off", "single-on", "replicas-rr", "replicas-cache-aware")
+DEPLOYMENTS = ("single-off", "single-on", "replicas-rr", "replicas-cache-aware", "pd-off", "pd-on")
 WORKLOAD_FIELDS = (
     "max_concurrency",
     "conversations",
@@ -49,8 +57,8 @@ WORKLOAD_FIELDS = (
 )
 
 
-def _serve(model: str, args, extra: list[str], share: float, logs: Path, name: str):
-    flags = ["serve", "--model-path", model, "--device", args.device, *extra]
+def _serve(model: str, args, extra: list[str], share: float, logs: Path, name: str, role="serve"):
+    flags = [role, "--model-path", model, "--device", args.device, *extra]
     if args.device != "cpu":
         flags += ["--gpu-memory-utilization", f"{share:.3f}"]
     if args.max_model_len:
@@ -62,9 +70,17 @@ def _start(name: str, model: str, args, logs: Path) -> tuple[list[LocalServer], 
     """The deployment's workers and the process clients talk to (a router in front of
     several workers, else the worker), all healthy; what started is stopped on a failure."""
     share = args.gpu_share
+    off = ["--disable-prefix-caching"] if name.endswith("-off") else []
     if name.startswith("single"):
-        extra = ["--disable-prefix-caching"] if name == "single-off" else []
-        workers = [_serve(model, args, extra, share, logs, name)]
+        workers = [_serve(model, args, off, share, logs, name)]
+    elif name.startswith("pd"):
+        boot = free_port()
+        transfer = ["--transfer-backend", "tcp"]
+        prefill = [*off, *transfer, "--bootstrap-port", str(boot)]
+        workers = [
+            _serve(model, args, prefill, share / 2, logs, f"{name}-prefill", "prefill"),
+            _serve(model, args, [*off, *transfer], share / 2, logs, f"{name}-decode", "decode"),
+        ]
     else:
         workers = [_serve(model, args, [], share / 2, logs, f"{name}-{i}") for i in range(2)]
     started = list(workers)
@@ -73,11 +89,13 @@ def _start(name: str, model: str, args, logs: Path) -> tuple[list[LocalServer], 
             worker.wait_healthy(START_S)
         if len(workers) == 1:
             return workers, workers[0]
-        policy = "cache_aware" if name == "replicas-cache-aware" else "round_robin"
-        router = LocalServer(
-            ["router", "--worker-urls", *[w.url for w in workers], "--policy", policy],
-            log_path=str(logs / f"{name}-router.log"),
-        )
+        if name.startswith("pd"):
+            prefill, decode = workers
+            route = ["--prefill", prefill.url, str(boot), "--decode", decode.url]
+        else:
+            policy = "cache_aware" if name == "replicas-cache-aware" else "round_robin"
+            route = ["--worker-urls", *[w.url for w in workers], "--policy", policy]
+        router = LocalServer(["router", *route], log_path=str(logs / f"{name}-router.log"))
         started.append(router)
         return workers, router.wait_healthy(START_S)
     except BaseException:
@@ -123,11 +141,43 @@ def _server_ttft_ms(workers: list[LocalServer]) -> float | None:
     return 1e3 * total / count if count else None
 
 
-def _row(name: str, result: dict, seconds: float, worker_ttft_ms: float | None) -> dict:
+def _transfer_counters(workers: list[LocalServer]) -> dict | None:
+    """A PD deployment's decode worker's KV bytes received and skipped (its /server_info)."""
+    if len(workers) != 2 or not workers[1].url:
+        return None
+    info = httpx.get(workers[1].url + "/server_info", timeout=10).json()
+    if info.get("disaggregation_mode") != "decode":
+        return None
+    counters = info["internal_states"][0]
+    found = {key: counters[key] for key in ("bytes_received", "bytes_skipped")}
+    return found | {"element_bytes": 4 if "float32" in info["dtype"] else 2}
+
+
+def _new_tokens(requests: list[dict]) -> int:
+    """Prompt tokens new in each turn: its prompt less the previous turn's prompt and answer
+    (a first turn: its whole prompt)."""
+    by_turn = {(r["conversation"], r["turn"]): r for r in requests if r["success"]}
+    new = 0
+    for (conversation, turn), request in by_turn.items():
+        previous = by_turn.get((conversation, turn - 1))
+        held = previous["prompt_tokens"] + previous["output_tokens"] if previous else 0
+        new += max(request["prompt_tokens"] - held, 0)
+    return new
+
+
+def kv_bytes_per_token(model: str, element_bytes: int) -> int:
+    """K and V of every layer for one token."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * heads * head_dim * element_bytes
+
+
+def _row(name, result, seconds, worker_ttft_ms, transfer, model) -> dict:
     run = result["runs"][0]
     summary, ttft = run["summary"], run["summary"]["ttft_ms"]
     later = sorted(r["ttft_s"] for r in run["requests"] if r["success"] and r["turn"] > 0)
-    return {
+    row = {
         "deployment": name,
         "completed": summary["completed"],
         "failed": summary["failed"],
@@ -143,6 +193,17 @@ def _row(name: str, result: dict, seconds: float, worker_ttft_ms: float | None) 
         "elapsed_s": seconds,
         "worker_ttft_mean_ms": worker_ttft_ms,
     }
+    if transfer is not None:
+        bytes_per_token = kv_bytes_per_token(model, transfer["element_bytes"])
+        new_kv = _new_tokens(run["requests"]) * bytes_per_token
+        row |= {
+            "kv_bytes_received": transfer["bytes_received"],
+            "kv_bytes_skipped": transfer["bytes_skipped"],
+            "new_tokens_kv_bytes": new_kv,
+            "received_over_new_tokens_kv": transfer["bytes_received"] / new_kv,
+            "prompt_kv_bytes": summary["input_tokens"] * bytes_per_token,
+        }
+    return row
 
 
 def main() -> None:
@@ -186,9 +247,11 @@ def main() -> None:
         try:
             result = _bench(front.url, args, scratch / f"{name}.json")
             worker_ttft = _server_ttft_ms(workers)
+            transfer = _transfer_counters(workers)
         finally:
             _stop(workers if front in workers else [*workers, front])
-        rows.append(_row(name, result, time.perf_counter() - started, worker_ttft))
+        seconds = time.perf_counter() - started
+        rows.append(_row(name, result, seconds, worker_ttft, transfer, model))
         print(json.dumps(rows[-1]), flush=True)
     report = {
         "model": args.model_path or ("tiny" if args.smoke else f"random {args.preset}"),
