@@ -141,6 +141,7 @@ class Engine:
         self.overlap = speculator is None and not config.disable_overlap_schedule
         self.overlap &= self.device.type == "cuda"
         self.in_flight: InFlightStep | None = None  # launched, not landed yet
+        self._previous_overlapped = False  # the last scheduled step was launched overlapped
         # Live requests whose tokens the host needs at once (`_overlaps`).
         self._host_bound: set[str] = set()
         logger.info(
@@ -460,7 +461,17 @@ class Engine:
         return outputs
 
     def _schedule(self) -> ScheduledBatch:
-        """This step's batch, remembered for `fail_step`."""
+        """This step's batch, remembered for `fail_step`. First, the prompt pages computed
+        by steps that ended join the prefix cache (with overlap scheduling, the previous
+        step's batch may still run: its tokens wait)."""
+        previous = self.current_batch if self._previous_overlapped else None
+        unsettled = (
+            {id(r): n for r, n in zip(previous.requests, previous.num_new_tokens, strict=True)}
+            if previous is not None
+            else {}
+        )
+        self.scheduler.share_prompt_pages(unsettled)
+        self._previous_overlapped = self._overlaps()
         self.current_batch = None
         batch = self.scheduler.schedule()
         self.current_batch = batch

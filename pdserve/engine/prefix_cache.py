@@ -130,6 +130,29 @@ class PrefixCache:
         spare.extend(pages[max(full, held) :])
         return spare
 
+    def adopt(
+        self, token_ids: Sequence[int], pages: list[int], num_tokens: int, held: list[CachedPage]
+    ) -> list[CachedPage]:
+        """Take the full pages of `num_tokens` computed tokens of a request that keeps
+        running, past the cached pages `held` it reads (the first of `pages`), while the path
+        is new to the tree; the request holds a reference on each page taken (returned, in
+        order). Stops at a page whose tokens the cache holds in another page (computed twice
+        at once): that page and the rest stay the request's own."""
+        size = self.page_size
+        node = held[-1] if held else self._root
+        now = next(self._clock)
+        taken: list[CachedPage] = []
+        for index in range(len(held), min(num_tokens // size, len(pages))):
+            key = tuple(token_ids[index * size : (index + 1) * size])
+            if key in node.children:
+                break
+            child = CachedPage(page=pages[index], key=key, parent=node, refs=1, last_used=now)
+            node.children[key] = child
+            self.num_pages += 1
+            taken.append(child)
+            node = child
+        return taken
+
     # ---- eviction ---------------------------------------------------------------------
 
     def evict(self, count: int) -> int:

@@ -124,6 +124,24 @@ class Scheduler:
             batch.add(request, count)
             budget -= count
 
+    def share_prompt_pages(self, unsettled: dict[int, int]) -> None:
+        """Running requests' full pages of computed prompt KV join the prefix cache while
+        the requests still run, so that a request admitted from now on reads them instead of
+        computing the same prompt again (a burst of requests with one system prompt; the
+        prompt a decode worker just received). `unsettled`: tokens per request (by `id`)
+        whose step may still be running, and may still fail (overlap scheduling): a failed
+        step's KV is never cached, so they wait for the next call."""
+        if self.prefix_cache is None:
+            return
+        size = self.config.page_size
+        for request in self.running:
+            settled = request.num_computed_tokens - unsettled.get(id(request), 0)
+            settled = min(settled, request.num_prompt_tokens)
+            if settled // size > len(request.cached_pages):
+                request.cached_pages += self.prefix_cache.adopt(
+                    request.token_ids, request.pages, settled, request.cached_pages
+                )
+
     def _cached_prefix(self, request: Request) -> list:
         return self.cached_prefix(request.token_ids, request.num_tokens)
 

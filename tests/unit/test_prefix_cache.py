@@ -84,8 +84,31 @@ def test_a_request_reading_cached_pages_adds_its_own_after_them():
     assert cache.num_unreferenced == cache.num_pages == 3
 
 
+def test_a_running_request_shares_its_pages_until_a_page_the_cache_holds_already():
+    cache = _cache()
+    first = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    pages = cache.allocator.allocate(3)
+    taken = cache.adopt(first, pages, 8, [])  # 2 full pages computed so far
+    assert [n.page for n in taken] == pages[:2] and all(n.refs == 1 for n in taken)
+    assert cache.num_unreferenced == 0
+    # Another request reads them while the first still runs.
+    assert [n.page for n in cache.match([*first, 10], 9)] == pages[:2]
+    # A second request computed the same first page itself (admitted in the same step):
+    # its copy stays its own, and so does every page after it.
+    second = [1, 2, 3, 4, 7, 7, 7, 7, 0]
+    own = cache.allocator.allocate(3)
+    assert cache.adopt(second, own, 8, []) == []
+    cache.release(taken)
+    assert cache.num_unreferenced == 2
+    # Letting go inserts the rest behind the pages it shared; nothing is lost.
+    cache.allocator.free(cache.insert(first, pages, 9, len(taken)))
+    cache.allocator.free(cache.insert(second, own, 9, 0))
+    assert cache.allocator.num_used == cache.num_pages == 3  # [1-4], [5-8], [7 7 7 7]
+
+
 def test_random_interleavings_keep_every_page_accounted_for():
-    """Requests match, acquire, add pages, and let them go (cached or not) in random order,
+    """Requests match, acquire, add pages, share them while running, and let them go (cached
+    or not) in random order,
     with evictions whenever the allocator runs short: no page is lost or owned twice, no
     referenced page is evicted, counts never go negative, and all pages are free at the end."""
     rng = random.Random(7)
@@ -94,7 +117,11 @@ def test_random_interleavings_keep_every_page_accounted_for():
         allocator = cache.allocator
         live = []  # (tokens, pages, held nodes)
         for _ in range(200):
-            if live and (rng.random() < 0.45 or allocator.num_free + cache.num_unreferenced < 6):
+            if live and rng.random() < 0.2:  # a running request shares its computed pages
+                tokens, pages, held = rng.choice(live)
+                computed = rng.randint(len(held) * PAGE, len(tokens))
+                held += cache.adopt(tokens, pages, computed, held)
+            elif live and (rng.random() < 0.45 or allocator.num_free + cache.num_unreferenced < 6):
                 tokens, pages, held = live.pop(rng.randrange(len(live)))
                 if rng.random() < 0.8:
                     computed = rng.randint(len(held) * PAGE, len(tokens))

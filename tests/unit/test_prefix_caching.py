@@ -218,3 +218,26 @@ def test_overlap_scheduling_caches_what_its_steps_computed(model):
     assert [r.output_token_ids for r in got] == expected
     assert [r.num_cached_tokens for r in got] == [0, 4, 8, 36, 36, 4, 20, 0]
     assert cached.engine.in_flight is None and cached.engine.kv_pages_in_use == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_burst_reads_the_prompt_pages_of_requests_still_running(model, overlap):
+    """Requests that share a system prompt arrive together: once the first has computed
+    pages of it (a prefill chunk at a time), the ones admitted after read them, while the
+    first still runs; tokens equal no caching. With overlap scheduling a step's pages are
+    shared one step later (its step may still be running)."""
+    cached = _llm(model, chunked_prefill_size=8, max_running_requests=8)
+    cached.engine.overlap = overlap
+    reference = _llm(model, disable_prefix_caching=True, chunked_prefill_size=8)
+    vocab = reference.engine.model_config.vocab_size
+    system = random_prompts((24,), vocab, seed=41)[0]
+    prompts = [system + tail for tail in random_prompts((3, 5, 6, 9), vocab, seed=42)]
+    expected = [r.output_token_ids for r in _run(reference.engine, prompts)]
+    got = _run(cached.engine, prompts)
+    assert [r.output_token_ids for r in got] == expected
+    # The first computes the system prompt; each later one finds its pages in the cache.
+    assert got[0].num_cached_tokens == 0
+    assert all(r.num_cached_tokens >= 16 for r in got[1:]), [r.num_cached_tokens for r in got]
+    assert cached.engine.kv_pages_in_use == 0
+    cache = cached.engine.prefix_cache
+    assert cache.num_unreferenced == cache.num_pages
