@@ -84,6 +84,15 @@ def drive(
     return outputs
 
 
+def one_request(prefill, decode, name: str, prompt, params, room: int) -> dict:
+    """The messages of one request to both workers (`p<name>` and `d<name>`), as `drive`
+    takes them."""
+    return {
+        prefill: [generate(f"p{name}", prompt, params, boot(prefill, room))],
+        decode: [generate(f"d{name}", prompt, params, boot(prefill, room))],
+    }
+
+
 def finished(outputs, request_id) -> bool:
     return any(o.finished for o in outputs.get(request_id, []))
 
@@ -247,10 +256,7 @@ def test_an_abort_message_ends_the_request_in_the_handoff(pair):
 def test_an_abort_message_ends_a_request_that_joined_the_decode_batch(pair):
     prefill, decode, _ = pair
     long = dataclasses.replace(GREEDY, max_new_tokens=30)
-    messages = {
-        prefill: [generate("p", [5, 6, 7], long, boot(prefill, 15))],
-        decode: [generate("d", [5, 6, 7], long, boot(prefill, 15))],
-    }
+    messages = one_request(prefill, decode, "", [5, 6, 7], long, 15)
     drive(prefill, decode, until=lambda o: "d" in o, messages=messages)
     assert decode.engine.has_unfinished() and not decode.transferring  # decoding now
     EngineLoop(decode).tick([AbortRequest("d")])
@@ -299,10 +305,7 @@ def test_kv_streamed_while_prefill_runs_equals_colocated(streaming_pair):
 def test_a_prefill_aborted_after_some_pieces_fails_decode_and_frees_both_sides(streaming_pair):
     prefill, decode, _ = streaming_pair
     prompt = random_prompts((64,), 250, seed=9)[0]
-    messages = {
-        prefill: [generate("p", prompt, GREEDY, boot(prefill, 30))],
-        decode: [generate("d", prompt, GREEDY, boot(prefill, 30))],
-    }
+    messages = one_request(prefill, decode, "", prompt, GREEDY, 30)
     drive(prefill, decode, until=lambda _: prefill.metrics.pieces_sent >= 2, messages=messages)
     assert "p" in prefill.prefilling  # mid-prompt: 16 pages, 4 at most computed
     assert prefill.abort("p")
@@ -322,11 +325,7 @@ def test_a_conversation_decoded_here_receives_only_its_new_pages(streaming_pair)
     known = 0  # tokens of this conversation whose KV decode computed or received
     for turn in range(3):
         received, skipped = decode.metrics.bytes_received, decode.metrics.bytes_skipped
-        room = 40 + turn
-        messages = {
-            prefill: [generate(f"p{turn}", prompt, GREEDY, boot(prefill, room))],
-            decode: [generate(f"d{turn}", prompt, GREEDY, boot(prefill, room))],
-        }
+        messages = one_request(prefill, decode, str(turn), prompt, GREEDY, 40 + turn)
         outputs = drive(
             prefill, decode, until=lambda o, t=turn: finished(o, f"d{t}"), messages=messages
         )
@@ -350,10 +349,7 @@ def test_a_conversation_decoded_here_receives_only_its_new_pages(streaming_pair)
 def test_a_room_that_ends_before_its_kv_drops_its_cached_pages(streaming_pair):
     prefill, decode, _ = streaming_pair
     prompt = random_prompts((22,), 250, seed=11)[0]
-    messages = {
-        prefill: [generate("p", prompt, GREEDY, boot(prefill, 50))],
-        decode: [generate("d", prompt, GREEDY, boot(prefill, 50))],
-    }
+    messages = one_request(prefill, decode, "", prompt, GREEDY, 50)
     answer = tokens(
         drive(prefill, decode, until=lambda o: finished(o, "d"), messages=messages), "d"
     )
