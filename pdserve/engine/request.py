@@ -45,6 +45,9 @@ class Request:
     # Prefix caching: the cache's nodes of pages[:len(cached_pages)] (read, never written,
     # by this request) and how many prompt tokens the cache saved at its first admission.
     cached_pages: list[Any] = field(default_factory=list)
+    # Full pages of computed prompt KV already offered to the cache while running (a page
+    # the cache held already stays the request's own: not offered again).
+    pages_offered: int = 0
     num_cached_tokens: int = 0
     # pages[pages_changed_from:] may differ from what the device page table last wrote: the
     # scheduler lowers it when it frees pages, the page table raises it when it writes them.

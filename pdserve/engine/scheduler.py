@@ -136,11 +136,12 @@ class Scheduler:
         size = self.config.page_size
         for request in self.running:
             settled = request.num_computed_tokens - unsettled.get(id(request), 0)
-            settled = min(settled, request.num_prompt_tokens)
-            if settled // size > len(request.cached_pages):
+            full = min(settled, request.num_prompt_tokens) // size
+            if full > request.pages_offered:
                 request.cached_pages += self.prefix_cache.adopt(
-                    request.token_ids, request.pages, settled, request.cached_pages
+                    request.token_ids, request.pages, full * size, request.cached_pages
                 )
+                request.pages_offered = full
 
     def _cached_prefix(self, request: Request) -> list:
         return self.cached_prefix(request.token_ids, request.num_tokens)
@@ -266,6 +267,7 @@ class Scheduler:
             self.allocator.free(spare)
         request.pages = []
         request.cached_pages = []
+        request.pages_offered = 0
         request.pages_changed_from = 0
 
 
