@@ -41,3 +41,33 @@ def test_cached_prefixes_give_the_tokens_of_no_caching_on_cuda(tiny_model_dirs, 
     cache = cached.engine.prefix_cache
     assert cache.num_pages > 0 and cached.engine.kv_pages_in_use == 0
     assert (cache.num_evicted > 0) == (kv_pages is not None)
+
+
+def test_a_burst_reads_pages_of_running_requests_with_steps_running_ahead(tiny_model_dirs):
+    """Overlap scheduling on CUDA: a request's prompt pages are shared only once the step
+    that computed them has landed, and requests admitted after read them while it still
+    runs; the tokens equal no caching."""
+    model = tiny_model_dirs("qwen3")
+    options = {
+        "device": "cuda",
+        "dtype": "float32",
+        "page_size": 16,
+        "max_model_len": 512,
+        "kv_cache_memory": 64 << 20,
+        "chunked_prefill_size": 64,  # the system prompt takes several steps
+    }
+    reference = LLM(model, disable_prefix_caching=True, **options)
+    cached = LLM(model, **options)
+    assert cached.engine.overlap
+    vocab = reference.engine.model_config.vocab_size
+    system = random_prompts((200,), vocab, seed=3)[0]
+    prompts = [system + tail for tail in random_prompts([5, 9, 13, 17, 21, 25], vocab, seed=4)]
+    expected = [o.token_ids for o in reference.generate(prompts, GREEDY)]
+    engine = cached.engine
+    requests = [engine.add_request(f"b{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output_token_ids for r in requests] == expected
+    assert requests[0].num_cached_tokens == 0
+    assert sum(r.num_cached_tokens for r in requests[1:]) >= 5 * 128
+    assert engine.kv_pages_in_use == 0
