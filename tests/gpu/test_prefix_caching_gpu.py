@@ -12,18 +12,14 @@ from tests.conftest import random_prompts
 pytestmark = pytest.mark.gpu
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+# float32 so that batching cannot flip a near-tie; a small pool: two engines share the GPU.
+CUDA = {"device": "cuda", "dtype": "float32", "page_size": 16, "kv_cache_memory": 64 << 20}
 
 
 @pytest.mark.parametrize("kv_pages", [None, 40], ids=["roomy", "evicting"])
 def test_cached_prefixes_give_the_tokens_of_no_caching_on_cuda(tiny_model_dirs, kv_pages):
     model = tiny_model_dirs("llama")
-    options = {
-        "device": "cuda",
-        "dtype": "float32",
-        "page_size": 16,
-        "max_model_len": 256,
-        "kv_cache_memory": 64 << 20,  # two engines share the GPU
-    }
+    options = {**CUDA, "max_model_len": 256}
     reference = LLM(model, disable_prefix_caching=True, **options)
     if kv_pages is not None:
         pool = reference.engine.kv_pool
@@ -48,14 +44,8 @@ def test_a_burst_reads_pages_of_running_requests_with_steps_running_ahead(tiny_m
     that computed them has landed, and requests admitted after read them while it still
     runs; the tokens equal no caching."""
     model = tiny_model_dirs("qwen3")
-    options = {
-        "device": "cuda",
-        "dtype": "float32",
-        "page_size": 16,
-        "max_model_len": 512,
-        "kv_cache_memory": 64 << 20,
-        "chunked_prefill_size": 64,  # the system prompt takes several steps
-    }
+    # Chunks of 64 tokens: the system prompt takes several steps.
+    options = {**CUDA, "max_model_len": 512, "chunked_prefill_size": 64}
     reference = LLM(model, disable_prefix_caching=True, **options)
     cached = LLM(model, **options)
     assert cached.engine.overlap
