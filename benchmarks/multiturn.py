@@ -141,13 +141,9 @@ def _server_ttft_ms(workers: list[LocalServer]) -> float | None:
     return 1e3 * total / count if count else None
 
 
-def _transfer_counters(workers: list[LocalServer]) -> dict | None:
+def _transfer_counters(decode: LocalServer) -> dict:
     """A PD deployment's decode worker's KV bytes received and skipped (its /server_info)."""
-    if len(workers) != 2 or not workers[1].url:
-        return None
-    info = httpx.get(workers[1].url + "/server_info", timeout=10).json()
-    if info.get("disaggregation_mode") != "decode":
-        return None
+    info = httpx.get(decode.url + "/server_info", timeout=10).json()
     counters = info["internal_states"][0]
     found = {key: counters[key] for key in ("bytes_received", "bytes_skipped")}
     return found | {"element_bytes": 4 if "float32" in info["dtype"] else 2}
@@ -247,7 +243,8 @@ def main() -> None:
         try:
             result = _bench(front.url, args, scratch / f"{name}.json")
             worker_ttft = _server_ttft_ms(workers)
-            transfer = _transfer_counters(workers)
+            # NOTE: a PD deployment's workers are [prefill, decode] (_start).
+            transfer = _transfer_counters(workers[1]) if name.startswith("pd") else None
         finally:
             _stop(workers if front in workers else [*workers, front])
         seconds = time.perf_counter() - started

@@ -464,14 +464,15 @@ class Engine:
         """This step's batch, remembered for `fail_step`. First, the prompt pages computed
         by steps that ended join the prefix cache (with overlap scheduling, the previous
         step's batch may still run: its tokens wait)."""
-        previous = self.current_batch if self._previous_overlapped else None
-        unsettled = (
-            {id(r): n for r, n in zip(previous.requests, previous.num_new_tokens, strict=True)}
-            if previous is not None
-            else {}
-        )
-        self.scheduler.share_prompt_pages(unsettled)
-        self._previous_overlapped = self._overlaps()
+        if self.prefix_cache is not None:
+            previous = self.current_batch if self._previous_overlapped else None
+            unsettled = (
+                {id(r): n for r, n in zip(previous.requests, previous.num_new_tokens, strict=True)}
+                if previous is not None
+                else {}
+            )
+            self.scheduler.share_prompt_pages(unsettled)
+            self._previous_overlapped = self._overlaps()
         self.current_batch = None
         batch = self.scheduler.schedule()
         self.current_batch = batch
