@@ -24,9 +24,9 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    """Batch generation on one device. `model_path` is a model directory, a `.gguf` file or
-    a Hugging Face hub id (at `revision`); other keyword arguments are `EngineConfig`
-    fields."""
+    """Batch generation on one device (or `tp_size` of them: `close()` them, or use `with`).
+    `model_path` is a model directory, a `.gguf` file or a Hugging Face hub id (at
+    `revision`); other keyword arguments are `EngineConfig` fields."""
 
     def __init__(
         self,
@@ -56,6 +56,17 @@ class LLM:
         self.engine = Engine(config, build_speculator(config.speculative))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (`tp_size` > 1); they are also
+        stopped when this process exits."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,

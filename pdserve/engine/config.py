@@ -32,6 +32,8 @@ class EngineConfig:
     batches run eagerly); disable_cuda_graph: run every step eagerly.
     disable_overlap_schedule: on CUDA, each step is prepared while the GPU runs the previous
     one (its tokens reported a step later) unless this is set.
+    tp_size: ranks of tensor parallelism (`pdserve.engine.tensor_parallel`); the KV budget
+    (kv_cache_memory, gpu_memory_utilization) is per rank.
     """
 
     model_path: str
@@ -72,6 +74,11 @@ class EngineConfig:
     disable_overlap_schedule: bool = option(
         False, "schedule each step after the previous one's tokens are back (no overlap)"
     )
+    tp_size: int = option(
+        1,
+        "tensor-parallel ranks (GPUs) one worker's model is split over: cuda:N.. cuda:N+size-1 "
+        "from --device, or gloo processes on CPU",
+    )
     cpu_kv_cache_cap: int = 1 << 30
     speculative: SpecSettings | None = None
 
@@ -99,6 +106,8 @@ class EngineConfig:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -37,11 +37,14 @@ from pdserve.engine.overlap import InFlightStep, is_placeholder, placeholder
 from pdserve.engine.page_allocator import PageAllocator, pages_needed
 from pdserve.engine.page_table import DevicePageTable
 from pdserve.engine.prefix_cache import CachedPage, PrefixCache, PromptPages
+from pdserve.engine.rank_group import RankGroup
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from pdserve.engine.speculator import Draft, Emitted, Proposals, Speculator
+from pdserve.engine.tensor_parallel import ModelSplit
+from pdserve.engine.weights import read_tensor
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 
 logger = logging.getLogger(__name__)
@@ -76,6 +79,12 @@ class Engine:
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.attention_backend = make_attention_backend(config.attention_backend, self.device)
+        # Tensor parallelism: this process is rank 0; the other ranks start now and load their
+        # shares beside it (rank_group.py).
+        self.ranks: RankGroup | None = None
+        if config.tp_size > 1:
+            split = ModelSplit.of(self.model_config, config.tp_size)
+            self.ranks = RankGroup(config, self.model_dir, split, self.device)
         self.model = load_model(
             self.model_dir,
             self.model_config,
@@ -83,6 +92,7 @@ class Engine:
             self.dtype,
             self.max_model_len,
             self.attention_backend,
+            self.ranks.tp if self.ranks else None,
         )
         self.speculator = speculator
         if speculator is not None:
@@ -92,6 +102,14 @@ class Engine:
         lookahead = speculator.lookahead_slots() if speculator else 0
         # The most pages a request can hold: max_model_len tokens and the speculative slots.
         self.max_pages_per_request = pages_needed(self.max_model_len + lookahead, config.page_size)
+        # Target features every forward pass keeps for the draft.
+        self.capture = speculator.target_capture() if speculator else Capture.NONE
+        if self.ranks is not None:
+            self.ranks.send_plan(
+                self.capture,
+                speculator.verify_tokens() if speculator else 0,
+                self.max_pages_per_request,
+            )
         self.kv_pool: KVPool = self._build_kv_pool()
         self.allocator = PageAllocator(self.kv_pool.num_pages)
         self.prefix_cache = self._build_prefix_cache()
@@ -106,8 +124,6 @@ class Engine:
             self.allocator,
             self.prefix_cache,
         )
-        # Target features every forward pass keeps for the draft.
-        self.capture = speculator.target_capture() if speculator else Capture.NONE
         self.page_table = DevicePageTable(
             config.max_running_requests, self.max_pages_per_request, self.device
         )
@@ -128,7 +144,13 @@ class Engine:
                 graph_batch_size(config, self.attention_backend) if decode_graphs else 0,
             )
         self.runner = ModelRunner(
-            self.model, self.kv_pool, self.sampler, self.device, decode_graphs, verify_graphs
+            self.model,
+            self.kv_pool,
+            self.sampler,
+            self.device,
+            decode_graphs,
+            verify_graphs,
+            self.ranks,
         )
         self.requests: dict[str, Request] = {}
         # Finished requests whose pages are kept for a KV transfer (see `hold_pages`).
@@ -145,10 +167,11 @@ class Engine:
         # Live requests whose tokens the host needs at once (`_overlaps`).
         self._host_bound: set[str] = set()
         logger.info(
-            "engine ready: %s on %s (%s, %s attention), %d KV pages of %d tokens, "
+            "engine ready: %s on %s%s (%s, %s attention), %d KV pages of %d tokens, "
             "max_model_len %d, prefix caching %s",
             self.model_config.architecture,
             self.device,
+            f" and {config.tp_size - 1} more ranks" if self.ranks else "",
             self.dtype,
             type(self.attention_backend).__name__,
             self.kv_pool.num_pages,
@@ -175,6 +198,7 @@ class Engine:
             reserved_bytes=DevicePageTable.bytes_for(
                 self.config.max_running_requests, self.max_pages_per_request
             ),
+            tp=self.ranks.tp if self.ranks else None,
         )
         if speculator is not None:
             speculator.build_pools(pool.num_pages)
@@ -197,6 +221,22 @@ class Engine:
         transfer; cached pages no request reads are not counted: they are freed on demand."""
         unreferenced = self.prefix_cache.num_unreferenced if self.prefix_cache else 0
         return self.allocator.num_used - unreferenced
+
+    def target_weight(self, name: str) -> torch.Tensor:
+        """A whole weight of the target by checkpoint name (what a draft shares with it): the
+        loaded parameter, or under tensor parallelism (each rank holds a slice) read from the
+        checkpoint."""
+        if self.ranks is None:
+            return self.model.get_parameter(name)
+        if name == "lm_head.weight" and self.model_config.tie_word_embeddings:
+            name = "model.embed_tokens.weight"
+        return read_tensor(self.model_dir, name, self.device).to(self.dtype)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do without them)."""
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
 
     def kv_tokens_for_transfer(self, num_prompt_tokens: int) -> int:
         """Token slots of KV a handoff moves for a prompt of this length."""

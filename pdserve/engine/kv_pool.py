@@ -51,3 +51,8 @@ class KVPool:
         flat_shape = (-1, self.num_kv_heads, self.head_dim)
         self.k[layer].view(flat_shape).index_copy_(0, slots, k.to(self.dtype))
         self.v[layer].view(flat_shape).index_copy_(0, slots, v.to(self.dtype))
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K and V at flat slots `src` to slots `dst`."""
+        flat = self.storage.view(2, self.num_layers, -1, self.num_kv_heads, self.head_dim)
+        flat.index_copy_(2, dst, flat.index_select(2, src))

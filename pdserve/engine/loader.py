@@ -16,6 +16,7 @@ from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import CausalLM, model_class
 from pdserve.engine.page_allocator import pages_needed
+from pdserve.engine.tensor_parallel import TensorParallel
 from pdserve.engine.weights import iterate_weights
 
 logger = logging.getLogger(__name__)
@@ -63,11 +64,13 @@ def load_model(
     dtype: torch.dtype,
     max_positions: int,
     backend: AttentionBackend,
+    tp: TensorParallel | None = None,
 ) -> CausalLM:
+    """The model, or with `tp` this rank's share of it (only its slices are read)."""
     cls = model_class(model_config.architecture)
     with torch.device(device), default_dtype(dtype):
-        model = cls(model_config, backend, max_positions)
-    model.load_weights(iterate_weights(model_dir, device))
+        model = cls(model_config, backend, max_positions, tp)
+    model.load_weights(iterate_weights(model_dir, device, lazy=tp is not None))
     return model.eval()
 
 
@@ -82,30 +85,31 @@ def build_kv_pool(
     *,
     graph_batch: int = 0,
     reserved_bytes: int = 0,
+    tp: TensorParallel | None = None,
 ) -> KVPool:
     """The target's KV pool. `extra_page_bytes`: bytes per page of other pools that share
     its page ids (a draft model's), counted against the same budget. On a GPU, the budget
     also leaves room for CUDA graphs of decode batches up to `graph_batch` (0: none) and for
-    `reserved_bytes` of other device buffers."""
+    `reserved_bytes` of other device buffers. With `tp`, the pool of this rank's KV heads,
+    with as many pages as every rank can hold (page ids are the same on every rank)."""
+    kv_heads = model_config.num_kv_heads if tp is None else tp.split.kv_heads_per_rank
     target_page_bytes = KVPool.bytes_per_page(
-        model_config.num_layers,
-        config.page_size,
-        model_config.num_kv_heads,
-        model_config.head_dim,
-        dtype,
+        model_config.num_layers, config.page_size, kv_heads, model_config.head_dim, dtype
     )
     page_bytes = target_page_bytes + extra_page_bytes
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
     elif device.type == "cuda":
         budget = _gpu_kv_budget(
-            config, model_config, model, device, dtype, max_model_len, graph_batch
+            config, model_config, model, device, dtype, max_model_len, graph_batch, kv_heads
         )
         budget = max(budget - reserved_bytes, 0)
     else:
         full = config.max_running_requests * pages_needed(max_model_len, config.page_size)
         budget = min(full * page_bytes, config.cpu_kv_cache_cap)
     num_pages = budget // page_bytes
+    if tp is not None:
+        num_pages = tp.all_reduce_min(num_pages)
     if num_pages * config.page_size < max_model_len:
         raise KVCacheTooSmallError(
             f"{budget / 2**20:.1f} MiB of KV cache holds {num_pages * config.page_size} tokens, "
@@ -116,7 +120,7 @@ def build_kv_pool(
         num_layers=model_config.num_layers,
         num_pages=num_pages,
         page_size=config.page_size,
-        num_kv_heads=model_config.num_kv_heads,
+        num_kv_heads=kv_heads,
         head_dim=model_config.head_dim,
         dtype=dtype,
         device=device,
@@ -124,7 +128,7 @@ def build_kv_pool(
 
 
 def _gpu_kv_budget(
-    config, model_config, model, device, dtype, max_model_len, graph_batch: int
+    config, model_config, model, device, dtype, max_model_len, graph_batch: int, kv_heads: int
 ) -> int:
     """What is left of `gpu_memory_utilization` x total memory after the weights, the peak
     activations of the largest prefill step and, with CUDA graphs, the activations of the
@@ -137,7 +141,7 @@ def _gpu_kv_budget(
         num_layers=model_config.num_layers,
         num_pages=pages_needed(tokens, config.page_size),
         page_size=config.page_size,
-        num_kv_heads=model_config.num_kv_heads,
+        num_kv_heads=kv_heads,
         head_dim=model_config.head_dim,
         dtype=dtype,
         device=device,

@@ -2,10 +2,14 @@
 need them (a token to sample, or a draft to verify).
 
 Input preparation (flattening token ids, positions, cache slots) lives here so the model sees
-only `(input_ids, positions)` plus the attention context.
+only `(input_ids, positions)` plus the attention context. On rank 0 of a tensor-parallel
+worker, every pass, logits computation and KV move is announced to the other ranks first
+(`RankGroup`), which run the same calls (`rank_worker.py`).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,25 +22,46 @@ from pdserve.engine.overlap import resolve_placeholders
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SampleResult
 
+if TYPE_CHECKING:
+    from pdserve.engine.rank_group import RankGroup
+
 
 class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
         kv_pool: KVPool,
-        sampler: Sampler,
+        sampler: Sampler | None,
         device: torch.device,
         decode_graphs: DecodeGraphRunner | None = None,
         verify_graphs: DecodeGraphRunner | None = None,
+        ranks: RankGroup | None = None,
     ):
         """`decode_graphs` replays plain decode batches; `verify_graphs` (speculative
-        decoding) batches of up to its `tokens_per_seq` tokens per sequence."""
+        decoding) batches of up to its `tokens_per_seq` tokens per sequence. `ranks`: the
+        other ranks of a tensor-parallel worker (on rank 0). `sampler`: None on the other
+        ranks (they never sample)."""
         self.model = model
         self.kv_pool = kv_pool
         self.sampler = sampler
         self.device = device
-        self.decode_graphs = decode_graphs
-        self.verify_graphs = verify_graphs
+        self.graphs = {"decode": decode_graphs, "verify": verify_graphs}
+        self.ranks = ranks
+
+    @property
+    def decode_graphs(self) -> DecodeGraphRunner | None:
+        return self.graphs["decode"]
+
+    @property
+    def verify_graphs(self) -> DecodeGraphRunner | None:
+        return self.graphs["verify"]
+
+    def _graphs_for(self, batch: ForwardBatch, capture: Capture) -> str:
+        """The graph runner that replays this batch ("" for none: it runs eagerly)."""
+        for name, graphs in self.graphs.items():
+            if graphs is not None and graphs.capture_kind == capture and graphs.can_run(batch):
+                return name
+        return ""
 
     @torch.inference_mode()
     def forward(
@@ -44,21 +69,30 @@ class ModelRunner:
         batch: ForwardBatch,
         capture: Capture = Capture.NONE,
         device_tokens: torch.Tensor | None = None,
+        *,
+        graphs: str | None = None,
     ) -> ForwardOutput:
         """The one forward pass, for plain steps, prefill chunks and speculative verification:
         every sequence's new tokens at once, KV written into their pages, and the features
         `capture` asks for. Decode and verification batches replay a CUDA graph, whose
         runner keeps the engine's capture. `device_tokens`: what placeholder ids stand
-        for (tokens an overlapped step sampled, or proposals drafted on the device)."""
-        for graphs in (self.decode_graphs, self.verify_graphs):
-            if graphs is not None and graphs.capture_kind == capture and graphs.can_run(batch):
-                hidden, features = graphs.run(batch, device_tokens)
-                # NOTE: the graph's output buffers are overwritten by the next replay; a draft
-                # may keep the features past this step.
-                if capture.kind == "final":
-                    features = hidden
-                features = None if features is None else features.clone()
-                return ForwardOutput(batch, graphs.query_starts(len(batch)), hidden, features)
+        for (tokens an overlapped step sampled, or proposals drafted on the device).
+        `graphs`: on a rank other than 0, the graph runner rank 0 replays (checked)."""
+        chosen = self._graphs_for(batch, capture)
+        if graphs is not None and graphs != chosen:
+            # NOTE: every rank must replay the same graph (or none): collectives pair up.
+            raise RuntimeError(f"rank 0 replays graphs {graphs!r}; this rank chose {chosen!r}")
+        if self.ranks is not None:
+            self.ranks.forward(batch, capture, chosen, device_tokens)
+        if chosen:
+            runner = self.graphs[chosen]
+            hidden, features = runner.run(batch, device_tokens)
+            # NOTE: the graph's output buffers are overwritten by the next replay; a draft
+            # may keep the features past this step.
+            if capture.kind == "final":
+                features = hidden
+            features = None if features is None else features.clone()
+            return ForwardOutput(batch, runner.query_starts(len(batch)), hidden, features)
         ctx = AttentionContext.build(
             page_size=self.kv_pool.page_size,
             pages=batch.pages,
@@ -91,11 +125,23 @@ class ModelRunner:
 
     def _logits_of_last_rows(self, output: ForwardOutput, seqs: list[int]) -> torch.Tensor:
         if len(seqs) == output.hidden.shape[0]:
-            hidden = output.hidden  # every row samples (a decode step): no gather
-        else:
-            rows = device_ints([output.last_row(i) for i in seqs], self.device)
-            hidden = output.hidden.index_select(0, rows)
+            return self.compute_logits(output, None)  # every row samples (a decode step)
+        return self.compute_logits(output, [output.last_row(i) for i in seqs])
+
+    def compute_logits(self, output: ForwardOutput, rows: list[int] | None) -> torch.Tensor:
+        """Logits of the pass's `rows` (None: every row, in order: no gather)."""
+        if self.ranks is not None:
+            self.ranks.logits(rows)
+        hidden = output.hidden
+        if rows is not None:
+            hidden = hidden.index_select(0, device_ints(rows, self.device))
         return self.model.compute_logits(hidden)
+
+    def move_kv(self, src: list[int], dst: list[int]) -> None:
+        """Copy KV from flat slots `src` to `dst` on every rank (accepted tree drafts)."""
+        if self.ranks is not None:
+            self.ranks.move_kv(src, dst)
+        self.kv_pool.copy_slots(device_ints(src, self.device), device_ints(dst, self.device))
 
     @torch.inference_mode()
     def sample_on_device(
@@ -108,7 +154,5 @@ class ModelRunner:
     def logits(self, output: ForwardOutput, seqs: list[int]) -> torch.Tensor:
         """Every row's logits of each of `seqs` in turn (a verification reads them all)."""
         rows = [row for i in seqs for row in range(output.rows(i).start, output.rows(i).stop)]
-        hidden = output.hidden
-        if rows != list(range(hidden.shape[0])):  # NOTE: else every row, in order: no gather
-            hidden = hidden.index_select(0, device_ints(rows, self.device))
-        return self.model.compute_logits(hidden)
+        every_row = rows == list(range(output.hidden.shape[0]))
+        return self.compute_logits(output, None if every_row else rows)

@@ -52,6 +52,9 @@ class Request:
     # pages[pages_changed_from:] may differ from what the device page table last wrote: the
     # scheduler lowers it when it frees pages, the page table raises it when it writes them.
     pages_changed_from: int = 0
+    # The same for the copies of the page list other tensor-parallel ranks keep (rank 0's
+    # `RankGroup` raises it when it sends them the pages).
+    pages_mirrored: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     # The stop token id or stop string that ended the request, as vLLM reports it.

@@ -247,6 +247,7 @@ class Scheduler:
             self.allocator.free(request.pages[keep:])
             del request.pages[keep:]
             request.pages_changed_from = min(request.pages_changed_from, keep)
+            request.pages_mirrored = min(request.pages_mirrored, keep)
 
     def release_pages(self, request: Request, *, cache: bool = True) -> None:
         """Let the request's pages go: its full pages of computed KV into the prefix cache
@@ -269,6 +270,7 @@ class Scheduler:
         request.cached_pages = []
         request.pages_offered = 0
         request.pages_changed_from = 0
+        request.pages_mirrored = 0
 
 
 def _known_kv_tokens(request: Request) -> int:

@@ -32,6 +32,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.handoff import Handoff, WorkerFactory
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.rank_group import RankDiedError
 from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from pdserve.protocol.channel import Channel
 from pdserve.protocol.codec import ProtocolError
@@ -90,6 +91,7 @@ def run_engine_process(
         raise
     finally:
         handoff.stop()
+        handoff.engine.close()
         inbox.close()
         outbox.close()
         context.term()
@@ -164,6 +166,10 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as e:
+            if isinstance(e, RankDiedError):
+                # NOTE: a tensor-parallel worker short of a rank can never step again: end
+                # the process now (the front end fails its requests and starts a fresh one).
+                self.consecutive_failures = MAX_CONSECUTIVE_FAILURES - 1
             self._count_failure()
             logger.exception("engine step failed; failing the requests of its batch")
             outputs = self.engine.fail_step(

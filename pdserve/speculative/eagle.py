@@ -54,7 +54,7 @@ class Eagle(DraftModelAlgorithm):
         positions = engine.max_model_len + self.lookahead_slots()
         with torch.device(engine.device), default_dtype(engine.dtype):
             model = EagleDraftModel(self.config, engine.attention_backend, positions)
-        model.load_weights(iterate_weights(self.draft_dir(), engine.device), engine.model)
+        model.load_weights(iterate_weights(self.draft_dir(), engine.device), engine.target_weight)
         return _EagleNet(model.eval())
 
     def target_capture(self) -> Capture:

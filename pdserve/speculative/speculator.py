@@ -342,12 +342,7 @@ class AlgorithmSpeculator:
         moves = [(src, dst) for src, dst in moves if src != dst]
         if not moves:
             return
-        device = kv_pool.storage.device
-        src = device_ints([slot(s) for s, _ in moves], device)
-        dst = device_ints([slot(d) for _, d in moves], device)
-        storage = kv_pool.storage
-        flat = storage.view(2, storage.shape[1], -1, *storage.shape[4:])
-        flat.index_copy_(2, dst, flat.index_select(2, src))
+        self.engine.runner.move_kv([slot(s) for s, _ in moves], [slot(d) for _, d in moves])
 
 
 def _emitted(tree: DraftTree, path: list[int], bonus: int, raw, params) -> list[Emitted]:

@@ -42,6 +42,7 @@ SAMPLES = {
             "disable_cuda_graph": True,
             "disable_overlap_schedule": True,
             "disable_prefix_caching": True,
+            "tp_size": 2,
         },
     ),
     SpecSettings: (

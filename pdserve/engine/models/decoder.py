@@ -3,7 +3,8 @@
 The four architectures are one network; their differences (q/k/v bias, per-head q/k norm,
 head_dim, sliding window, tied embeddings, RoPE scaling) are fields of `ModelConfig`. Module
 names mirror the HF checkpoints, so loading maps names one to one except for the fused q/k/v
-and gate/up projections.
+and gate/up projections. Under tensor parallelism (`tp`) the layers are the rank's share and
+loading reads only the rank's slice of each tensor (`ModelSplit.checkpoint_slice`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from pdserve.engine.models.layers import (
     GatedMLP,
     RMSNorm,
     RotaryEmbedding,
+    VocabParallelEmbedding,
     rope_inverse_frequencies,
 )
+from pdserve.engine.tensor_parallel import TensorParallel
 
 # checkpoint projection -> (fused module, index of its slice)
 _FUSED = {
@@ -43,7 +46,14 @@ class DecoderLayer(nn.Module):
     state, so that each residual add fuses into the norm after it: a layer takes and returns
     `(h, residual)`, the stream's value being `h + residual`."""
 
-    def __init__(self, layer: int, config: ModelConfig, rotary, backend: AttentionBackend):
+    def __init__(
+        self,
+        layer: int,
+        config: ModelConfig,
+        rotary,
+        backend: AttentionBackend,
+        tp: TensorParallel | None = None,
+    ):
         super().__init__()
         fused = backend.fused_elementwise
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
@@ -58,9 +68,10 @@ class DecoderLayer(nn.Module):
             sliding_window=config.sliding_window,
             rotary=rotary,
             backend=backend,
+            tp=tp,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, fused)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, fused, tp)
 
     def forward(
         self,
@@ -85,15 +96,25 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        max_positions: int,
+        tp: TensorParallel | None = None,
+    ):
         super().__init__()
         inv_freq, scaling = rope_inverse_frequencies(
             config.hf_config, config.rope_parameters, config.head_dim
         )
         self.rotary = RotaryEmbedding(inv_freq, scaling, max_positions)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, config.hidden_size)
+            if tp is None
+            else VocabParallelEmbedding(tp, config.hidden_size)
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(i, config, self.rotary, backend) for i in range(config.num_layers)
+            DecoderLayer(i, config, self.rotary, backend, tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.fused_elementwise)
 
@@ -111,11 +132,20 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        max_positions: int,
+        tp: TensorParallel | None = None,
+    ):
+        """`tp`: this rank's place in a tensor-parallel group (None: the whole model)."""
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, backend, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.model = DecoderModel(config, backend, max_positions, tp)
+        vocab_rows = config.vocab_size if tp is None else tp.split.vocab_per_rank
+        self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -142,16 +172,21 @@ class CausalLM(nn.Module):
         return hidden, torch.cat(captured, dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits over the whole vocabulary (under tensor parallelism every rank computes its
+        slice; all of them gather the rest)."""
+        logits = self.lm_head(hidden).float()
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors in; raise if any parameter stayed unset."""
+        """Copy checkpoint tensors in (this rank's slices of them under tensor parallelism);
+        raise if any parameter stayed unset."""
         tied = self.config.tie_word_embeddings
         load_checkpoint(
             self,
             self.config,
             ((n, t) for n, t in weights if not (tied and n == "lm_head.weight")),
             not_in_checkpoint={"lm_head.weight"} if tied else set(),
+            tp=self.tp,
         )
 
 
@@ -161,10 +196,12 @@ def load_checkpoint(
     config: ModelConfig,
     weights: Iterable[tuple[str, torch.Tensor]],
     not_in_checkpoint: set[str] = frozenset(),
+    tp: TensorParallel | None = None,
 ) -> None:
     """Copy checkpoint tensors (HF names; q/k/v and gate/up separate) into `module`'s
     parameters (fused) and buffers; raise if a tensor has no place or a parameter stayed
-    unset (except those named in `not_in_checkpoint`)."""
+    unset (except those named in `not_in_checkpoint`). A tensor may be a `CheckpointTensor`
+    (read only in part); with `tp`, each parameter takes this rank's slice."""
     params = dict(module.named_parameters())
     params.update(module.named_buffers())
     loaded: set[str] = set()
@@ -175,12 +212,21 @@ def load_checkpoint(
         if target not in params:
             raise MissingWeightsError(f"checkpoint tensor {name!r} has no place in the model")
         param = params[target]
-        dest = param if part is None else param.narrow(0, *_slice_of(config, target, part))
-        if tuple(dest.shape) != tuple(tensor.shape):
+        dest = param if part is None else param.narrow(0, *_slice_of(config, tp, target, part))
+        piece = tp.split.checkpoint_slice(target, part, tp.rank) if tp is not None else None
+        if piece is not None:
+            dim, start, length = piece
+            full = _shape_with(dest.shape, dim, _full_size(config, target, part))
+            dest = dest.narrow(dim, 0, length)  # NOTE: the last vocabulary slice may be short
+        else:
+            full = tuple(dest.shape)
+        if tuple(tensor.shape) != full:
             raise MissingWeightsError(
-                f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}"
+                f"{name}: checkpoint shape {tuple(tensor.shape)} != model {full}"
             )
-        dest.copy_(tensor)
+        if piece is not None:
+            tensor = tensor.narrow(dim, start, length)
+        dest.copy_(_materialized(tensor))
         loaded.add(f"{target}:{part}")
     expected = set()
     for target, _ in module.named_parameters():
@@ -203,8 +249,38 @@ def _param_for(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def _slice_of(c: ModelConfig, target: str, part: int) -> tuple[int, int]:
+def _slice_of(c: ModelConfig, tp: TensorParallel | None, target: str, part: int) -> tuple[int, int]:
+    """Where part `part` sits in a fused parameter (of this rank's size under `tp`)."""
+    heads, kv_heads, intermediate = c.num_heads, c.num_kv_heads, c.intermediate_size
+    if tp is not None:
+        s = tp.split
+        heads, kv_heads, intermediate = (
+            s.heads_per_rank,
+            s.kv_heads_per_rank,
+            s.intermediate_per_rank,
+        )
     if "qkv_proj" in target:
-        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, kv = heads * c.head_dim, kv_heads * c.head_dim
         return [(0, q), (q, kv), (q + kv, kv)][part]
-    return (part * c.intermediate_size, c.intermediate_size)
+    return (part * intermediate, intermediate)
+
+
+def _full_size(c: ModelConfig, target: str, part: int | None) -> int:
+    """The whole length of the dimension tensor parallelism splits, in the checkpoint."""
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    if "qkv_proj" in target:
+        return q if part == 0 else kv
+    if "o_proj" in target:
+        return q
+    if "gate_up_proj" in target or "down_proj" in target:
+        return c.intermediate_size
+    return c.vocab_size
+
+
+def _shape_with(shape, dim: int, size: int) -> tuple[int, ...]:
+    return tuple(size if i == dim else n for i, n in enumerate(shape))
+
+
+def _materialized(tensor) -> torch.Tensor:
+    """A tensor; a `CheckpointTensor` is read now (only the slice it was narrowed to)."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.read()

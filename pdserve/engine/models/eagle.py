@@ -260,9 +260,9 @@ class EagleDraftModel(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
 
-    def load_weights(self, weights, target_model) -> None:
+    def load_weights(self, weights, target_weight) -> None:
         """Load a draft checkpoint; share the target's embedding (and head) where the
-        checkpoint has none."""
+        checkpoint has none (`target_weight(name)`: the target's whole tensor)."""
         seen: set[str] = set()
 
         def renamed():
@@ -286,13 +286,13 @@ class EagleDraftModel(nn.Module):
         )
         with torch.no_grad():
             if "embed_tokens.weight" not in seen:
-                self.embed_tokens.weight.copy_(target_model.model.embed_tokens.weight)
+                self.embed_tokens.weight.copy_(target_weight("model.embed_tokens.weight"))
             if "lm_head.weight" not in seen:
                 if self.d2t is not None:
                     raise UnsupportedModelError(
                         "the draft has its own vocabulary (draft_vocab_size) but no lm_head"
                     )
-                self.lm_head.weight.copy_(target_model.lm_head.weight)
+                self.lm_head.weight.copy_(target_weight("lm_head.weight"))
         if self.d2t is not None and "d2t" not in seen:
             raise UnsupportedModelError("the draft has draft_vocab_size but no d2t tensor")
         if self.d2t is not None:

@@ -4,6 +4,11 @@ Numerics follow transformers' implementations (norm in float32 then cast back; r
 computed in float32 and cast to the activation dtype) so greedy outputs match it token for token.
 Q/K/V and gate/up projections are fused into one matmul each; the weight loader fills the
 fused weights from the checkpoint's separate tensors.
+
+Tensor parallelism is a choice of layers, not branches in the model (`tensor_parallel.py`):
+given a `TensorParallel`, attention builds its rank's heads, the MLP its rank's slice, and
+the projections back into the residual stream are `RowParallelLinear` (an all-reduce after
+the matmul); without one, every layer is the plain single-device module.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from torch import nn
 
 from pdserve.engine.attention import AttentionBackend, AttentionContext
 from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.tensor_parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -110,6 +116,42 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class RowParallelLinear(nn.Linear):
+    """A projection whose input is split over the ranks (their heads, their MLP slice): each
+    multiplies its slice, then the partial sums are added up on every rank."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel):
+        super().__init__(in_features, out_features, bias=False)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))
+
+
+def output_projection(in_features: int, out_features: int, tp: TensorParallel | None):
+    """The projection back into the residual stream: row-parallel under tensor parallelism."""
+    if tp is None:
+        return nn.Linear(in_features, out_features, bias=False)
+    return RowParallelLinear(in_features, out_features, tp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding's rows of one rank's vocabulary slice: ids outside it look up zeros, and
+    the all-reduce fills every row from the rank that owns the id."""
+
+    def __init__(self, tp: TensorParallel, hidden_size: int):
+        super().__init__()
+        self.tp = tp
+        self.start = tp.rank * tp.split.vocab_per_rank
+        self.weight = nn.Parameter(torch.zeros(tp.split.vocab_per_rank, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(rows.masked_fill(outside[:, None], 0))
+
+
 class Attention(nn.Module):
     def __init__(
         self,
@@ -125,15 +167,19 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
         input_size: int | None = None,
+        tp: TensorParallel | None = None,
     ):
-        """input_size: width of what q/k/v are projected from (default hidden_size)."""
+        """input_size: width of what q/k/v are projected from (default hidden_size). With
+        `tp`, the heads are this rank's (`ModelSplit`)."""
         super().__init__()
+        if tp is not None:
+            num_heads, num_kv_heads = tp.split.heads_per_rank, tp.split.kv_heads_per_rank
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         in_features = input_size or hidden_size
         self.qkv_proj = nn.Linear(in_features, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
+        self.o_proj = output_projection(self.q_size, hidden_size, tp)
         # Qwen3 normalizes each head of q and k before the rotary embedding.
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
@@ -170,11 +216,20 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """SwiGLU MLP; `fused`: silu(gate) * up in one Triton kernel (same numerics)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, fused: bool = False):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        fused: bool = False,
+        tp: TensorParallel | None = None,
+    ):
+        """With `tp`, the rank's slice of the intermediate dimension."""
         super().__init__()
+        if tp is not None:
+            intermediate_size = tp.split.intermediate_per_rank
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.down_proj = output_projection(intermediate_size, hidden_size, tp)
         self.fused = fused
         if fused:
             from pdserve.engine.kernels.activation import silu_and_mul

@@ -1,0 +1,264 @@
+"""Rank 0 of a tensor-parallel worker: it starts the other ranks and keeps them in lock-step.
+
+The engine (scheduler, sampler, speculator, handoffs) runs on rank 0 alone. Every rank holds
+its share of the weights and of every KV page (`tensor_parallel.py`) and runs every forward
+pass of the target; page ids are the same on every rank, so rank 0's allocator and prefix
+cache serve them all. Before each pass, `ModelRunner` calls `forward` here: one
+`RankForward` message per rank over ZMQ (msgpack, as every engine message), then, if the
+pass reads tokens that are still on the device, a broadcast of them. Logits (`logits`) and
+KV moves of accepted tree drafts (`move_kv`) are mirrored the same way. Collectives then
+keep the ranks together inside the pass.
+
+The other ranks are processes of their own (`python -m pdserve.engine.rank_worker`), found
+through a TCPStore that rank 0 hosts: they register there, read where rank 0 sends their
+messages, and leave when the store goes away (rank 0 died). Rank 0 checks that its ranks
+still live before each pass, so a dead rank fails the pass (and the requests in it) at once
+instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.forward_batch import Capture, ForwardBatch
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.tensor_parallel import (
+    ModelSplit,
+    TensorParallel,
+    TensorParallelError,
+    open_group,
+)
+from pdserve.protocol.channel import Channel
+from pdserve.protocol.rank_messages import (
+    RankForward,
+    RankLogits,
+    RankMask,
+    RankMoveKV,
+    RankPlan,
+    RankStop,
+)
+
+logger = logging.getLogger(__name__)
+
+STORE_PREFIX = "pdserve-tp"
+START_TIMEOUT_S = 600.0  # the slowest rank's start: imports, weights, CUDA graphs
+COLLECTIVE_TIMEOUT_S = 300.0  # a collective no rank joins fails after this
+SEND_TIMEOUT_MS = 10_000
+STOP_WAIT_S = 10.0
+POLL_S = 0.05
+
+
+class RankDiedError(RuntimeError):
+    """Another rank of this tensor-parallel worker exited: the worker cannot step any more."""
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank `rank`'s device: the next GPUs after rank 0's, or the CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+class RankGroup:
+    """The other ranks of this worker, seen from rank 0."""
+
+    def __init__(self, config: EngineConfig, model_dir: str, split: ModelSplit, device):
+        self.split = split
+        size = split.size
+        if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+            raise TensorParallelError(
+                f"--tp-size {size} from {device} needs GPUs up to cuda:{device.index + size - 1}"
+                f"; this machine has {torch.cuda.device_count()}"
+            )
+        self.store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            size,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+            wait_for_workers=False,
+        )
+        self.context = zmq.Context()
+        self.channels: list[Channel] = []
+        self.processes: list[subprocess.Popen] = []
+        self._finalizer = weakref.finalize(self, _stop_processes, self.processes, 0.0)
+        worker_config = dataclasses.replace(config, model_path=str(model_dir), speculative=None)
+        for rank in range(1, size):
+            channel = Channel(self.context, zmq.PUSH, send_timeout_ms=SEND_TIMEOUT_MS)
+            port = channel.bind_random_port("tcp://127.0.0.1")
+            self.store.set(f"{STORE_PREFIX}/steps/{rank}", f"tcp://127.0.0.1:{port}")
+            self.channels.append(channel)
+            self.processes.append(
+                _spawn(worker_config, rank, size, self.store.port, rank_device(device, rank))
+            )
+        self._wait_for_ranks("joined")
+        group = open_group(
+            dist.PrefixStore(STORE_PREFIX, self.store), 0, size, device, COLLECTIVE_TIMEOUT_S
+        )
+        self.tp = TensorParallel(split, 0, group, device)
+        # Requests whose pages the other ranks mirror, to tell them when each stops running.
+        self._mirrored: dict[str, Request] = {}
+
+    def _wait_for_ranks(self, stage: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for rank in range(1, self.split.size):
+            key = f"{STORE_PREFIX}/{stage}/{rank}"
+            while not self.store.check([key]):
+                self.check_alive(f"while starting ({stage})")
+                if time.monotonic() > deadline:
+                    raise TensorParallelError(
+                        f"tensor-parallel rank {rank} did not start within {START_TIMEOUT_S:.0f} s"
+                    )
+                time.sleep(POLL_S)
+
+    def check_alive(self, when: str = "") -> None:
+        for rank, process in enumerate(self.processes, start=1):
+            code = process.poll()
+            if code is not None:
+                _stop_processes(self.processes, 0.0)  # NOTE: the others wait for it in vain
+                raise RankDiedError(
+                    f"tensor-parallel rank {rank} exited with code {code}"
+                    + (f" {when}" if when else "")
+                    + "; its log is above"
+                )
+
+    # ---- start-up ---------------------------------------------------------------------
+
+    def send_plan(self, capture: Capture, verify_tokens: int, max_pages_per_request: int) -> None:
+        self._send(
+            RankPlan(capture.kind, list(capture.layer_ids), verify_tokens, max_pages_per_request)
+        )
+
+    # ---- each pass --------------------------------------------------------------------
+
+    def forward(
+        self,
+        batch: ForwardBatch,
+        capture: Capture,
+        graphs: str,
+        device_tokens: torch.Tensor | None,
+    ) -> None:
+        """Tell the other ranks to run this pass (rank 0 runs it right after)."""
+        self.check_alive()
+        ended = [
+            request_id
+            for request_id, request in self._mirrored.items()
+            if request.status is not RequestStatus.RUNNING
+        ]
+        for request_id in ended:
+            del self._mirrored[request_id]
+        ids, kept, new_pages = [], [], []
+        for request, pages in zip(batch.requests, batch.pages, strict=True):
+            if request is None:
+                ids.append("")
+                kept.append(0)
+                new_pages.append(list(pages))
+                continue
+            mirrored = self._mirrored.get(request.request_id)
+            keep = min(request.pages_mirrored, len(pages)) if mirrored is request else 0
+            ids.append(request.request_id)
+            kept.append(keep)
+            new_pages.append(pages[keep:])
+            request.pages_mirrored = len(pages)
+            self._mirrored[request.request_id] = request
+        masks = [
+            RankMask(seq, *mask.shape, mask.flatten().tolist()) for seq, mask in batch.masks.items()
+        ]
+        self._send(
+            RankForward(
+                request_ids=ids,
+                pages_kept=kept,
+                new_pages=new_pages,
+                num_computed=list(batch.num_computed),
+                token_ids=[list(t) for t in batch.token_ids],
+                positions=list(batch.positions),
+                masks=masks,
+                capture_kind=capture.kind,
+                capture_layers=list(capture.layer_ids),
+                graphs=graphs,
+                device_tokens_shape=[] if device_tokens is None else list(device_tokens.shape),
+                device_tokens_dtype="" if device_tokens is None else _dtype_name(device_tokens),
+                ended=ended,
+            )
+        )
+        if device_tokens is not None:
+            self.tp.broadcast_from_first(device_tokens.contiguous())
+
+    def logits(self, rows: list[int] | None) -> None:
+        self._send(RankLogits(rows))
+
+    def move_kv(self, src: list[int], dst: list[int]) -> None:
+        self._send(RankMoveKV(src, dst))
+
+    def _send(self, msg) -> None:
+        for rank, channel in enumerate(self.channels, start=1):
+            try:
+                channel.send(msg)
+            except zmq.Again:
+                self.check_alive()
+                raise RankDiedError(
+                    f"tensor-parallel rank {rank} took no message for {SEND_TIMEOUT_MS} ms"
+                ) from None
+
+    # ---- shutdown ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the other ranks (asked first, killed after `STOP_WAIT_S`)."""
+        for channel in self.channels:
+            # NOTE: a rank that cannot take it is killed below.
+            with contextlib.suppress(zmq.ZMQError):
+                channel.send(RankStop("shutdown"), flags=zmq.NOBLOCK)
+        _stop_processes(self.processes, STOP_WAIT_S)
+        self._finalizer.detach()
+        for channel in self.channels:
+            channel.close()
+        self.context.term()
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _spawn(
+    config: EngineConfig, rank: int, size: int, store_port: int, device: torch.device
+) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        "-m",
+        "pdserve.engine.rank_worker",
+        "--rank",
+        str(rank),
+        "--size",
+        str(size),
+        "--store",
+        f"127.0.0.1:{store_port}",
+        "--device",
+        str(device),
+        "--config",
+        json.dumps(dataclasses.asdict(config)),
+    ]
+    return subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _stop_processes(processes: list[subprocess.Popen], wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -1,0 +1,265 @@
+"""A tensor-parallel rank other than 0: its share of the model and of every KV page, and a loop
+that runs each forward pass rank 0 announces (`rank_group.py` says how the ranks agree).
+
+It schedules nothing and samples nothing. It keeps, per running request, a copy of the page
+list (rank 0 sends what changed) and the request's row in its own device page table, so CUDA
+graphs replay here as on rank 0. It leaves when rank 0 says so, when rank 0's store goes away
+(rank 0 died), or on any error (rank 0 then finds it dead and fails its requests).
+
+Run by rank 0: `python -m pdserve.engine.rank_worker --rank R --size N --store HOST:PORT
+--device DEV --config JSON`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from pdserve.engine.attention import make_attention_backend
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.decode_graphs import build_decode_graphs, graph_batch_size
+from pdserve.engine.forward_batch import Capture, ForwardBatch, ForwardOutput
+from pdserve.engine.loader import build_kv_pool, load_model, resolve_dtype
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.page_table import DevicePageTable
+from pdserve.engine.rank_group import COLLECTIVE_TIMEOUT_S, START_TIMEOUT_S, STORE_PREFIX
+from pdserve.engine.request import RequestStatus
+from pdserve.engine.tensor_parallel import ModelSplit, TensorParallel, open_group
+from pdserve.protocol.channel import Channel
+from pdserve.protocol.rank_messages import (
+    RankForward,
+    RankLogits,
+    RankMoveKV,
+    RankPlan,
+    RankStop,
+)
+from pdserve.protocol.spec_settings import SpecSettings
+
+logger = logging.getLogger(__name__)
+
+IDLE_CHECK_MS = 1000  # how often an idle rank checks that rank 0 still lives
+RANK_MESSAGES = (RankPlan, RankForward, RankLogits, RankMoveKV, RankStop)
+
+
+class RankProtocolError(RuntimeError):
+    """Rank 0 sent something this rank cannot follow (a bug, never a client's doing)."""
+
+
+@dataclass
+class MirroredRequest:
+    """What the device page table reads of a request: its pages and its table row."""
+
+    request_id: str
+    pages: list[int] = field(default_factory=list)
+    pages_changed_from: int = 0
+    page_table_row: Any = None
+    status: RequestStatus = RequestStatus.RUNNING
+
+
+class RankWorker:
+    def __init__(self, config: EngineConfig, tp: TensorParallel, store, inbox: Channel):
+        self.config = config
+        self.tp = tp
+        self.store = store
+        self.inbox = inbox
+        self.device = tp.device
+        self.model_config = ModelConfig.from_pretrained(config.model_path)
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
+        torch.manual_seed(config.seed)
+        self.backend = make_attention_backend(config.attention_backend, self.device)
+        self.model = load_model(
+            config.model_path,
+            self.model_config,
+            self.device,
+            self.dtype,
+            self.max_model_len,
+            self.backend,
+            tp,
+        )
+        plan = self._receive(RankPlan, deadline_s=START_TIMEOUT_S)
+        self.kv_pool = build_kv_pool(
+            config,
+            self.model_config,
+            self.model,
+            self.device,
+            self.dtype,
+            self.max_model_len,
+            graph_batch=graph_batch_size(config, self.backend, self.device),
+            reserved_bytes=DevicePageTable.bytes_for(
+                config.max_running_requests, plan.max_pages_per_request
+            ),
+            tp=tp,
+        )
+        self.page_table = DevicePageTable(
+            config.max_running_requests, plan.max_pages_per_request, self.device
+        )
+        capture = Capture(plan.capture_kind, tuple(plan.capture_layers))
+        graph_args = (self.backend, self.model, self.kv_pool, self.page_table, self.device)
+        decode_graphs = build_decode_graphs(config, *graph_args, capture=capture)
+        verify_graphs = None
+        if plan.verify_tokens:
+            verify_graphs = build_decode_graphs(
+                config,
+                *graph_args,
+                capture=capture,
+                tokens_per_seq=plan.verify_tokens,
+                share_pool_with=decode_graphs,
+            )
+        self.runner = ModelRunner(
+            self.model, self.kv_pool, None, self.device, decode_graphs, verify_graphs
+        )
+        self.requests: dict[str, MirroredRequest] = {}
+        self.output: ForwardOutput | None = None
+        logger.info(
+            "rank %d ready on %s: %d KV pages of %d KV heads",
+            tp.rank,
+            self.device,
+            self.kv_pool.num_pages,
+            self.kv_pool.num_kv_heads,
+        )
+
+    def run(self) -> None:
+        while True:
+            msg = self._receive(None, deadline_s=None)
+            if isinstance(msg, RankStop):
+                return
+            if isinstance(msg, RankForward):
+                self.output = self._forward(msg)
+            elif isinstance(msg, RankLogits):
+                self._logits(msg)
+            elif isinstance(msg, RankMoveKV):
+                self.runner.move_kv(msg.src, msg.dst)
+            else:
+                raise RankProtocolError(f"unexpected {type(msg).__name__} after start-up")
+
+    def _receive(self, expected: type | None, deadline_s: float | None):
+        """The next message from rank 0 (of type `expected`), checking while waiting that
+        rank 0 still lives (its store answers)."""
+        started = time.monotonic()
+        while not self.inbox.socket.poll(IDLE_CHECK_MS):
+            self.store.check([f"{STORE_PREFIX}/alive"])  # NOTE: raises once rank 0 is gone
+            if deadline_s is not None and time.monotonic() - started > deadline_s:
+                raise RankProtocolError(f"no message from rank 0 within {deadline_s:.0f} s")
+        msg = self.inbox.receive().msg
+        if expected is not None and not isinstance(msg, expected):
+            raise RankProtocolError(f"expected {expected.__name__}, got {type(msg).__name__}")
+        return msg
+
+    @torch.inference_mode()
+    def _forward(self, msg: RankForward) -> ForwardOutput:
+        for request_id in msg.ended:
+            request = self.requests.pop(request_id, None)
+            if request is not None:
+                request.status = RequestStatus.FINISHED  # NOTE: frees its page-table row
+        batch = ForwardBatch()
+        masks = {m.seq: m for m in msg.masks}
+        num_pages = self.kv_pool.num_pages
+        for seq, request_id in enumerate(msg.request_ids):
+            new_pages = msg.new_pages[seq]
+            if any(not 0 <= page < num_pages for page in new_pages):
+                raise RankProtocolError(f"page ids outside [0, {num_pages}) for {request_id!r}")
+            request = None
+            pages = list(new_pages)
+            if request_id:
+                request = self.requests.setdefault(request_id, MirroredRequest(request_id))
+                kept = msg.pages_kept[seq]
+                if kept > len(request.pages):
+                    raise RankProtocolError(
+                        f"{request_id!r} keeps {kept} pages; this rank knows {len(request.pages)}"
+                    )
+                del request.pages[kept:]
+                request.pages.extend(new_pages)
+                request.pages_changed_from = min(request.pages_changed_from, kept)
+                pages = request.pages
+            mask = masks.get(seq)
+            batch.add(
+                pages,
+                msg.num_computed[seq],
+                msg.token_ids[seq],
+                msg.positions[seq],
+                None if mask is None else _mask_tensor(mask),
+                request=request,
+            )
+        device_tokens = None
+        if msg.device_tokens_shape:
+            dtype = getattr(torch, msg.device_tokens_dtype)
+            device_tokens = torch.empty(msg.device_tokens_shape, dtype=dtype, device=self.device)
+            self.tp.broadcast_from_first(device_tokens)
+        capture = Capture(msg.capture_kind, tuple(msg.capture_layers))
+        return self.runner.forward(batch, capture, device_tokens, graphs=msg.graphs)
+
+    @torch.inference_mode()
+    def _logits(self, msg: RankLogits) -> None:
+        if self.output is None:
+            raise RankProtocolError("logits asked for before any forward pass")
+        self.runner.compute_logits(self.output, msg.rows)
+
+
+def _mask_tensor(mask) -> torch.Tensor:
+    if len(mask.visible) != mask.rows * mask.width:
+        raise RankProtocolError(f"a mask of {len(mask.visible)} for [{mask.rows}, {mask.width}]")
+    return torch.tensor(mask.visible, dtype=torch.bool).view(mask.rows, mask.width)
+
+
+def _config_from_json(text: str) -> EngineConfig:
+    fields = json.loads(text)
+    if fields.get("speculative") is not None:
+        fields["speculative"] = SpecSettings(**fields["speculative"])
+    return EngineConfig(**fields)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdserve.engine.rank_worker")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--size", type=int, required=True)
+    parser.add_argument("--store", required=True, help="HOST:PORT of rank 0's TCPStore")
+    parser.add_argument("--device", required=True)
+    parser.add_argument("--config", required=True, help="the EngineConfig as JSON")
+    args = parser.parse_args(argv)
+    level = os.environ.get("PDSERVE_LOG_LEVEL", "info").upper()
+    logging.basicConfig(level=level, format=f"%(levelname)s rank {args.rank}: %(message)s")
+    config = _config_from_json(args.config)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.set_num_threads(1)
+    host, port = args.store.rsplit(":", 1)
+    store = dist.TCPStore(
+        host,
+        int(port),
+        args.size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+    )
+    inbox = Channel(zmq.Context(), zmq.PULL, accepts=RANK_MESSAGES)
+    inbox.connect(store.get(f"{STORE_PREFIX}/steps/{args.rank}").decode())
+    store.set(f"{STORE_PREFIX}/joined/{args.rank}", "1")
+    group = open_group(
+        dist.PrefixStore(STORE_PREFIX, store), args.rank, args.size, device, COLLECTIVE_TIMEOUT_S
+    )
+    model_config = ModelConfig.from_pretrained(config.model_path)
+    tp = TensorParallel(ModelSplit.of(model_config, args.size), args.rank, group, device)
+    try:
+        RankWorker(config, tp, store, inbox).run()
+    except Exception:
+        logger.exception("rank %d failed", args.rank)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

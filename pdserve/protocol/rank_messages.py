@@ -1,0 +1,77 @@
+"""Messages from a tensor-parallel worker's rank 0 to its other ranks (torch-free).
+
+Rank 0 schedules and samples; the other ranks hold their share of the weights and of every KV
+page and run the same forward passes. Before each pass rank 0 sends what the pass computes
+(`RankForward`); the other ranks mirror each running request's page list from what changed
+(`pages_kept`, `new_pages`), so a decode step sends a few ints per request, not its pages.
+Tensors that are already on the device (tokens an overlapped step sampled, drafted
+proposals) follow by a broadcast in the group, not here.
+"""
+
+from __future__ import annotations
+
+from pdserve.protocol.codec import message
+
+
+@message("rank_plan")
+class RankPlan:
+    """Start-up, once rank 0 knows it: what every pass keeps for a draft, how many tokens a
+    verification computes per request (0: no speculation), a request's most pages."""
+
+    capture_kind: str
+    capture_layers: list[int]
+    verify_tokens: int
+    max_pages_per_request: int
+
+
+@message("rank_mask")
+class RankMask:
+    """A sequence's attention mask over its new tokens ([rows, width], row-major)."""
+
+    seq: int
+    rows: int
+    width: int
+    visible: list[bool]
+
+
+@message("rank_forward")
+class RankForward:
+    """One forward pass. Per sequence: its request (empty: none), how many of the pages the
+    ranks know for it still hold and the pages after them, its computed tokens, the tokens it
+    computes now (negative: placeholders for the broadcast device tokens) and their explicit
+    positions (None: its slots). `graphs`: which graph runner rank 0 replays ("", "decode",
+    "verify"). `ended`: requests that stopped running since the last pass."""
+
+    request_ids: list[str]
+    pages_kept: list[int]
+    new_pages: list[list[int]]
+    num_computed: list[int]
+    token_ids: list[list[int]]
+    positions: list[list[int] | None]
+    masks: list[RankMask]
+    capture_kind: str
+    capture_layers: list[int]
+    graphs: str
+    device_tokens_shape: list[int]
+    device_tokens_dtype: str
+    ended: list[str]
+
+
+@message("rank_logits")
+class RankLogits:
+    """Logits of the last pass's `rows` (None: every row); the ranks gather the vocabulary."""
+
+    rows: list[int] | None
+
+
+@message("rank_move_kv")
+class RankMoveKV:
+    """Copy KV from flat slots `src` to `dst` (accepted tree-draft tokens)."""
+
+    src: list[int]
+    dst: list[int]
+
+
+@message("rank_stop")
+class RankStop:
+    reason: str

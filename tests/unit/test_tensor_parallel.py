@@ -1,0 +1,220 @@
+"""Tensor parallelism on CPU (gloo between rank processes): TP 2 and TP 4 give TP 1's tokens for
+every architecture, with KV heads split and replicated, with overlap scheduling and with every
+speculative algorithm; the split's arithmetic and its refusals; a rank that dies fails the
+step and frees every page; ranks leave when rank 0 dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.rank_group import RankDiedError
+from pdserve.engine.tensor_parallel import ModelSplit, TensorParallelError
+from pdserve.engine.tiny_model import make_tiny_model
+from pdserve.protocol.spec_settings import SpecSettings
+from tests.conftest import ARCHS, random_prompts
+from tests.waiting import wait_until
+
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+LENGTHS = (1, 6, 23, 41)
+# Small pages and chunks: prompts span pages and chunks mix with decode steps.
+OPTIONS = {"device": "cpu", "page_size": 4, "chunked_prefill_size": 16}
+
+
+def split(size, heads=8, kv=4, intermediate=128, vocab=1000, head_dim=16):
+    return ModelSplit(size, heads, kv, head_dim, intermediate, vocab)
+
+
+# ---- the split -------------------------------------------------------------------------
+
+
+def test_heads_mlp_and_vocabulary_divide_among_ranks():
+    s = split(4, heads=8, kv=4, vocab=1001)
+    assert (s.heads_per_rank, s.kv_heads_per_rank, s.intermediate_per_rank) == (2, 1, 32)
+    assert [s.vocab_rows(r) for r in range(4)] == [(0, 251), (251, 251), (502, 251), (753, 248)]
+    assert s.checkpoint_slice("model.layers.0.self_attn.qkv_proj.weight", 0, 3) == (0, 96, 32)
+    assert s.checkpoint_slice("model.layers.0.self_attn.qkv_proj.weight", 2, 3) == (0, 48, 16)
+    assert s.checkpoint_slice("model.layers.0.self_attn.o_proj.weight", None, 1) == (1, 32, 32)
+    assert s.checkpoint_slice("model.layers.0.mlp.down_proj.weight", None, 2) == (1, 64, 32)
+    assert s.checkpoint_slice("model.layers.0.input_layernorm.weight", None, 2) is None
+
+
+def test_fewer_kv_heads_than_ranks_replicates_each_head_on_neighbouring_ranks():
+    s = split(4, heads=8, kv=2)
+    assert s.kv_heads_per_rank == 1
+    assert [s.kv_head_start(r) for r in range(4)] == [0, 0, 1, 1]
+    # NOTE: rank r's query heads 2r, 2r+1 read KV head (2r) // 4: the head it holds.
+    group = s.num_heads // s.num_kv_heads
+    for rank in range(4):
+        first_query_head = rank * s.heads_per_rank
+        assert first_query_head // group == s.kv_head_start(rank)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"size": 3, "heads": 8}, "does not divide the model's 8 attention heads"),
+        ({"size": 4, "heads": 12, "kv": 6}, "6 KV heads: one must divide the other"),
+        ({"size": 2, "intermediate": 129}, "intermediate_size 129"),
+        ({"size": 0}, "--tp-size must be >= 1"),
+    ],
+)
+def test_a_split_that_cannot_work_names_the_dimension(fields, message):
+    with pytest.raises(TensorParallelError, match=message):
+        split(**fields)
+
+
+def test_an_engine_refuses_a_size_before_starting_any_rank(tiny_model_dirs):
+    with pytest.raises(TensorParallelError, match="does not divide the model's 4 attention"):
+        LLM(tiny_model_dirs("llama"), tp_size=3, **OPTIONS)
+
+
+# ---- exactness ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kv4_models(tmp_path_factory):
+    """arch -> a tiny model with 4 KV heads (so TP 4 splits them one per rank)."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            cache[arch] = str(make_tiny_model(tmp_path_factory.mktemp(arch), arch, num_kv_heads=4))
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(LENGTHS, 500, seed=11)
+
+
+@pytest.fixture(scope="module")
+def tp1_tokens(kv4_models, prompts):
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            with LLM(kv4_models(arch), **OPTIONS) as llm:
+                cache[arch] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        return cache[arch]
+
+    return get
+
+
+def generate(model_dir, prompts, size, *, overlap=False, **options):
+    with LLM(model_dir, tp_size=size, **OPTIONS, **options) as llm:
+        llm.engine.overlap = overlap
+        outputs = llm.generate(prompts, GREEDY)
+        assert llm.engine.kv_pages_in_use == 0
+        return [o.token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tp_output_equals_tp1_token_for_token(arch, size, kv4_models, tp1_tokens, prompts):
+    assert generate(kv4_models(arch), prompts, size) == tp1_tokens(arch)
+
+
+def test_replicated_kv_heads_equal_tp1(tiny_model_dirs, prompts):
+    model = tiny_model_dirs("llama")  # 2 KV heads over 4 ranks
+    with LLM(model, **OPTIONS) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert generate(model, prompts, 4) == expected
+
+
+def test_overlapped_steps_broadcast_their_device_tokens(kv4_models, tp1_tokens, prompts):
+    assert generate(kv4_models("llama"), prompts, 2, overlap=True) == tp1_tokens("llama")
+
+
+CHAIN = {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}
+TREE = {"num_steps": 3, "eagle_topk": 3, "num_draft_tokens": 8}
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "shape"),
+    [("EAGLE", CHAIN), ("EAGLE3", TREE), ("STANDALONE", CHAIN), ("NGRAM", TREE)],
+)
+def test_speculative_decoding_under_tp_is_lossless(
+    algorithm, shape, spec_drafts, tiny_model_dirs, prompts
+):
+    """The draft runs whole on rank 0; verification, and the KV moves of accepted tree
+    nodes, run on every rank."""
+    model = tiny_model_dirs("llama")
+    repetitive = [*prompts, [11, 12, 13, 14] * 6]
+    with LLM(model, **OPTIONS) as llm:
+        expected = [o.token_ids for o in llm.generate(repetitive, GREEDY)]
+    settings = SpecSettings(algorithm, draft_model_path=spec_drafts[algorithm], **shape)
+    assert generate(model, repetitive, 2, speculative=settings) == expected
+
+
+# ---- failures ----------------------------------------------------------------------------
+
+
+def test_a_dead_rank_fails_the_step_and_every_page_is_freed(tiny_model_dirs, prompts):
+    with LLM(tiny_model_dirs("llama"), tp_size=2, **OPTIONS) as llm:
+        engine = llm.engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, GREEDY)
+        engine.step()
+        follower = engine.ranks.processes[0]
+        follower.send_signal(signal.SIGKILL)
+        follower.wait(timeout=10)
+        started = time.monotonic()
+        with pytest.raises(RankDiedError, match="rank 1 exited with code -9"):
+            engine.step()
+        assert time.monotonic() - started < 5
+        failed = engine.fail_step("rank 1 died")
+        assert {o.request_id for o in failed} == {f"r{i}" for i in range(len(prompts))}
+        assert all(o.finished and o.failure is not None for o in failed)
+        assert engine.kv_pages_in_use == 0  # NOTE: only the prefix cache's pages stay
+        engine.add_request("late", prompts[0], GREEDY)
+        with pytest.raises(RankDiedError):
+            engine.step()
+
+
+RANK0_THEN_EXIT = """
+import os, sys
+from pdserve import LLM
+llm = LLM(sys.argv[1], tp_size=2, device="cpu")
+print(llm.engine.ranks.processes[0].pid, flush=True)
+os._exit(0)  # NOTE: no close(), no finalizer: as if killed
+"""
+
+
+def test_ranks_leave_when_rank0_is_gone(tiny_model_dirs):
+    child = subprocess.run(
+        [sys.executable, "-c", RANK0_THEN_EXIT, tiny_model_dirs("llama")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    pid = int(child.stdout.split()[-1])
+
+    def gone():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # NOTE: a zombie has exited too (its parent is gone; init reaps it).
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1].startswith("Z")
+
+    wait_until(gone, "rank 1 to leave after rank 0 exited", deadline_s=20)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_disaggregated_role_refuses_tp_until_its_ranks_can_move_kv(role, tiny_model_dirs, capsys):
+    from pdserve.cli import main
+
+    argv = [role, "--model-path", tiny_model_dirs("llama"), "--tp-size", "2", "--port", "0"]
+    assert main(argv) == 2
+    assert f"--tp-size 2 on a {role} worker" in capsys.readouterr().err
