@@ -1,0 +1,99 @@
+"""Tensor parallelism on GPUs: the parallel layers over NCCL (a group of one on one GPU, eager
+and inside captured CUDA graphs) give the plain model's tokens; on two GPUs, a TP 2 worker
+gives TP 1's tokens in float32 (CUDA graphs and overlap scheduling on, as by default)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.attention import make_attention_backend
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.decode_graphs import build_decode_graphs
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.loader import load_model
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.page_table import DevicePageTable
+from pdserve.engine.rank_worker import MirroredRequest
+from pdserve.engine.tensor_parallel import ModelSplit, TensorParallel, open_group
+from pdserve.engine.tiny_model import make_tiny_model
+from tests.conftest import random_prompts
+
+pytestmark = pytest.mark.gpu
+
+PAGE = 16
+
+
+def _runner(model_dir, cfg, tp, device):
+    config = EngineConfig(model_path=model_dir, device=str(device), cuda_graph_max_bs=8)
+    backend = make_attention_backend("triton", device)
+    model = load_model(model_dir, cfg, device, torch.float32, 512, backend, tp)
+    pool = KVPool(
+        num_layers=cfg.num_layers,
+        num_pages=64,
+        page_size=PAGE,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=torch.float32,
+        device=device,
+    )
+    graphs = build_decode_graphs(config, backend, model, pool, DevicePageTable(8, 8, device), device)
+    return ModelRunner(model, pool, None, device, graphs)
+
+
+def _greedy(runner, prompts, steps):
+    """Prefill every prompt in one pass, then `steps` decode passes (graph replays)."""
+    requests = [MirroredRequest(f"r{i}", pages=list(range(i * 4, i * 4 + 4))) for i in range(4)]
+    tokens = [list(p) for p in prompts]
+    computed = [0] * len(prompts)
+    for _ in range(steps + 1):
+        batch = ForwardBatch()
+        for i, request in enumerate(requests):
+            batch.add(request.pages, computed[i], tokens[i][computed[i] :], request=request)
+        output = runner.forward(batch)
+        logits = runner.compute_logits(output, [output.last_row(i) for i in range(len(prompts))])
+        for i, token in enumerate(logits.argmax(-1).tolist()):
+            computed[i] = len(tokens[i])
+            tokens[i].append(token)
+    return tokens
+
+
+def test_parallel_layers_in_a_group_of_one_equal_the_plain_model(tiny_model_dirs):
+    """Row-parallel all-reduces, the vocab-parallel embedding and the gathered LM head over
+    NCCL, eager and captured in CUDA graphs."""
+    model_dir = tiny_model_dirs("llama")
+    device = torch.device("cuda", 0)
+    cfg = ModelConfig.from_pretrained(model_dir)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    group = open_group(store, 0, 1, device, 60)
+    tp = TensorParallel(ModelSplit.of(cfg, 1), 0, group, device)
+    prompts = random_prompts([5, 9, 17, 30], cfg.vocab_size, seed=3)
+    plain = _greedy(_runner(model_dir, cfg, None, device), prompts, 12)
+    runner = _runner(model_dir, cfg, tp, device)
+    assert _greedy(runner, prompts, 12) == plain
+    assert runner.decode_graphs.replays, "the decode passes should replay captured graphs"
+
+
+@pytest.fixture(scope="module")
+def kv4_model(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("kv4"), "qwen3", num_kv_heads=4))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tp2_on_two_gpus_equals_tp1(arch, tiny_model_dirs, kv4_model):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
+    model = tiny_model_dirs("llama") if arch == "llama" else kv4_model
+    greedy = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+    prompts = random_prompts([1, 7, 16, 33, 64, 100, 250, 500], 500, seed=2)
+    options = {"device": "cuda:0", "dtype": "float32", "kv_cache_memory": 1 << 28}
+    with LLM(model, **options) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, greedy)]
+    with LLM(model, tp_size=2, **options) as llm:
+        assert llm.engine.runner.decode_graphs is not None and llm.engine.overlap
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
+        assert llm.engine.kv_pages_in_use == 0
