@@ -24,9 +24,12 @@
 #                     a worker (a Kubernetes headless Service); several: space-separated
 #   PREFILL_URLS, DECODE_URLS         router: space-separated worker URLs (bootstrap ports
 #                     are asked from the prefill workers)
+#   TP_SIZE           tensor-parallel ranks of one worker, over all its nodes (GPUs cuda:N..
+#                     from DEVICE on each node; TP_SIZE / NNODES per node)                [1]
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   the node group this node is part of
-#                     [1, 0, unset, unset]; a pdserve worker is one process on one GPU with
-#                     no multi-node model parallelism, so NNODES must be 1
+#                     [1, 0, unset, 29500]; NNODES > 1: one tensor-parallel serve worker spans
+#                     the nodes, node 0 (at MASTER_ADDR:MASTER_PORT) serves HTTP, the others run
+#                     ranks only (ROLE=serve only: prefill and decode workers take TP_SIZE 1)
 #   LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX   set by a LeaderWorkerSet; they
 #                     stand in for MASTER_ADDR, NNODES and NODE_RANK when those are unset
 #   EXTRA_ARGS        more pdserve flags, split on spaces (e.g. speculative decoding)
@@ -91,10 +94,14 @@ fi
 if [[ -n "${MASTER_PORT:-}" ]]; then
   check_port MASTER_PORT
 fi
+TP_SIZE=${TP_SIZE:-1}
+[[ "$TP_SIZE" =~ ^[1-9][0-9]*$ ]] || die "TP_SIZE must be a positive integer, got '$TP_SIZE'"
 if ((NNODES > 1)); then
-  die "NNODES=$NNODES: a pdserve worker is one process on one GPU and has no multi-node" \
-    "model parallelism, so a worker cannot span nodes. Run one worker per pod or node" \
-    "(NNODES=1; LeaderWorkerSet size 1) and scale the prefill and decode pools instead."
+  [[ "${ROLE:-}" == serve ]] ||
+    die "NNODES=$NNODES: only ROLE=serve workers span nodes (tensor parallelism); prefill and" \
+      "decode workers run on one node each (NNODES=1) for now"
+  ((TP_SIZE % NNODES == 0)) || die "TP_SIZE=$TP_SIZE does not split evenly over NNODES=$NNODES"
+  [[ -n "$MASTER_ADDR" ]] || die "NNODES=$NNODES needs MASTER_ADDR: node 0's address"
 fi
 
 ROLE=${ROLE:-}
@@ -139,6 +146,13 @@ else
   [[ "${PDSERVE_DRY_RUN:-0}" == 1 || -d "$MODEL_PATH" ]] ||
     die "MODEL_PATH '$MODEL_PATH' is not a directory on this node"
   args+=(--model-path "$MODEL_PATH" --device "${DEVICE:-auto}")
+  if ((TP_SIZE > 1)); then
+    args+=(--tp-size "$TP_SIZE")
+  fi
+  if ((NNODES > 1)); then
+    args+=(--nnodes "$NNODES" --node-rank "$NODE_RANK")
+    args+=(--dist-init-addr "$MASTER_ADDR:${MASTER_PORT:-29500}")
+  fi
   if [[ "$ROLE" != serve ]]; then
     advertised=$HOST
     case "$HOST" in

@@ -33,7 +33,9 @@ class EngineConfig:
     disable_overlap_schedule: on CUDA, each step is prepared while the GPU runs the previous
     one (its tokens reported a step later) unless this is set.
     tp_size: ranks of tensor parallelism (`pdserve.engine.tensor_parallel`); the KV budget
-    (kv_cache_memory, gpu_memory_utilization) is per rank.
+    (kv_cache_memory, gpu_memory_utilization) is per rank. nnodes, node_rank, dist_init_addr:
+    a worker whose ranks span nodes (SGLang's flags); node k runs ranks
+    k * tp_size / nnodes onwards, node 0 serves.
     """
 
     model_path: str
@@ -79,6 +81,13 @@ class EngineConfig:
         "tensor-parallel ranks (GPUs) one worker's model is split over: cuda:N.. cuda:N+size-1 "
         "from --device, or gloo processes on CPU",
     )
+    nnodes: int = option(1, "nodes a tensor-parallel worker spans (--tp-size ranks split evenly)")
+    node_rank: int = option(
+        0, "this node's place in the worker's nodes: 0 serves HTTP, the others run ranks only"
+    )
+    dist_init_addr: str | None = option(
+        None, "HOST:PORT on node 0 where the worker's nodes meet (needed with --nnodes > 1)"
+    )
     cpu_kv_cache_cap: int = 1 << 30
     speculative: SpecSettings | None = None
 
@@ -108,8 +117,25 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}"
+            )
+        if self.tp_size % self.nnodes:
+            raise ValueError(
+                f"--tp-size {self.tp_size} does not split evenly over --nnodes {self.nnodes}"
+            )
+        if self.nnodes > 1 and not _is_host_port(self.dist_init_addr):
+            raise ValueError(
+                f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address), "
+                f"got {self.dist_init_addr!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
 
     @property
     def prefill_token_budget(self) -> int:
@@ -121,3 +147,8 @@ class EngineConfig:
     @property
     def split_prompts(self) -> bool:
         return self.chunked_prefill_size > 0
+
+
+def _is_host_port(address: str | None) -> bool:
+    host, _, port = (address or "").rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536

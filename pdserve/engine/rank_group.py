@@ -11,9 +11,15 @@ keep the ranks together inside the pass.
 
 The other ranks are processes of their own (`python -m pdserve.engine.rank_worker`), found
 through a TCPStore that rank 0 hosts: they register there, read where rank 0 sends their
-messages, and leave when the store goes away (rank 0 died). Rank 0 checks that its ranks
-still live before each pass, so a dead rank fails the pass (and the requests in it) at once
-instead of hanging in a collective.
+messages, and leave when the store goes away (rank 0 died). Rank 0 starts the ranks of its
+own node; with `--nnodes` > 1 each other node's `pdserve serve --node-rank K` starts its own
+(`node_ranks.py`), with rank 0's settings from the store, and posts there when one of them
+exits. Rank 0 checks that its ranks still live before each pass (its own processes every
+time, the store's word on other nodes' once a second), so a dead rank fails the pass (and
+the requests in it) at once instead of hanging in a collective.
+
+The store and the message channels are not authenticated (nor is torch.distributed's
+store): a worker that spans nodes belongs on a private network.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import datetime
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -60,17 +67,26 @@ COLLECTIVE_TIMEOUT_S = 300.0  # a collective no rank joins fails after this
 SEND_TIMEOUT_MS = 10_000
 STOP_WAIT_S = 10.0
 POLL_S = 0.05
+REMOTE_CHECK_S = 1.0
+DEAD_KEY = f"{STORE_PREFIX}/dead"  # set by another node when one of its ranks exits
+CONFIG_KEY = f"{STORE_PREFIX}/config"  # rank 0's engine settings, for the other nodes
 
 
 class RankDiedError(RuntimeError):
     """Another rank of this tensor-parallel worker exited: the worker cannot step any more."""
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank `rank`'s device: the next GPUs after rank 0's, or the CPU."""
+def rank_device(device: torch.device, local_index: int) -> torch.device:
+    """The device of a node's `local_index`-th rank: the GPUs after the node's first, or the
+    CPU."""
     if device.type != "cuda":
         return device
-    return torch.device("cuda", (device.index or 0) + rank)
+    return torch.device("cuda", (device.index or 0) + local_index)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 class RankGroup:
@@ -79,14 +95,20 @@ class RankGroup:
     def __init__(self, config: EngineConfig, model_dir: str, split: ModelSplit, device):
         self.split = split
         size = split.size
-        if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+        local = config.ranks_per_node
+        if device.type == "cuda" and (device.index or 0) + local > torch.cuda.device_count():
             raise TensorParallelError(
-                f"--tp-size {size} from {device} needs GPUs up to cuda:{device.index + size - 1}"
-                f"; this machine has {torch.cuda.device_count()}"
+                f"{local} tensor-parallel ranks on this node from {device} need GPUs up to "
+                f"cuda:{(device.index or 0) + local - 1}; it has {torch.cuda.device_count()}"
             )
+        if config.nnodes > 1:
+            host, port = split_address(config.dist_init_addr)
+            bind = f"tcp://{socket.gethostbyname(host)}"
+        else:
+            host, port, bind = "127.0.0.1", 0, "tcp://127.0.0.1"
         self.store = dist.TCPStore(
-            "127.0.0.1",
-            0,
+            host,
+            port,
             size,
             is_master=True,
             timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
@@ -95,16 +117,22 @@ class RankGroup:
         self.context = zmq.Context()
         self.channels: list[Channel] = []
         self.processes: list[subprocess.Popen] = []
-        self._finalizer = weakref.finalize(self, _stop_processes, self.processes, 0.0)
+        self._finalizer = weakref.finalize(self, stop_processes, self.processes, 0.0)
         worker_config = dataclasses.replace(config, model_path=str(model_dir), speculative=None)
+        self.store.set(CONFIG_KEY, json.dumps(dataclasses.asdict(worker_config)))
         for rank in range(1, size):
             channel = Channel(self.context, zmq.PUSH, send_timeout_ms=SEND_TIMEOUT_MS)
-            port = channel.bind_random_port("tcp://127.0.0.1")
-            self.store.set(f"{STORE_PREFIX}/steps/{rank}", f"tcp://127.0.0.1:{port}")
+            channel_port = channel.bind_random_port(bind)
+            self.store.set(f"{STORE_PREFIX}/steps/{rank}", f"{bind}:{channel_port}")
             self.channels.append(channel)
+        store_address = f"{host}:{self.store.port}"
+        for rank in range(1, local):
+            device_of_rank = rank_device(device, rank)
             self.processes.append(
-                _spawn(worker_config, rank, size, self.store.port, rank_device(device, rank))
+                spawn_rank(worker_config, rank, size, store_address, device_of_rank)
             )
+        self._remote = size > local
+        self._last_remote_check = 0.0
         self._wait_for_ranks("joined")
         group = open_group(
             dist.PrefixStore(STORE_PREFIX, self.store), 0, size, device, COLLECTIVE_TIMEOUT_S
@@ -126,15 +154,20 @@ class RankGroup:
                 time.sleep(POLL_S)
 
     def check_alive(self, when: str = "") -> None:
+        suffix = f" {when}" if when else ""
         for rank, process in enumerate(self.processes, start=1):
             code = process.poll()
             if code is not None:
-                _stop_processes(self.processes, 0.0)  # NOTE: the others wait for it in vain
+                stop_processes(self.processes, 0.0)  # NOTE: the others wait for it in vain
                 raise RankDiedError(
-                    f"tensor-parallel rank {rank} exited with code {code}"
-                    + (f" {when}" if when else "")
-                    + "; its log is above"
+                    f"tensor-parallel rank {rank} exited with code {code}{suffix}; its log is above"
                 )
+        now = time.monotonic()
+        if self._remote and now - self._last_remote_check >= REMOTE_CHECK_S:
+            self._last_remote_check = now
+            if self.store.check([DEAD_KEY]):
+                stop_processes(self.processes, 0.0)
+                raise RankDiedError(self.store.get(DEAD_KEY).decode() + suffix)
 
     # ---- start-up ---------------------------------------------------------------------
 
@@ -222,7 +255,7 @@ class RankGroup:
             # NOTE: a rank that cannot take it is killed below.
             with contextlib.suppress(zmq.ZMQError):
                 channel.send(RankStop("shutdown"), flags=zmq.NOBLOCK)
-        _stop_processes(self.processes, STOP_WAIT_S)
+        stop_processes(self.processes, STOP_WAIT_S)
         self._finalizer.detach()
         for channel in self.channels:
             channel.close()
@@ -233,9 +266,11 @@ def _dtype_name(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-def _spawn(
-    config: EngineConfig, rank: int, size: int, store_port: int, device: torch.device
+def spawn_rank(
+    config: EngineConfig, rank: int, size: int, store_address: str, device: torch.device
 ) -> subprocess.Popen:
+    """Start rank `rank` of `size` (a `rank_worker` process), which meets the others at the
+    store at `store_address` (HOST:PORT)."""
     command = [
         sys.executable,
         "-m",
@@ -245,16 +280,19 @@ def _spawn(
         "--size",
         str(size),
         "--store",
-        f"127.0.0.1:{store_port}",
+        store_address,
         "--device",
         str(device),
         "--config",
         json.dumps(dataclasses.asdict(config)),
     ]
-    return subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    # NOTE: torch's C++ warnings would print a stack trace for a store that went away, which is
+    # how a rank learns rank 0 ended; the rank logs that in one line itself.
+    env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(command, env=env)
 
 
-def _stop_processes(processes: list[subprocess.Popen], wait_s: float) -> None:
+def stop_processes(processes: list[subprocess.Popen], wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
     for process in processes:
         try:

@@ -57,6 +57,10 @@ class RankProtocolError(RuntimeError):
     """Rank 0 sent something this rank cannot follow (a bug, never a client's doing)."""
 
 
+class RankZeroGone(RuntimeError):
+    """Rank 0's store stopped answering: the worker is gone, this rank leaves."""
+
+
 @dataclass
 class MirroredRequest:
     """What the device page table reads of a request: its pages and its table row."""
@@ -151,7 +155,10 @@ class RankWorker:
         rank 0 still lives (its store answers)."""
         started = time.monotonic()
         while not self.inbox.socket.poll(IDLE_CHECK_MS):
-            self.store.check([f"{STORE_PREFIX}/alive"])  # NOTE: raises once rank 0 is gone
+            try:
+                self.store.check([f"{STORE_PREFIX}/alive"])
+            except dist.DistNetworkError:
+                raise RankZeroGone("rank 0 is gone") from None
             if deadline_s is not None and time.monotonic() - started > deadline_s:
                 raise RankProtocolError(f"no message from rank 0 within {deadline_s:.0f} s")
         msg = self.inbox.receive().msg
@@ -215,7 +222,7 @@ def _mask_tensor(mask) -> torch.Tensor:
     return torch.tensor(mask.visible, dtype=torch.bool).view(mask.rows, mask.width)
 
 
-def _config_from_json(text: str) -> EngineConfig:
+def config_from_json(text: str) -> EngineConfig:
     fields = json.loads(text)
     if fields.get("speculative") is not None:
         fields["speculative"] = SpecSettings(**fields["speculative"])
@@ -232,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     level = os.environ.get("PDSERVE_LOG_LEVEL", "info").upper()
     logging.basicConfig(level=level, format=f"%(levelname)s rank {args.rank}: %(message)s")
-    config = _config_from_json(args.config)
+    config = config_from_json(args.config)
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -255,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     tp = TensorParallel(ModelSplit.of(model_config, args.size), args.rank, group, device)
     try:
         RankWorker(config, tp, store, inbox).run()
+    except RankZeroGone:
+        logger.info("rank 0 is gone; rank %d leaves", args.rank)
     except Exception:
         logger.exception("rank %d failed", args.rank)
         return 1

@@ -329,3 +329,68 @@ def test_sigterm_to_the_cluster_script_stops_every_role(lab, cluster):
         30,
         log,
     )
+
+
+def test_a_tensor_parallel_worker_spans_two_hosts(lab, tiny_model_dirs, tmp_path):
+    """`pdserve-node.sh` with ROLE=serve, TP_SIZE=2, NNODES=2 on two hosts (CPU, gloo over the
+    bridge): node 0 serves what a TP 1 engine generates, token for token; stopping it ends
+    node 1. Its own ports, so it can run beside the cluster above."""
+    from pdserve import LLM, SamplingParams
+
+    model = tiny_model_dirs("llama")
+    with LLM(model, device="cpu") as llm:
+        greedy = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+        expected = llm.generate(["hello world"], greedy)[0].token_ids
+    hosts = {0: "prefill", 1: "decode"}  # node rank -> namespace
+    env = {
+        **os.environ,
+        "ROLE": "serve",
+        "MODEL_PATH": model,
+        "DEVICE": "cpu",
+        "PORT": "31000",
+        "TP_SIZE": "2",
+        "NNODES": "2",
+        "MASTER_ADDR": lab.addr[hosts[0]],
+        "MASTER_PORT": "29600",
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "PDSERVE_BIN": shutil.which("pdserve") or "pdserve",
+    }
+    logs = {rank: tmp_path / f"node{rank}.log" for rank in hosts}
+    nodes = {}
+    for rank, host in hosts.items():
+        with logs[rank].open("w") as out:
+            nodes[rank] = subprocess.Popen(
+                ["ip", "netns", "exec", lab.ns[host], str(SCRIPTS / "pdserve-node.sh")],
+                env={**env, "NODE_RANK": str(rank)},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+    url = f"http://{lab.addr[hosts[0]]}:31000"
+
+    def healthy():
+        for rank, node in nodes.items():
+            assert node.poll() is None, f"node {rank} exited:\n{_tail(logs[rank])}"
+        return lab.http("GET", url + "/health", timeout=3)["status"] == 200
+
+    try:
+        _wait_for(
+            healthy,
+            "node 0 /health 200",
+            START_DEADLINE_S,
+            logs[1],
+        )
+        body = {
+            "text": "hello world",
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+        }
+        reply = lab.http("POST", url + "/generate", body, timeout=60)
+        assert reply["status"] == 200, reply
+        assert json.loads(reply["body"])["output_ids"] == expected
+        nodes[0].send_signal(signal.SIGTERM)
+        assert nodes[0].wait(timeout=60) in (0, 143), _tail(logs[0])
+        assert nodes[1].wait(timeout=30) == 0, _tail(logs[1])
+    finally:
+        for node in nodes.values():
+            if node.poll() is None:
+                node.kill()
+                node.wait(timeout=30)

@@ -66,8 +66,11 @@ WORKER = {"ROLE": "prefill", "MODEL_PATH": "/models", "POD_IP": "10.9.8.7"}
         ({"ROLE": "decode", "POD_IP": "10.0.0.1"}, "MODEL_PATH is required"),
         ({**WORKER, "PORT": "70000"}, "PORT must be a port number"),
         ({**WORKER, "BOOTSTRAP_PORT": "x"}, "BOOTSTRAP_PORT must be a port number"),
-        ({**WORKER, "NNODES": "2"}, "NNODES=2: a pdserve worker is one process on one GPU"),
+        ({**WORKER, "NNODES": "2"}, "NNODES=2: only ROLE=serve workers span nodes"),
         ({**WORKER, "LWS_GROUP_SIZE": "4"}, "NNODES=4"),
+        ({**WORKER, "ROLE": "serve", "NNODES": "2", "TP_SIZE": "3"}, "does not split evenly"),
+        ({**WORKER, "ROLE": "serve", "NNODES": "2", "TP_SIZE": "2"}, "needs MASTER_ADDR"),
+        ({**WORKER, "TP_SIZE": "0"}, "TP_SIZE must be a positive integer"),
         ({**WORKER, "NODE_RANK": "1"}, "NODE_RANK must be in [0, NNODES=1)"),
         ({**WORKER, "MASTER_PORT": "nope"}, "MASTER_PORT must be a port number"),
         ({"ROLE": "router", "HOST": "127.0.0.1"}, "the router needs prefill workers"),
@@ -124,6 +127,16 @@ def test_leaderworkerset_variables_stand_in_for_the_usual_ones():
     assert "--host" in argv_of("pdserve-node.sh", env)
     refused = run("pdserve-node.sh", {**env, "LWS_WORKER_INDEX": "1"})
     assert refused.returncode == 2 and "NODE_RANK must be in [0, NNODES=1)" in refused.stderr
+
+
+def test_a_serve_worker_over_two_nodes_gets_the_node_flags():
+    env = {**WORKER, "ROLE": "serve", "TP_SIZE": "16", "NNODES": "2", "NODE_RANK": "1"}
+    argv = argv_of("pdserve-node.sh", {**env, "MASTER_ADDR": "10.0.0.1"})
+    assert value(argv, "--tp-size") == "16"
+    assert (value(argv, "--nnodes"), value(argv, "--node-rank")) == ("2", "1")
+    assert value(argv, "--dist-init-addr") == "10.0.0.1:29500"
+    one_node = argv_of("pdserve-node.sh", {**WORKER, "ROLE": "serve"})
+    assert "--tp-size" not in one_node and "--nnodes" not in one_node
 
 
 def test_extra_args_and_arguments_come_last_and_secrets_never_appear():

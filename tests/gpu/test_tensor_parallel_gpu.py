@@ -41,7 +41,8 @@ def _runner(model_dir, cfg, tp, device):
         dtype=torch.float32,
         device=device,
     )
-    graphs = build_decode_graphs(config, backend, model, pool, DevicePageTable(8, 8, device), device)
+    table = DevicePageTable(8, 8, device)
+    graphs = build_decode_graphs(config, backend, model, pool, table, device)
     return ModelRunner(model, pool, None, device, graphs)
 
 

@@ -43,6 +43,9 @@ SAMPLES = {
             "disable_overlap_schedule": True,
             "disable_prefix_caching": True,
             "tp_size": 2,
+            "nnodes": 2,
+            "node_rank": 1,
+            "dist_init_addr": "10.0.0.1:29500",
         },
     ),
     SpecSettings: (
