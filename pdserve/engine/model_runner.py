@@ -82,8 +82,21 @@ class ModelRunner:
         if graphs is not None and graphs != chosen:
             # NOTE: every rank must replay the same graph (or none): collectives pair up.
             raise RuntimeError(f"rank 0 replays graphs {graphs!r}; this rank chose {chosen!r}")
-        if self.ranks is not None:
+        if self.ranks is None:
+            return self._forward(batch, capture, device_tokens, chosen)
+        try:
             self.ranks.forward(batch, capture, chosen, device_tokens)
+            return self._forward(batch, capture, device_tokens, chosen)
+        except Exception as e:
+            raise self.ranks.abandon(f"rank 0's forward pass failed: {e}") from e
+
+    def _forward(
+        self,
+        batch: ForwardBatch,
+        capture: Capture,
+        device_tokens: torch.Tensor | None,
+        chosen: str,
+    ) -> ForwardOutput:
         if chosen:
             runner = self.graphs[chosen]
             hidden, features = runner.run(batch, device_tokens)
@@ -130,8 +143,15 @@ class ModelRunner:
 
     def compute_logits(self, output: ForwardOutput, rows: list[int] | None) -> torch.Tensor:
         """Logits of the pass's `rows` (None: every row, in order: no gather)."""
-        if self.ranks is not None:
+        if self.ranks is None:
+            return self._compute_logits(output, rows)
+        try:
             self.ranks.logits(rows)
+            return self._compute_logits(output, rows)
+        except Exception as e:
+            raise self.ranks.abandon(f"rank 0's logits failed: {e}") from e
+
+    def _compute_logits(self, output: ForwardOutput, rows: list[int] | None) -> torch.Tensor:
         hidden = output.hidden
         if rows is not None:
             hidden = hidden.index_select(0, device_ints(rows, self.device))
@@ -140,7 +160,10 @@ class ModelRunner:
     def move_kv(self, src: list[int], dst: list[int]) -> None:
         """Copy KV from flat slots `src` to `dst` on every rank (accepted tree drafts)."""
         if self.ranks is not None:
-            self.ranks.move_kv(src, dst)
+            try:
+                self.ranks.move_kv(src, dst)
+            except Exception as e:
+                raise self.ranks.abandon(f"a KV move failed: {e}") from e
         self.kv_pool.copy_slots(device_ints(src, self.device), device_ints(dst, self.device))
 
     @torch.inference_mode()

@@ -114,6 +114,7 @@ class RankGroup:
             timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
             wait_for_workers=False,
         )
+        self._broken: str | None = None
         self.context = zmq.Context()
         self.channels: list[Channel] = []
         self.processes: list[subprocess.Popen] = []
@@ -153,7 +154,19 @@ class RankGroup:
                     )
                 time.sleep(POLL_S)
 
+    def abandon(self, reason: str) -> RankDiedError:
+        """Rank 0 failed inside a mirrored call: the other ranks may wait in a collective it
+        never joins, and a later pass would pair with it. Stop them; every later call fails.
+        Returns the error to raise."""
+        self._broken = f"the tensor-parallel ranks were stopped: {reason}"
+        stop_processes(self.processes, 0.0)
+        with contextlib.suppress(Exception):
+            self.store.set(DEAD_KEY, self._broken)  # NOTE: other nodes' ranks leave too
+        return RankDiedError(self._broken)
+
     def check_alive(self, when: str = "") -> None:
+        if self._broken is not None:
+            raise RankDiedError(self._broken)
         suffix = f" {when}" if when else ""
         for rank, process in enumerate(self.processes, start=1):
             code = process.poll()

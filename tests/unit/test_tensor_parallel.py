@@ -218,3 +218,27 @@ def test_a_disaggregated_role_refuses_tp_until_its_ranks_can_move_kv(role, tiny_
     argv = [role, "--model-path", tiny_model_dirs("llama"), "--tp-size", "2", "--port", "0"]
     assert main(argv) == 2
     assert f"--tp-size 2 on a {role} worker" in capsys.readouterr().err
+
+
+def test_rank0_failing_inside_a_pass_stops_every_rank_instead_of_desynchronizing(
+    tiny_model_dirs, prompts, monkeypatch
+):
+    """The other ranks may wait in a collective rank 0 never joins: the group is stopped and
+    every later step fails, rather than a later pass pairing with the stale collective."""
+    with LLM(tiny_model_dirs("llama"), tp_size=2, **OPTIONS) as llm:
+        engine = llm.engine
+        engine.add_request("r", prompts[2], GREEDY)
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a kernel failed")
+
+        monkeypatch.setattr(engine.model, "forward", broken)
+        with pytest.raises(RankDiedError, match="rank 0's forward pass failed: a kernel failed"):
+            engine.step()
+        engine.fail_step("stopped")
+        assert engine.kv_pages_in_use == 0
+        assert all(p.poll() is not None for p in engine.ranks.processes)
+        monkeypatch.undo()
+        engine.add_request("next", prompts[0], GREEDY)
+        with pytest.raises(RankDiedError, match="were stopped"):
+            engine.step()
