@@ -4,7 +4,8 @@ that runs each forward pass rank 0 announces (`rank_group.py` says how the ranks
 It schedules nothing and samples nothing. It keeps, per running request, a copy of the page
 list (rank 0 sends what changed) and the request's row in its own device page table, so CUDA
 graphs replay here as on rank 0. It leaves when rank 0 says so, when rank 0's store goes away
-(rank 0 died), or on any error (rank 0 then finds it dead and fails its requests).
+(rank 0 died; a watching thread notices within a second, even mid-collective), or on any
+error (rank 0 then finds it dead and fails its requests).
 
 Run by rank 0: `python -m pdserve.engine.rank_worker --rank R --size N --store HOST:PORT
 --device DEV --config JSON`.
@@ -18,6 +19,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,10 +59,6 @@ class RankProtocolError(RuntimeError):
     """Rank 0 sent something this rank cannot follow (a bug, never a client's doing)."""
 
 
-class RankZeroGone(RuntimeError):
-    """Rank 0's store stopped answering: the worker is gone, this rank leaves."""
-
-
 @dataclass
 class MirroredRequest:
     """What the device page table reads of a request: its pages and its table row."""
@@ -73,10 +71,9 @@ class MirroredRequest:
 
 
 class RankWorker:
-    def __init__(self, config: EngineConfig, tp: TensorParallel, store, inbox: Channel):
+    def __init__(self, config: EngineConfig, tp: TensorParallel, inbox: Channel):
         self.config = config
         self.tp = tp
-        self.store = store
         self.inbox = inbox
         self.device = tp.device
         self.model_config = ModelConfig.from_pretrained(config.model_path)
@@ -151,14 +148,10 @@ class RankWorker:
                 raise RankProtocolError(f"unexpected {type(msg).__name__} after start-up")
 
     def _receive(self, expected: type | None, deadline_s: float | None):
-        """The next message from rank 0 (of type `expected`), checking while waiting that
-        rank 0 still lives (its store answers)."""
+        """The next message from rank 0 (of type `expected`); `watch_rank0` ends the process
+        if rank 0 goes away meanwhile."""
         started = time.monotonic()
         while not self.inbox.socket.poll(IDLE_CHECK_MS):
-            try:
-                self.store.check([f"{STORE_PREFIX}/alive"])
-            except dist.DistNetworkError:
-                raise RankZeroGone("rank 0 is gone") from None
             if deadline_s is not None and time.monotonic() - started > deadline_s:
                 raise RankProtocolError(f"no message from rank 0 within {deadline_s:.0f} s")
         msg = self.inbox.receive().msg
@@ -229,6 +222,22 @@ def config_from_json(text: str) -> EngineConfig:
     return EngineConfig(**fields)
 
 
+def watch_rank0(host: str, port: int, size: int, rank: int) -> None:
+    """End this process once rank 0's store stops answering (rank 0 died), wherever the main
+    thread is: waiting for a message, or inside a collective that NCCL would otherwise wait
+    on until its timeout. A connection of its own: store clients are not shared by threads."""
+    store = dist.TCPStore(
+        host, port, size, is_master=False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S)
+    )
+    while True:
+        time.sleep(IDLE_CHECK_MS / 1000)
+        try:
+            store.check([f"{STORE_PREFIX}/alive"])
+        except dist.DistNetworkError:
+            logger.info("rank 0 is gone; rank %d leaves", rank)
+            os._exit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pdserve.engine.rank_worker")
     parser.add_argument("--rank", type=int, required=True)
@@ -260,10 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     model_config = ModelConfig.from_pretrained(config.model_path)
     tp = TensorParallel(ModelSplit.of(model_config, args.size), args.rank, group, device)
+    threading.Thread(
+        target=watch_rank0, args=(host, int(port), args.size, args.rank), daemon=True
+    ).start()
     try:
-        RankWorker(config, tp, store, inbox).run()
-    except RankZeroGone:
-        logger.info("rank 0 is gone; rank %d leaves", args.rank)
+        RankWorker(config, tp, inbox).run()
     except Exception:
         logger.exception("rank %d failed", args.rank)
         return 1
