@@ -47,7 +47,6 @@ from pdserve.protocol.rank_messages import (
     RankPlan,
     RankStop,
 )
-from pdserve.protocol.spec_settings import SpecSettings
 
 logger = logging.getLogger(__name__)
 
@@ -216,10 +215,8 @@ def _mask_tensor(mask) -> torch.Tensor:
 
 
 def config_from_json(text: str) -> EngineConfig:
-    fields = json.loads(text)
-    if fields.get("speculative") is not None:
-        fields["speculative"] = SpecSettings(**fields["speculative"])
-    return EngineConfig(**fields)
+    """Rank 0's settings as it sends them (without speculative ones: drafts run on rank 0)."""
+    return EngineConfig(**json.loads(text))
 
 
 def watch_rank0(host: str, port: int, size: int, rank: int) -> None:

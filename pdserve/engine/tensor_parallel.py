@@ -154,10 +154,6 @@ class TensorParallel:
         self.group.broadcast([x], options).wait()
         return x
 
-    def barrier(self) -> None:
-        """Every rank got here (start-up); a one-element all-reduce, on the group's device."""
-        self.all_reduce(torch.zeros(1, device=self.device))
-
 
 def open_group(
     store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float
