@@ -242,3 +242,37 @@ def test_rank0_failing_inside_a_pass_stops_every_rank_instead_of_desynchronizing
         engine.add_request("next", prompts[0], GREEDY)
         with pytest.raises(RankDiedError, match="were stopped"):
             engine.step()
+
+
+def test_preempted_requests_are_mirrored_again_from_their_first_page(tiny_model_dirs):
+    """Few KV pages: requests are preempted (their pages freed, the other ranks told they
+    stopped) and recomputed later into other pages; tokens still equal TP 1's."""
+    model = tiny_model_dirs("llama")
+    prompts = random_prompts([1, 6, 23, 30], 500, seed=8)
+    options = {**OPTIONS, "max_model_len": 48, "disable_prefix_caching": True}
+    with LLM(model, **options) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    # NOTE: 1 KV head per rank: a page is 1 KiB (2 layers x K,V x 4 slots x 16 x fp32).
+    with LLM(model, tp_size=2, kv_cache_memory=12 << 10, **options) as llm:
+        engine = llm.engine
+        assert engine.kv_pool.num_pages == 12
+        requests = [engine.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+        while engine.has_unfinished():
+            engine.step()
+        assert sum(r.num_preemptions for r in requests) > 0
+        assert [r.output_token_ids for r in requests] == expected
+        assert engine.kv_pages_in_use == 0
+
+
+def test_cached_prefix_pages_serve_every_rank(tiny_model_dirs):
+    """A second wave reads the first wave's cached prompt pages: page ids are the same on
+    every rank, so each rank's share of them is there."""
+    model = tiny_model_dirs("llama")
+    shared = random_prompts([24], 500, seed=9)[0]
+    waves = [[[*shared, 7]], [[*shared, 8, 9], [*shared, 10]]]
+    with LLM(model, **OPTIONS) as llm:
+        expected = [[o.token_ids for o in llm.generate(wave, GREEDY)] for wave in waves]
+    with LLM(model, tp_size=2, **OPTIONS) as llm:
+        outputs = [llm.generate(wave, GREEDY) for wave in waves]
+    assert [[o.token_ids for o in wave] for wave in outputs] == expected
+    assert all(o.num_cached_tokens >= 20 for o in outputs[1])  # NOTE: 5 full pages of 4
