@@ -85,6 +85,14 @@ class Engine:
         if config.tp_size > 1:
             split = ModelSplit.of(self.model_config, config.tp_size)
             self.ranks = RankGroup(config, self.model_dir, split, self.device)
+        try:
+            self._load(config, speculator)
+        except BaseException:
+            self.close()  # NOTE: the other ranks do not outlive a failed start
+            raise
+
+    def _load(self, config: EngineConfig, speculator: Speculator | None) -> None:
+        """The rest of start-up: model, draft, KV pool, scheduler, graphs, runner."""
         self.model = load_model(
             self.model_dir,
             self.model_config,

@@ -119,6 +119,16 @@ class RankGroup:
         self.channels: list[Channel] = []
         self.processes: list[subprocess.Popen] = []
         self._finalizer = weakref.finalize(self, stop_processes, self.processes, 0.0)
+        try:
+            self._start(config, model_dir, device, host, bind)
+        except BaseException:
+            self.close(ask=False)  # NOTE: no rank or socket outlives a failed start
+            raise
+        # Requests whose pages the other ranks mirror, to tell them when each stops running.
+        self._mirrored: dict[str, Request] = {}
+
+    def _start(self, config: EngineConfig, model_dir: str, device, host: str, bind: str) -> None:
+        size, local = self.split.size, config.ranks_per_node
         worker_config = dataclasses.replace(config, model_path=str(model_dir), speculative=None)
         self.store.set(CONFIG_KEY, json.dumps(dataclasses.asdict(worker_config)))
         for rank in range(1, size):
@@ -138,9 +148,7 @@ class RankGroup:
         group = open_group(
             dist.PrefixStore(STORE_PREFIX, self.store), 0, size, device, COLLECTIVE_TIMEOUT_S
         )
-        self.tp = TensorParallel(split, 0, group, device)
-        # Requests whose pages the other ranks mirror, to tell them when each stops running.
-        self._mirrored: dict[str, Request] = {}
+        self.tp = TensorParallel(self.split, 0, group, device)
 
     def _wait_for_ranks(self, stage: str) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -262,13 +270,15 @@ class RankGroup:
 
     # ---- shutdown ---------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Stop the other ranks (asked first, killed after `STOP_WAIT_S`)."""
-        for channel in self.channels:
-            # NOTE: a rank that cannot take it is killed below.
-            with contextlib.suppress(zmq.ZMQError):
-                channel.send(RankStop("shutdown"), flags=zmq.NOBLOCK)
-        stop_processes(self.processes, STOP_WAIT_S)
+    def close(self, *, ask: bool = True) -> None:
+        """Stop the other ranks (asked first, killed after `STOP_WAIT_S`; without `ask`,
+        killed now)."""
+        if ask:
+            for channel in self.channels:
+                # NOTE: a rank that cannot take it is killed below.
+                with contextlib.suppress(zmq.ZMQError):
+                    channel.send(RankStop("shutdown"), flags=zmq.NOBLOCK)
+        stop_processes(self.processes, STOP_WAIT_S if ask else 0.0)
         self._finalizer.detach()
         for channel in self.channels:
             channel.close()

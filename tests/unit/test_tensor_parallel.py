@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -276,3 +277,25 @@ def test_cached_prefix_pages_serve_every_rank(tiny_model_dirs):
         outputs = [llm.generate(wave, GREEDY) for wave in waves]
     assert [[o.token_ids for o in wave] for wave in outputs] == expected
     assert all(o.num_cached_tokens >= 20 for o in outputs[1])  # NOTE: 5 full pages of 4
+
+
+def _rank_children() -> list[int]:
+    """Rank processes this process started that still run."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue  # NOTE: it exited while being read
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"rank_worker" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_a_start_that_fails_after_the_ranks_started_leaves_none_running(tiny_model_dirs):
+    from pdserve.engine.loader import KVCacheTooSmallError
+
+    with pytest.raises(KVCacheTooSmallError, match="less than one sequence"):
+        LLM(tiny_model_dirs("llama"), tp_size=2, kv_cache_memory=4096, **OPTIONS)
+    assert _rank_children() == []
