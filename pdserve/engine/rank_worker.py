@@ -70,12 +70,14 @@ class MirroredRequest:
 
 
 class RankWorker:
-    def __init__(self, config: EngineConfig, tp: TensorParallel, inbox: Channel):
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, tp: TensorParallel, inbox: Channel
+    ):
         self.config = config
         self.tp = tp
         self.inbox = inbox
         self.device = tp.device
-        self.model_config = ModelConfig.from_pretrained(config.model_path)
+        self.model_config = model_config
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
@@ -270,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         target=watch_rank0, args=(host, int(port), args.size, args.rank), daemon=True
     ).start()
     try:
-        RankWorker(config, tp, inbox).run()
+        RankWorker(config, model_config, tp, inbox).run()
     except Exception:
         logger.exception("rank %d failed", args.rank)
         return 1
