@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         kv_cache_memory=int(args.kv_cache_gib * (1 << 30)),
         max_model_len=args.prompt_len + 64,
+        disable_prefix_caching=True,  # every repeat computes the whole prompt again
     )
     rows = []
     room = 1
