@@ -35,7 +35,8 @@ class EngineConfig:
     tp_size: ranks of tensor parallelism (`pdserve.engine.tensor_parallel`); the KV budget
     (kv_cache_memory, gpu_memory_utilization) is per rank. nnodes, node_rank, dist_init_addr:
     a worker whose ranks span nodes (SGLang's flags); node k runs ranks
-    k * tp_size / nnodes onwards, node 0 serves.
+    k * tp_size / nnodes onwards, node 0 serves. disable_custom_all_reduce: decode's small
+    all-reduces go through NCCL too (`pdserve.engine.symmetric_all_reduce`).
     """
 
     model_path: str
@@ -87,6 +88,9 @@ class EngineConfig:
     )
     dist_init_addr: str | None = option(
         None, "HOST:PORT on node 0 where the worker's nodes meet (needed with --nnodes > 1)"
+    )
+    disable_custom_all_reduce: bool = option(
+        False, "tensor parallelism: NCCL for every all-reduce (no one-shot over GPU memory)"
     )
     cpu_kv_cache_cap: int = 1 << 30
     speculative: SpecSettings | None = None

@@ -84,7 +84,7 @@ class Engine:
         self.ranks: RankGroup | None = None
         if config.tp_size > 1:
             split = ModelSplit.of(self.model_config, config.tp_size)
-            self.ranks = RankGroup(config, self.model_dir, split, self.device)
+            self.ranks = RankGroup(config, self.model_dir, split, self.device, self.dtype)
         try:
             self._load(config, speculator)
         except BaseException:

@@ -45,9 +45,8 @@ from pdserve.engine.forward_batch import Capture, ForwardBatch
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.tensor_parallel import (
     ModelSplit,
-    TensorParallel,
     TensorParallelError,
-    open_group,
+    join_group,
 )
 from pdserve.protocol.channel import Channel
 from pdserve.protocol.rank_messages import (
@@ -92,7 +91,9 @@ def split_address(address: str) -> tuple[str, int]:
 class RankGroup:
     """The other ranks of this worker, seen from rank 0."""
 
-    def __init__(self, config: EngineConfig, model_dir: str, split: ModelSplit, device):
+    def __init__(
+        self, config: EngineConfig, model_dir: str, split: ModelSplit, device, dtype: torch.dtype
+    ):
         self.split = split
         size = split.size
         local = config.ranks_per_node
@@ -120,14 +121,14 @@ class RankGroup:
         self.processes: list[subprocess.Popen] = []
         self._finalizer = weakref.finalize(self, stop_processes, self.processes, 0.0)
         try:
-            self._start(config, model_dir, device, host, bind)
+            self._start(config, model_dir, device, dtype, host, bind)
         except BaseException:
             self.close(ask=False)  # NOTE: no rank or socket outlives a failed start
             raise
         # Requests whose pages the other ranks mirror, to tell them when each stops running.
         self._mirrored: dict[str, Request] = {}
 
-    def _start(self, config: EngineConfig, model_dir: str, device, host: str, bind: str) -> None:
+    def _start(self, config: EngineConfig, model_dir: str, device, dtype, host, bind) -> None:
         size, local = self.split.size, config.ranks_per_node
         worker_config = dataclasses.replace(config, model_path=str(model_dir), speculative=None)
         self.store.set(CONFIG_KEY, json.dumps(dataclasses.asdict(worker_config)))
@@ -145,10 +146,15 @@ class RankGroup:
         self._remote = size > local
         self._last_remote_check = 0.0
         self._wait_for_ranks("joined")
-        group = open_group(
-            dist.PrefixStore(STORE_PREFIX, self.store), 0, size, device, COLLECTIVE_TIMEOUT_S
+        self.tp = join_group(
+            self.split,
+            0,
+            dist.PrefixStore(STORE_PREFIX, self.store),
+            device,
+            dtype,
+            timeout_s=COLLECTIVE_TIMEOUT_S,
+            custom_all_reduce=custom_all_reduce(config),
         )
-        self.tp = TensorParallel(self.split, 0, group, device)
 
     def _wait_for_ranks(self, stage: str) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -279,10 +285,17 @@ class RankGroup:
                 with contextlib.suppress(zmq.ZMQError):
                     channel.send(RankStop("shutdown"), flags=zmq.NOBLOCK)
         stop_processes(self.processes, STOP_WAIT_S if ask else 0.0)
+        if getattr(self, "tp", None) is not None:
+            self.tp.close()
         self._finalizer.detach()
         for channel in self.channels:
             channel.close()
         self.context.term()
+
+
+def custom_all_reduce(config: EngineConfig) -> bool:
+    """Whether the group maps a one-shot all-reduce buffer: only GPUs of one node can."""
+    return not config.disable_custom_all_reduce and config.nnodes == 1
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:

@@ -36,9 +36,14 @@ from pdserve.engine.loader import build_kv_pool, load_model, resolve_dtype
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.page_table import DevicePageTable
-from pdserve.engine.rank_group import COLLECTIVE_TIMEOUT_S, START_TIMEOUT_S, STORE_PREFIX
+from pdserve.engine.rank_group import (
+    COLLECTIVE_TIMEOUT_S,
+    START_TIMEOUT_S,
+    STORE_PREFIX,
+    custom_all_reduce,
+)
 from pdserve.engine.request import RequestStatus
-from pdserve.engine.tensor_parallel import ModelSplit, TensorParallel, open_group
+from pdserve.engine.tensor_parallel import ModelSplit, TensorParallel, join_group
 from pdserve.protocol.channel import Channel
 from pdserve.protocol.rank_messages import (
     RankForward,
@@ -263,11 +268,16 @@ def main(argv: list[str] | None = None) -> int:
     inbox = Channel(zmq.Context(), zmq.PULL, accepts=RANK_MESSAGES)
     inbox.connect(store.get(f"{STORE_PREFIX}/steps/{args.rank}").decode())
     store.set(f"{STORE_PREFIX}/joined/{args.rank}", "1")
-    group = open_group(
-        dist.PrefixStore(STORE_PREFIX, store), args.rank, args.size, device, COLLECTIVE_TIMEOUT_S
-    )
     model_config = ModelConfig.from_pretrained(config.model_path)
-    tp = TensorParallel(ModelSplit.of(model_config, args.size), args.rank, group, device)
+    tp = join_group(
+        ModelSplit.of(model_config, args.size),
+        args.rank,
+        dist.PrefixStore(STORE_PREFIX, store),
+        device,
+        resolve_dtype(config.dtype, device, model_config),
+        timeout_s=COLLECTIVE_TIMEOUT_S,
+        custom_all_reduce=custom_all_reduce(config),
+    )
     threading.Thread(
         target=watch_rank0, args=(host, int(port), args.size, args.rank), daemon=True
     ).start()

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pdserve.engine.symmetric_all_reduce import SymmetricAllReduce
+
 
 class TensorParallelError(ValueError):
     """A model that cannot be split this many ways, or a group that cannot start; the message
@@ -117,7 +119,14 @@ class TensorParallel:
     The group is a process group of its own (not torch.distributed's global one), so that
     several engines can live in one process, one after another or side by side."""
 
-    def __init__(self, split: ModelSplit, rank: int, group: dist.ProcessGroup, device):
+    def __init__(
+        self,
+        split: ModelSplit,
+        rank: int,
+        group: dist.ProcessGroup,
+        device,
+        small: SymmetricAllReduce | None = None,
+    ):
         if not 0 <= rank < split.size:
             raise TensorParallelError(f"rank {rank} outside a group of {split.size}")
         self.split = split
@@ -125,11 +134,20 @@ class TensorParallel:
         self.rank = rank
         self.group = group
         self.device = torch.device(device)
+        # The one-shot all-reduce for what fits its buffer (decode steps), or None.
+        self.small = small
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place."""
+        """Sum `x` over the ranks (in place under NCCL; use the result)."""
+        if self.small is not None and self.small.fits(x):
+            return self.small(x)
         self.group.allreduce([x]).wait()
         return x
+
+    def close(self) -> None:
+        if self.small is not None:
+            self.small.close()
+            self.small = None
 
     def all_reduce_min(self, value: int) -> int:
         """The smallest of every rank's `value` (start-up: KV pages every rank can hold)."""
@@ -166,3 +184,22 @@ def open_group(
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
     return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def join_group(
+    split: ModelSplit,
+    rank: int,
+    store: dist.Store,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    timeout_s: float,
+    custom_all_reduce: bool,
+) -> TensorParallel:
+    """This rank's place in the group (every rank calls it): the process group, and with
+    `custom_all_reduce` (GPUs of one node) the one-shot all-reduce for small tensors."""
+    group = open_group(store, rank, split.size, device, timeout_s)
+    small = None
+    if custom_all_reduce:
+        small = SymmetricAllReduce.open(group, store, rank, split.size, device, dtype)
+    return TensorParallel(split, rank, group, device, small)

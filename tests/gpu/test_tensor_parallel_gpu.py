@@ -1,6 +1,7 @@
 """Tensor parallelism on GPUs: the parallel layers over NCCL (a group of one on one GPU, eager
 and inside captured CUDA graphs) give the plain model's tokens; on two GPUs, a TP 2 worker
-gives TP 1's tokens in float32 (CUDA graphs and overlap scheduling on, as by default)."""
+gives TP 1's tokens in float32 (CUDA graphs and overlap scheduling on, as by default), with
+and without the one-shot all-reduce."""
 
 from __future__ import annotations
 
@@ -84,8 +85,11 @@ def kv4_model(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("kv4"), "qwen3", num_kv_heads=4))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tp2_on_two_gpus_equals_tp1(arch, tiny_model_dirs, kv4_model):
+@pytest.mark.parametrize(
+    "arch,custom_all_reduce", [("llama", True), ("qwen3", True), ("llama", False)]
+)
+def test_tp2_on_two_gpus_equals_tp1(arch, custom_all_reduce, tiny_model_dirs, kv4_model):
+    """With the one-shot all-reduce for decode's small tensors (the default) and without."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
     model = tiny_model_dirs("llama") if arch == "llama" else kv4_model
@@ -94,7 +98,9 @@ def test_tp2_on_two_gpus_equals_tp1(arch, tiny_model_dirs, kv4_model):
     options = {"device": "cuda:0", "dtype": "float32", "kv_cache_memory": 1 << 28}
     with LLM(model, **options) as llm:
         expected = [o.token_ids for o in llm.generate(prompts, greedy)]
-    with LLM(model, tp_size=2, **options) as llm:
+    disable = not custom_all_reduce
+    with LLM(model, tp_size=2, disable_custom_all_reduce=disable, **options) as llm:
         assert llm.engine.runner.decode_graphs is not None and llm.engine.overlap
+        assert (llm.engine.ranks.tp.small is not None) == custom_all_reduce
         assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
         assert llm.engine.kv_pages_in_use == 0

@@ -46,6 +46,7 @@ SAMPLES = {
             "nnodes": 2,
             "node_rank": 1,
             "dist_init_addr": "10.0.0.1:29500",
+            "disable_custom_all_reduce": True,
         },
     ),
     SpecSettings: (

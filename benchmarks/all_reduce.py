@@ -1,0 +1,150 @@
+"""What one tensor-parallel all-reduce costs between two GPUs, inside a CUDA graph as decode
+replays it: NCCL beside the one-shot all-reduce over symmetric memory
+(`pdserve.engine.symmetric_all_reduce`, which `TensorParallel.all_reduce` takes for what fits
+its buffer), for activations of `tokens x hidden` bf16.
+
+A decode step of an L-layer model runs 2L + 1 of these (attention output, MLP output, the
+embedding), so at batch 1 the per-call latency times ~65 is what TP adds to every step.
+
+    python benchmarks/all_reduce.py --tokens 1 8 64 512 4096 --output $OUT/all_reduce.json
+
+Each figure: one graph of `--calls` all-reduces replayed `--replays` times, timed by CUDA
+events on rank 0, divided by the number of calls (median of `--runs`). The one-shot sums are
+checked against NCCL's before they are timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from queue import Empty
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SIZE = 2
+
+
+def time_graph(body, calls: int, replays: int, runs: int) -> float:
+    """Microseconds per call of `body` captured `calls` times in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            body()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            body()
+    graph.replay()
+    torch.cuda.synchronize()
+    results = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        results.append(start.elapsed_time(end) * 1e3 / (replays * calls))
+    return statistics.median(results)
+
+
+def rank_main(rank: int, port: int, args: argparse.Namespace, queue) -> None:
+    from pdserve.engine.symmetric_all_reduce import SymmetricAllReduce
+    from pdserve.engine.tensor_parallel import open_group
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    store = dist.TCPStore("127.0.0.1", port, SIZE, rank == 0)
+    group = open_group(store, rank, SIZE, device, timeout_s=120)
+    small = SymmetricAllReduce.open(group, store, rank, SIZE, device, torch.bfloat16)
+    generator = torch.Generator(device).manual_seed(rank)
+    rows = []
+    for tokens in args.tokens:
+        local = torch.randn(
+            (tokens, args.hidden), dtype=torch.bfloat16, device=device, generator=generator
+        )
+        expect = local.clone()
+        group.allreduce([expect]).wait()
+        scratch = torch.zeros_like(local)
+        row = {"tokens": tokens, "bytes": local.numel() * local.element_size()}
+        row["nccl_us"] = time_graph(
+            lambda scratch=scratch: group.allreduce([scratch]).wait(),
+            args.calls,
+            args.replays,
+            args.runs,
+        )
+        if small is not None and small.fits(local):
+            got = small(local)
+            torch.cuda.synchronize()
+            row["one_shot_max_error"] = float((got.float() - expect.float()).abs().max())
+            row["one_shot_us"] = time_graph(
+                lambda scratch=scratch: small(scratch), args.calls, args.replays, args.runs
+            )
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+    if rank == 0:
+        queue.put({"rows": rows, "one_shot": small is not None})
+    done = torch.zeros(1, device=device)
+    group.allreduce([done]).wait()  # neither rank leaves (taking the store) before the other
+    torch.cuda.synchronize()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 128, 512, 4096])
+    parser.add_argument("--hidden", type=int, default=4096, help="Llama-3.1-8B's")
+    parser.add_argument("--calls", type=int, default=64)
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args(argv)
+    if torch.cuda.device_count() < SIZE:
+        print(f"needs {SIZE} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+        return 2
+    from pdserve.server.local_process import free_port
+
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = free_port()
+    ranks = [context.Process(target=rank_main, args=(r, port, args, queue)) for r in range(SIZE)]
+    for process in ranks:
+        process.start()
+    answer = None
+    while answer is None:
+        try:
+            answer = queue.get(timeout=1.0)
+        except Empty:
+            failed = [p.exitcode for p in ranks if p.exitcode not in (None, 0)]
+            if failed:
+                print(f"a rank failed (exit codes {failed})", file=sys.stderr)
+                return 1
+    for process in ranks:
+        process.join(timeout=60)
+    rows = answer["rows"]
+    report = {
+        "device": torch.cuda.get_device_name(0),
+        "hidden": args.hidden,
+        "one_shot_available": answer["one_shot"],
+        "results": rows,
+    }
+    print("\n tokens     bytes   nccl us  one-shot us")
+    nan = float("nan")
+    for row in rows:
+        one_shot = row.get("one_shot_us", nan)
+        print(f"{row['tokens']:7d} {row['bytes']:9d} {row['nccl_us']:9.1f} {one_shot:12.1f}")
+    if args.output:
+        args.output.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
