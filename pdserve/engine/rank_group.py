@@ -56,6 +56,7 @@ from pdserve.protocol.rank_messages import (
     RankMoveKV,
     RankPlan,
     RankStop,
+    flatten,
 )
 
 logger = logging.getLogger(__name__)
@@ -238,14 +239,20 @@ class RankGroup:
         masks = [
             RankMask(seq, *mask.shape, mask.flatten().tolist()) for seq, mask in batch.masks.items()
         ]
+        new_pages, new_page_counts = flatten(new_pages)
+        token_ids, token_counts = flatten(batch.token_ids)
+        positions, position_counts = flatten([p or [] for p in batch.positions])
         self._send(
             RankForward(
                 request_ids=ids,
                 pages_kept=kept,
                 new_pages=new_pages,
+                new_page_counts=new_page_counts,
                 num_computed=list(batch.num_computed),
-                token_ids=[list(t) for t in batch.token_ids],
-                positions=list(batch.positions),
+                token_ids=token_ids,
+                token_counts=token_counts,
+                positions=positions,
+                position_counts=position_counts,
                 masks=masks,
                 capture_kind=capture.kind,
                 capture_layers=list(capture.layer_ids),

@@ -51,6 +51,7 @@ from pdserve.protocol.rank_messages import (
     RankMoveKV,
     RankPlan,
     RankStop,
+    split,
 )
 
 logger = logging.getLogger(__name__)
@@ -174,8 +175,19 @@ class RankWorker:
         batch = ForwardBatch()
         masks = {m.seq: m for m in msg.masks}
         num_pages = self.kv_pool.num_pages
+        count = len(msg.request_ids)
+        if not len(msg.pages_kept) == len(msg.num_computed) == count:
+            raise RankProtocolError(f"a pass of {count} sequences with other-length lists")
+        try:
+            all_new_pages = split(msg.new_pages, msg.new_page_counts, "new_pages")
+            all_tokens = split(msg.token_ids, msg.token_counts, "token_ids")
+            all_positions = split(msg.positions, msg.position_counts, "positions")
+        except ValueError as error:
+            raise RankProtocolError(str(error)) from None
+        if not len(all_new_pages) == len(all_tokens) == len(all_positions) == count:
+            raise RankProtocolError(f"a pass of {count} sequences with other-length counts")
         for seq, request_id in enumerate(msg.request_ids):
-            new_pages = msg.new_pages[seq]
+            new_pages = all_new_pages[seq]
             if any(not 0 <= page < num_pages for page in new_pages):
                 raise RankProtocolError(f"page ids outside [0, {num_pages}) for {request_id!r}")
             request = None
@@ -195,8 +207,8 @@ class RankWorker:
             batch.add(
                 pages,
                 msg.num_computed[seq],
-                msg.token_ids[seq],
-                msg.positions[seq],
+                all_tokens[seq],
+                all_positions[seq] or None,
                 None if mask is None else _mask_tensor(mask),
                 request=request,
             )

@@ -183,8 +183,8 @@ def _checker(hint: Any):
         def check_list(value, where):
             if type(value) is not list:
                 raise ProtocolError(f"{where}: expected an array, got {type(value).__name__}")
-            if item is Any or (item is int and all(type(v) is int for v in value)):
-                checked = value  # NOTE: fast path for token id lists; bool is not an int here
+            if item is Any or (item in (int, str) and all(type(v) is item for v in value)):
+                checked = value  # NOTE: fast path for id lists; bool is not an int here
             else:
                 checked = [item_check(v, f"{where}[]") for v in value]
             return tuple(checked) if as_tuple else checked

@@ -39,15 +39,21 @@ class RankForward:
     """One forward pass. Per sequence: its request (empty: none), how many of the pages the
     ranks know for it still hold and the pages after them, its computed tokens, the tokens it
     computes now (negative: placeholders for the broadcast device tokens) and their explicit
-    positions (None: its slots). `graphs`: which graph runner rank 0 replays ("", "decode",
-    "verify"). `ended`: requests that stopped running since the last pass."""
+    positions (none: its slots). Per-sequence lists of ints travel flat, each with its
+    per-sequence counts (`new_pages` split by `new_page_counts`, ...), so that a decode step of
+    a large batch decodes in a few passes over flat arrays, not a check per sequence.
+    `graphs`: which graph runner rank 0 replays ("", "decode", "verify"). `ended`: requests
+    that stopped running since the last pass."""
 
     request_ids: list[str]
     pages_kept: list[int]
-    new_pages: list[list[int]]
+    new_pages: list[int]
+    new_page_counts: list[int]
     num_computed: list[int]
-    token_ids: list[list[int]]
-    positions: list[list[int] | None]
+    token_ids: list[int]
+    token_counts: list[int]
+    positions: list[int]
+    position_counts: list[int]
     masks: list[RankMask]
     capture_kind: str
     capture_layers: list[int]
@@ -55,6 +61,22 @@ class RankForward:
     device_tokens_shape: list[int]
     device_tokens_dtype: str
     ended: list[str]
+
+
+def flatten(lists: list[list[int]]) -> tuple[list[int], list[int]]:
+    """(values, counts): `lists` as `RankForward` carries them."""
+    return [v for values in lists for v in values], [len(values) for values in lists]
+
+
+def split(values: list[int], counts: list[int], what: str) -> list[list[int]]:
+    """`flatten`'s inverse; raises ValueError naming `what` when the counts do not add up."""
+    if any(count < 0 for count in counts) or sum(counts) != len(values):
+        raise ValueError(f"{what}: counts {sum(counts)} do not match {len(values)} values")
+    out, start = [], 0
+    for count in counts:
+        out.append(values[start : start + count])
+        start += count
+    return out
 
 
 @message("rank_logits")

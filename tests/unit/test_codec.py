@@ -13,6 +13,7 @@ from pdserve.protocol.engine_messages import (
     StepOutputs,
     TokenOutput,
 )
+from pdserve.protocol.rank_messages import RankForward, flatten, split
 
 
 def raw(tag, body, version=PROTOCOL_VERSION):
@@ -79,6 +80,11 @@ def test_expected_type_is_enforced():
             ),
             "unknown fields",
         ),
+        (raw("rank_stop", {"reason": ["a"]}), "expected str"),
+        (
+            raw("rank_move_kv", {"src": [1, "x"], "dst": []}),
+            "expected an integer",
+        ),
         (
             raw(
                 "engine_stats",
@@ -119,3 +125,38 @@ def test_protocol_package_does_not_import_torch():
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_lists_of_strings_are_checked_item_by_item_when_one_is_not_a_string():
+    ok = RankForward(
+        request_ids=["a", "b"],
+        pages_kept=[0, 0],
+        new_pages=[4],
+        new_page_counts=[0, 1],
+        num_computed=[1, 2],
+        token_ids=[7, 8],
+        token_counts=[1, 1],
+        positions=[],
+        position_counts=[0, 0],
+        masks=[],
+        capture_kind="",
+        capture_layers=[],
+        graphs="decode",
+        device_tokens_shape=[],
+        device_tokens_dtype="",
+        ended=["c"],
+    )
+    body = dict(vars(ok), request_ids=["a", 7])
+    with pytest.raises(ProtocolError, match=r"request_ids\[\]: expected str"):
+        decode(raw("rank_forward", body))
+    assert decode(encode(ok)) == ok
+
+
+def test_rank_forward_lists_travel_flat_and_split_back_or_name_the_mismatch():
+    lists = [[3, 4], [], [5]]
+    assert flatten(lists) == ([3, 4, 5], [2, 0, 1])
+    assert split(*flatten(lists), "pages") == lists
+    with pytest.raises(ValueError, match="pages: counts 4 do not match 3 values"):
+        split([3, 4, 5], [2, 0, 2], "pages")
+    with pytest.raises(ValueError, match="tokens"):
+        split([1], [2, -1], "tokens")
