@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 # NOTE: decode batches up to 128 at hidden size 4096 in bf16.
 MAX_BYTES = 1 << 20
 NAME_KEY = "symmetric_all_reduce/name"
+TEST_CALLS = 8
 
 
 class SymmetricAllReduce:
@@ -61,7 +62,7 @@ class SymmetricAllReduce:
         except Exception as error:  # NOTE: whatever this torch lacks, NCCL still works
             reason = f"{type(error).__name__}: {error}"
         if _everyone(group, device, opened is not None):
-            reason = opened._test(size, group, device)
+            reason = opened._test(size, rank, group, device)
             if not reason:
                 return opened
         if opened is not None:
@@ -95,29 +96,33 @@ class SymmetricAllReduce:
             raise
         return opened
 
-    def _test(self, size: int, group: dist.ProcessGroup, device: torch.device) -> str:
-        """Sum ones eagerly, then from a captured CUDA graph: '' if both gave `size` on every
-        rank, else why not (a collective: the ranks agree before the graph runs)."""
+    def _test(self, size: int, rank: int, group: dist.ProcessGroup, device) -> str:
+        """Sum `TEST_CALLS` back-to-back inputs of different values (so that a rank rewriting
+        its buffer while another still reads it shows), eagerly and then replayed from a
+        captured CUDA graph: '' if every sum is right on every rank, else why not (a
+        collective: the ranks agree before the graph runs)."""
         reason, graph = "", None
-        ones = torch.ones(8, dtype=self.buffer.dtype, device=device)
+        inputs = [
+            torch.full((8,), call + rank, dtype=self.buffer.dtype, device=device)
+            for call in range(TEST_CALLS)
+        ]
+        expected = [size * call + size * (size - 1) // 2 for call in range(TEST_CALLS)]
         try:
-            total = self(ones)
-            if not torch.equal(total, torch.full_like(ones, size)):
-                raise RuntimeError(f"a test sum came back {total.tolist()}")
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                total = self(ones)
+            reason = _wrong_sums([self(x) for x in inputs], expected)
+            if not reason:
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    totals = [self(x) for x in inputs]
         except Exception as error:
             reason, graph = f"{type(error).__name__}: {error}", None
         if not _everyone(group, device, graph is not None):
-            return reason or "another rank failed the test sum"
+            return reason or "another rank failed the test sums"
         graph.replay()
-        if not torch.equal(total, torch.full_like(ones, size)):
-            reason = f"a test sum replayed from a graph came back {total.tolist()}"
+        reason = _wrong_sums(totals, expected, "replayed from a graph ")
         if not _everyone(group, device, not reason):
-            return reason or "another rank's test sum from a graph was wrong"
+            return reason or "another rank's test sums from a graph were wrong"
         return ""
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -136,6 +141,13 @@ class SymmetricAllReduce:
         with contextlib.suppress(Exception):  # NOTE: already gone
             _unregister_process_group(self.name)
         self.buffer = torch.empty(0)
+
+
+def _wrong_sums(totals: list[torch.Tensor], expected: list[int], how: str = "") -> str:
+    for call, (total, value) in enumerate(zip(totals, expected, strict=True)):
+        if not torch.equal(total, torch.full_like(total, value)):
+            return f"test sum {call} {how}came back {total.tolist()}, not {value}s"
+    return ""
 
 
 def _everyone(group: dist.ProcessGroup, device: torch.device, ok: bool) -> bool:
