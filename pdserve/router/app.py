@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve import __version__
 from pdserve.protocol.api_key import ApiKeyMiddleware
@@ -118,7 +118,14 @@ def build_router_app(
                     await health_task
                 await legs.aclose()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    generation = Generation(config)
+    # The hot path's own chain: what FastAPI's stack does for it, and nothing else.
+    fast_path = AccessLog(
+        ApiKeyMiddleware(generation, api_key=config.api_key, open_paths=OPEN_PATHS),
+        paths=set(GENERATION_PATHS),
+        colocated=config.colocated,
+    )
+    app = RouterApp(fast_path, title="pdserve router", lifespan=lifespan)
     app.add_exception_handler(HTTPException, http_error_handler)
     app.add_exception_handler(Exception, internal_error_handler)
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=OPEN_PATHS)
@@ -148,7 +155,8 @@ def build_router_app(
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     for path in GENERATION_PATHS:
-        app.router.routes.append(Route(path, Generation(config), methods=["POST"]))
+        # NOTE: RouterApp answers POSTs itself; these routes give other methods their 405.
+        app.router.routes.append(Route(path, generation, methods=["POST"]))
 
     async def from_workers(request: Request) -> Response:
         """Model and server info come from a healthy answering worker (it serves the model)."""
@@ -177,6 +185,42 @@ def build_router_app(
     for path in ("/v1/models", *INFO_PATHS):
         app.add_api_route(path, from_workers, methods=["GET"])
     return app
+
+
+class RouterApp(FastAPI):
+    """The router's app. A POST to a generation endpoint (every request and every chunk it
+    streams) goes through `fast_path` (the access log, the API key, the handler) without
+    FastAPI's routing and middleware stack around it; on an error before the response started
+    the client gets the 500 FastAPI would send. Everything else is FastAPI's. Measured at 32
+    streams: FastAPI's chain in front of the handler was ~5% of the router's CPU."""
+
+    def __init__(self, fast_path: ASGIApp, **kwargs):
+        super().__init__(**kwargs)
+        self.fast_path = fast_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or scope["path"] not in GENERATION_PATHS
+        ):
+            await super().__call__(scope, receive, send)
+            return
+        scope["app"] = self
+        started = False
+
+        async def send_and_see(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.fast_path(scope, receive, send_and_see)
+        except Exception as error:
+            if not started:
+                response = await internal_error_handler(Request(scope), error)
+                await response(scope, receive, send)
+            raise  # NOTE: the server logs the traceback, as under FastAPI's own stack
 
 
 class Generation:
