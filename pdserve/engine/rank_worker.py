@@ -176,7 +176,8 @@ class RankWorker:
         masks = {m.seq: m for m in msg.masks}
         num_pages = self.kv_pool.num_pages
         count = len(msg.request_ids)
-        if not len(msg.pages_kept) == len(msg.num_computed) == count:
+        per_sequence = (msg.pages_kept, msg.num_computed, msg.new_page_counts, msg.token_counts)
+        if any(len(values) != count for values in (*per_sequence, msg.position_counts)):
             raise RankProtocolError(f"a pass of {count} sequences with other-length lists")
         try:
             all_new_pages = split(msg.new_pages, msg.new_page_counts, "new_pages")
@@ -184,8 +185,6 @@ class RankWorker:
             all_positions = split(msg.positions, msg.position_counts, "positions")
         except ValueError as error:
             raise RankProtocolError(str(error)) from None
-        if not len(all_new_pages) == len(all_tokens) == len(all_positions) == count:
-            raise RankProtocolError(f"a pass of {count} sequences with other-length counts")
         for seq, request_id in enumerate(msg.request_ids):
             new_pages = all_new_pages[seq]
             if any(not 0 <= page < num_pages for page in new_pages):

@@ -21,6 +21,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from pdserve.engine.tensor_parallel import all_reduce_min
+
 logger = logging.getLogger(__name__)
 
 # NOTE: decode batches up to 128 at hidden size 4096 in bf16.
@@ -152,8 +154,4 @@ def _wrong_sums(totals: list[torch.Tensor], expected: list[int], how: str = "") 
 
 def _everyone(group: dist.ProcessGroup, device: torch.device, ok: bool) -> bool:
     """Whether `ok` holds on every rank (a collective)."""
-    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
-    options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.MIN
-    group.allreduce([flag], options).wait()
-    return bool(flag.item())
+    return all_reduce_min(group, device, int(ok)) == 1

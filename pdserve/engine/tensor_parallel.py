@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from pdserve.engine.symmetric_all_reduce import SymmetricAllReduce
+if TYPE_CHECKING:
+    from pdserve.engine.symmetric_all_reduce import SymmetricAllReduce
 
 
 class TensorParallelError(ValueError):
@@ -151,11 +153,7 @@ class TensorParallel:
 
     def all_reduce_min(self, value: int) -> int:
         """The smallest of every rank's `value` (start-up: KV pages every rank can hold)."""
-        x = torch.tensor([value], dtype=torch.int64, device=self.device)
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MIN
-        self.group.allreduce([x], options).wait()
-        return int(x.item())
+        return all_reduce_min(self.group, self.device, value)
 
     def gather_vocab(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's slice of the last (vocabulary) dimension side by side, cut to the
@@ -171,6 +169,15 @@ class TensorParallel:
         options.rootRank = 0
         self.group.broadcast([x], options).wait()
         return x
+
+
+def all_reduce_min(group: dist.ProcessGroup, device: torch.device, value: int) -> int:
+    """The smallest of every rank's `value` in `group` (a collective)."""
+    x = torch.tensor([value], dtype=torch.int64, device=device)
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MIN
+    group.allreduce([x], options).wait()
+    return int(x.item())
 
 
 def open_group(
@@ -198,6 +205,8 @@ def join_group(
 ) -> TensorParallel:
     """This rank's place in the group (every rank calls it): the process group, and with
     `custom_all_reduce` (GPUs of one node) the one-shot all-reduce for small tensors."""
+    from pdserve.engine.symmetric_all_reduce import SymmetricAllReduce
+
     group = open_group(store, rank, split.size, device, timeout_s)
     small = None
     if custom_all_reduce:
