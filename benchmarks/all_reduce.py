@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from queue import Empty
 
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=64)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the ranks")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args(argv)
     if torch.cuda.device_count() < SIZE:
@@ -118,14 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     ranks = [context.Process(target=rank_main, args=(r, port, args, queue)) for r in range(SIZE)]
     for process in ranks:
         process.start()
-    answer = None
+    answer, deadline = None, time.monotonic() + args.timeout
     while answer is None:
         try:
             answer = queue.get(timeout=1.0)
         except Empty:
             failed = [p.exitcode for p in ranks if p.exitcode not in (None, 0)]
-            if failed:
-                print(f"a rank failed (exit codes {failed})", file=sys.stderr)
+            if failed or time.monotonic() > deadline:
+                why = f"exit codes {failed}" if failed else f"no result in {args.timeout:.0f} s"
+                print(f"the ranks failed ({why})", file=sys.stderr)
+                for process in ranks:
+                    process.kill()
                 return 1
     for process in ranks:
         process.join(timeout=60)
