@@ -7,6 +7,7 @@ room states. `wake()` interrupts the thread's poll so commands run at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -48,7 +49,10 @@ class IOThread:
         self.commands.put(command)
         with self._wake_lock:
             if not self._wake_tx.closed:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
+                # NOTE: Again means nobody is there to wake: the thread ended (on its own
+                # tick after `stop` was asked, say) and closed its end.
+                with contextlib.suppress(zmq.Again):
+                    self._wake_tx.send(b"", zmq.NOBLOCK)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()

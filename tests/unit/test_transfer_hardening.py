@@ -302,3 +302,26 @@ def test_a_failed_room_frees_the_buffer_announced_to_its_peer():
         assert sender.poll() is TransferState.FAILED
     finally:
         server.stop()
+
+
+def test_stopping_an_io_thread_nobody_listens_to_anymore_closes_it_without_error():
+    """The thread may end on its own tick once stop is asked, before stop wakes it, and its
+    end of the waking pipe is gone: waking nobody (zmq.Again) is not an error, and stop still
+    closes the sockets."""
+    import zmq
+
+    from pdserve.transfer.io_thread import IOThread
+
+    context = zmq.Context()
+    io = IOThread("test-io", context)
+    io.start(on_socket=lambda socket: None, on_tick=lambda: None, tick_s=0.01)
+    io._stop.set()
+    io._thread.join(5)
+    assert not io._thread.is_alive()
+    io._wake_tx.close(0)
+    io._wake_tx = context.socket(zmq.PUSH)  # NOTE: no peer: a send that cannot block fails
+    with pytest.raises(zmq.Again):
+        io._wake_tx.send(b"", zmq.NOBLOCK)
+    io.stop()
+    assert io._wake_tx.closed and io._wake_rx.closed
+    context.term()  # NOTE: hangs if a socket were left open
