@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 MAX_BYTES = 1 << 20
 NAME_KEY = "symmetric_all_reduce/name"
 TEST_CALLS = 8
+# NOTE: torch 2.11's rendezvous hangs, on every rank, for a second group in a process that
+# mapped a buffer before (seen on two H100s: a second TP engine in one `LLM` process); a
+# serving worker's engine has a process of its own, so only offline use meets it.
+_process_mapped_before = False
 
 
 class SymmetricAllReduce:
@@ -56,8 +60,18 @@ class SymmetricAllReduce:
         if device.type != "cuda" or size < 2:
             return None
         if rank == 0:
-            store.set(NAME_KEY, f"pdserve-tp-{uuid.uuid4().hex[:12]}")
+            # NOTE: rank 0's process is the one an engine can reuse (the other ranks are new
+            # processes), so rank 0 decides for all: an empty name means NCCL only.
+            name = "" if _process_mapped_before else f"pdserve-tp-{uuid.uuid4().hex[:12]}"
+            store.set(NAME_KEY, name)
         name = store.get(NAME_KEY).decode()
+        if not name:
+            logger.warning(
+                "custom all-reduce unavailable (rank 0's process mapped one for an earlier "
+                "tensor-parallel engine, and torch maps one per process); NCCL does every "
+                "all-reduce"
+            )
+            return None
         opened, reason = None, ""
         try:
             opened = cls._map(group, store, rank, size, device, dtype, name)
@@ -85,7 +99,9 @@ class SymmetricAllReduce:
         named._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
         named._set_group_name(name)
         _register_process_group(name, named)
+        global _process_mapped_before
         opened = cls(name, torch.empty(0))
+        _process_mapped_before = True
         try:
             # NOTE: releases that look the group up by name refuse this second way; older ones
             # need it.
