@@ -64,18 +64,12 @@ def configure(args: argparse.Namespace, kind: str) -> Callable[[], int]:
     model_path, served_name = model_path_from(args)
     engine = engine_config_from_args(args, model_path)
     transfer = None if kind == "serve" else transfer_config_from_args(args, kind, http.host)
-    if engine.node_rank > 0 and transfer is None:
-        # NOTE: another node of a worker that spans nodes: it runs ranks, node 0 serves.
+    if engine.node_rank > 0:
+        # NOTE: another node of a worker that spans nodes: it runs ranks, node 0 serves (and,
+        # in a prefill or decode worker, moves the KV).
         from pdserve.engine.node_ranks import run_node_ranks
 
         return functools.partial(run_node_ranks, engine)
-    if transfer is not None and engine.tp_size > 1:
-        # NOTE: KV moves from rank 0's pool today; each rank's heads must move on its own.
-        raise ValueError(
-            f"--tp-size {engine.tp_size} on a {kind} worker: moving KV between tensor-parallel "
-            "prefill and decode ranks is not built yet; run `pdserve serve --tp-size N` "
-            "(colocated) or this role with --tp-size 1"
-        )
     check_port_free(http.host, http.port, "--port")
     if transfer is not None and transfer.bootstrap_port:
         check_port_free(transfer.bootstrap_host, transfer.bootstrap_port, "--bootstrap-port")

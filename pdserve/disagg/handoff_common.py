@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.disagg.tensor_parallel_stager import TensorParallelStager
 from pdserve.engine.page_allocator import pages_needed
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
@@ -20,7 +21,7 @@ class EngineTransferLayout:
 
     layout: KVLayout
     metadata: MetadataSpec
-    stager: KVStager
+    stager: KVStager | TensorParallelStager
 
     def transfer_pages(self, engine, pages: list[int], num_prompt_tokens: int) -> list[int]:
         """The pages that hold the KV a handoff moves for this prompt."""
@@ -53,13 +54,19 @@ def engine_transfer_layout(engine) -> EngineTransferLayout:
             draft_num_layers=sum(p.num_layers for p in draft_pools),
             draft_fingerprint=model_fingerprint(draft_config) if draft_config else "",
         )
+    if engine.ranks is not None:
+        # NOTE: the wire carries every KV head, as a TP 1 worker's pages hold them, so that
+        # workers at any TP sizes pair (`TensorParallelStager`).
+        stager = TensorParallelStager(engine.ranks, pool, draft_pools)
+    else:
+        stager = KVStager([pool, *draft_pools])
     layout = KVLayout(
         model_fingerprint=model_fingerprint(engine.model_config.hf_config),
         num_layers=pool.num_layers,
-        num_kv_heads=pool.num_kv_heads,
+        num_kv_heads=engine.model_config.num_kv_heads,
         head_dim=pool.head_dim,
         page_size=pool.page_size,
         kv_dtype=str(pool.dtype).removeprefix("torch."),
         spec=spec,
     )
-    return EngineTransferLayout(layout, metadata, KVStager([pool, *draft_pools]))
+    return EngineTransferLayout(layout, metadata, stager)

@@ -51,10 +51,12 @@ from pdserve.engine.tensor_parallel import (
 from pdserve.protocol.channel import Channel
 from pdserve.protocol.rank_messages import (
     RankForward,
+    RankGatherKV,
     RankLogits,
     RankMask,
     RankMoveKV,
     RankPlan,
+    RankScatterKV,
     RankStop,
     flatten,
 )
@@ -270,6 +272,16 @@ class RankGroup:
 
     def move_kv(self, src: list[int], dst: list[int]) -> None:
         self._send(RankMoveKV(src, dst))
+
+    def gather_kv(self, pages: list[int]) -> None:
+        """Tell the other ranks to gather their heads of `pages` to rank 0 (a handoff)."""
+        self.check_alive()
+        self._send(RankGatherKV(pages))
+
+    def scatter_kv(self, pages: list[int]) -> None:
+        """Tell the other ranks to take their heads of `pages` from rank 0 (a commit)."""
+        self.check_alive()
+        self._send(RankScatterKV(pages))
 
     def _send(self, msg) -> None:
         for rank, channel in enumerate(self.channels, start=1):

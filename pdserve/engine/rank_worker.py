@@ -44,12 +44,15 @@ from pdserve.engine.rank_group import (
 )
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.tensor_parallel import ModelSplit, TensorParallel, join_group
+from pdserve.engine.tensor_parallel_kv import PageIdError, gather_heads, scatter_heads
 from pdserve.protocol.channel import Channel
 from pdserve.protocol.rank_messages import (
     RankForward,
+    RankGatherKV,
     RankLogits,
     RankMoveKV,
     RankPlan,
+    RankScatterKV,
     RankStop,
     split,
 )
@@ -57,7 +60,15 @@ from pdserve.protocol.rank_messages import (
 logger = logging.getLogger(__name__)
 
 IDLE_CHECK_MS = 1000  # how often an idle rank checks that rank 0 still lives
-RANK_MESSAGES = (RankPlan, RankForward, RankLogits, RankMoveKV, RankStop)
+RANK_MESSAGES = (
+    RankPlan,
+    RankForward,
+    RankLogits,
+    RankMoveKV,
+    RankGatherKV,
+    RankScatterKV,
+    RankStop,
+)
 
 
 class RankProtocolError(RuntimeError):
@@ -151,6 +162,8 @@ class RankWorker:
                 self._logits(msg)
             elif isinstance(msg, RankMoveKV):
                 self.runner.move_kv(msg.src, msg.dst)
+            elif isinstance(msg, RankGatherKV | RankScatterKV):
+                self._move_pages(msg)
             else:
                 raise RankProtocolError(f"unexpected {type(msg).__name__} after start-up")
 
@@ -218,6 +231,17 @@ class RankWorker:
             self.tp.broadcast_from_first(device_tokens)
         capture = Capture(msg.capture_kind, tuple(msg.capture_layers))
         return self.runner.forward(batch, capture, device_tokens, graphs=msg.graphs)
+
+    @torch.inference_mode()
+    def _move_pages(self, msg: RankGatherKV | RankScatterKV) -> None:
+        """This rank's part of a handoff's gather (prefill) or commit (decode)."""
+        try:
+            if isinstance(msg, RankGatherKV):
+                gather_heads(self.tp, self.kv_pool, msg.pages)
+            else:
+                scatter_heads(self.tp, self.kv_pool, msg.pages, None)
+        except PageIdError as error:
+            raise RankProtocolError(str(error)) from None
 
     @torch.inference_mode()
     def _logits(self, msg: RankLogits) -> None:

@@ -94,6 +94,22 @@ class RankMoveKV:
     dst: list[int]
 
 
+@message("rank_gather_kv")
+class RankGatherKV:
+    """A prefill worker sends these target pages: every rank gathers its KV heads of them
+    (every layer, K and V) to rank 0, which lays them out as one rank holding every head."""
+
+    pages: list[int]
+
+
+@message("rank_scatter_kv")
+class RankScatterKV:
+    """A decode worker commits KV into these target pages: rank 0 hands every rank its KV
+    heads of them, and each rank writes them into its pool."""
+
+    pages: list[int]
+
+
 @message("rank_stop")
 class RankStop:
     reason: str

@@ -212,15 +212,6 @@ def test_ranks_leave_when_rank0_is_gone(tiny_model_dirs):
     wait_until(gone, "rank 1 to leave after rank 0 exited", deadline_s=20)
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_disaggregated_role_refuses_tp_until_its_ranks_can_move_kv(role, tiny_model_dirs, capsys):
-    from pdserve.cli import main
-
-    argv = [role, "--model-path", tiny_model_dirs("llama"), "--tp-size", "2", "--port", "0"]
-    assert main(argv) == 2
-    assert f"--tp-size 2 on a {role} worker" in capsys.readouterr().err
-
-
 def test_rank0_failing_inside_a_pass_stops_every_rank_instead_of_desynchronizing(
     tiny_model_dirs, prompts, monkeypatch
 ):

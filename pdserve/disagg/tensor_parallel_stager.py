@@ -1,0 +1,100 @@
+"""A tensor-parallel worker's rank 0 staging a handoff's KV: `KVStager`'s interface over the
+pages of every rank, in the layout of one rank with every KV head
+(`pdserve.engine.tensor_parallel_kv` says why and how), so that the transfer layer, the
+prefill and decode handoffs and the peer at any TP size see a TP 1 worker's pages."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.engine.tensor_parallel_kv import (
+    PageIdError,
+    gather_heads,
+    page_index,
+    scatter_heads,
+)
+from pdserve.transfer.kv_staging import KVStager, StagingError
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_pool import KVPool
+    from pdserve.engine.rank_group import RankGroup
+    from pdserve.engine.tensor_parallel import TensorParallel
+
+
+class TensorParallelStager:
+    """`KVStager` for a tensor-parallel worker's rank 0: the target pool's pages in the layout
+    of one rank with every head, gathered from and scattered to every rank; a speculative
+    draft's pools (on rank 0 alone, every head) as `KVStager` moves them."""
+
+    def __init__(self, ranks: RankGroup, pool: KVPool, draft_pools: list):
+        self.ranks = ranks
+        self.tp: TensorParallel = ranks.tp
+        self.target = pool
+        self.drafts = KVStager(draft_pools) if draft_pools else None
+        self.pools = [pool, *draft_pools]
+        self.device = pool.device
+        self.num_kv_heads = self.tp.split.num_kv_heads
+        local_bytes = pool.nbytes // pool.num_pages
+        self.page_bytes = [
+            local_bytes // pool.num_kv_heads * self.num_kv_heads,
+            *(self.drafts.page_bytes if self.drafts else []),
+        ]
+
+    def nbytes(self, page_ids: list[list[int]]) -> int:
+        if len(page_ids) != len(self.pools):
+            raise StagingError(f"{len(page_ids)} page lists for {len(self.pools)} pools")
+        return sum(len(ids) * size for ids, size in zip(page_ids, self.page_bytes, strict=True))
+
+    def gather(self, page_ids: list[list[int]]) -> torch.Tensor:
+        """The pages (one id list per pool) as one flat uint8 buffer on rank 0's device."""
+        self.nbytes(page_ids)
+        pages = page_ids[0]
+        self._check(pages)
+        try:
+            self.ranks.gather_kv(pages)
+            target = gather_heads(self.tp, self.target, pages)
+        except Exception as e:
+            raise self.ranks.abandon(f"gathering KV for a transfer failed: {e}") from e
+        parts = [_bytes(target)]
+        if self.drafts is not None:
+            parts.append(self.drafts.gather(page_ids[1:]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def scatter(self, page_ids: list[list[int]], buffer: torch.Tensor) -> None:
+        """Write a buffer made by `gather` (or by a `KVStager` of a worker at another TP
+        size) into these pages on every rank."""
+        total = self.nbytes(page_ids)
+        if buffer.dtype != torch.uint8 or buffer.numel() != total:
+            raise StagingError(
+                f"buffer of {buffer.numel()} bytes does not match {total} bytes of pages"
+            )
+        pages = page_ids[0]
+        self._check(pages)
+        split_at = len(pages) * self.page_bytes[0]
+        pool = self.target
+        full = (
+            buffer[:split_at]
+            .to(self.device)
+            .view(pool.dtype)
+            .view(2, pool.num_layers, len(pages), pool.page_size, self.num_kv_heads, -1)
+        )
+        try:
+            self.ranks.scatter_kv(pages)
+            scatter_heads(self.tp, pool, pages, full)
+        except Exception as e:
+            raise self.ranks.abandon(f"committing transferred KV failed: {e}") from e
+        if self.drafts is not None:
+            self.drafts.scatter(page_ids[1:], buffer[split_at:])
+
+    def _check(self, pages: list[int]) -> None:
+        """Refuse page ids outside the pool before any rank is told to move them."""
+        try:
+            page_index(self.target, pages)
+        except PageIdError as e:
+            raise StagingError(str(e)) from None
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(-1).view(torch.uint8)

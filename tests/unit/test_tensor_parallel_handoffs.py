@@ -1,0 +1,191 @@
+"""Prefill and decode workers at different tensor-parallel sizes (gloo between each worker's
+rank processes on CPU), in one process over the transfer layer: the KV travels in the layout of
+one rank with every KV head, gathered from every prefill rank and scattered to every decode
+rank, so any pair of sizes gives colocated TP 1's tokens; KV heads replicated on ranks go once;
+a speculative draft's KV (on rank 0 alone) travels beside the target's; a decode rank that
+died fails the room, names the rank, and leaves no page held on either side."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.decode.handoff import DecodeHandoff
+from pdserve.disagg.tensor_parallel_stager import TensorParallelStager
+from pdserve.engine.tiny_model import make_tiny_model
+from pdserve.prefill.handoff import PrefillHandoff
+from pdserve.protocol.spec_settings import SpecSettings
+from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.kv_staging import StagingError
+from tests.conftest import random_prompts
+from tests.unit.test_handoffs import boot, drive, finished, generate, tokens
+
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+# Small pages and chunks: a prompt spans pages and chunks.
+OPTIONS = {"device": "cpu", "page_size": 4, "chunked_prefill_size": 16}
+PROMPT_LENGTHS = (1, 6, 17, 30)
+
+
+def transfer_config(backend: str) -> TransferConfig:
+    return TransferConfig(
+        backend=backend,
+        bootstrap_port=0,
+        progress_timeout_s=20,
+        peer_timeout_s=5,
+        heartbeat_interval_s=0.2,
+    )
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """KV heads -> a tiny qwen3 with that many (4: split one or two per rank; 2: replicated
+    on neighbouring ranks at TP 4)."""
+    cache = {}
+
+    def get(kv_heads: int) -> str:
+        if kv_heads not in cache:
+            folder = tmp_path_factory.mktemp(f"kv{kv_heads}")
+            cache[kv_heads] = str(make_tiny_model(folder, "qwen3", num_kv_heads=kv_heads))
+        return cache[kv_heads]
+
+    return get
+
+
+def colocated_tokens(model: str, prompts) -> list[list[int]]:
+    with LLM(model, **OPTIONS) as llm:
+        return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def run_rooms(prefill, decode, prompts, deadline_s=90.0) -> dict:
+    messages = {
+        prefill: [generate(f"p{i}", p, GREEDY, boot(prefill, i)) for i, p in enumerate(prompts)],
+        decode: [generate(f"d{i}", p, GREEDY, boot(prefill, i)) for i, p in enumerate(prompts)],
+    }
+    names = [f"d{i}" for i in range(len(prompts))] + [f"p{i}" for i in range(len(prompts))]
+    return drive(
+        prefill,
+        decode,
+        until=lambda o: all(finished(o, n) for n in names),
+        messages=messages,
+        deadline_s=deadline_s,
+    )
+
+
+def pair(model, prefill_tp, decode_tp, backend, **options):
+    """A prefill and a decode handoff over engines at these TP sizes."""
+    config = transfer_config(backend)
+    prefill = PrefillHandoff(LLM(model, tp_size=prefill_tp, **OPTIONS, **options).engine, config)
+    decode = DecodeHandoff(LLM(model, tp_size=decode_tp, **OPTIONS, **options).engine, config)
+    return prefill, decode
+
+
+def close(*handoffs) -> None:
+    for handoff in handoffs:
+        handoff.stop()
+        handoff.engine.close()
+
+
+@pytest.mark.parametrize(
+    ("backend", "prefill_tp", "decode_tp", "kv_heads"),
+    [
+        ("tcp", 2, 1, 4),
+        ("tcp", 1, 2, 4),
+        ("gloo", 2, 2, 4),
+        # TP 4 over 2 KV heads: each head on two prefill ranks, sent once.
+        ("tcp", 4, 2, 2),
+    ],
+)
+def test_pd_across_tp_sizes_equals_colocated_tp1(backend, prefill_tp, decode_tp, kv_heads, models):
+    model = models(kv_heads)
+    prompts = random_prompts(PROMPT_LENGTHS, 250, seed=5)
+    expected = colocated_tokens(model, prompts)
+    prefill, decode = pair(model, prefill_tp, decode_tp, backend)
+    try:
+        # NOTE: the wire carries every KV head whatever the size: both sides agree on it.
+        assert prefill.transfer.layout == decode.transfer.layout
+        assert prefill.transfer.layout.num_kv_heads == kv_heads
+        outputs = run_rooms(prefill, decode, prompts)
+        for i, want in enumerate(expected):
+            assert tokens(outputs, f"d{i}") == want, f"prompt {i}"
+            assert outputs[f"d{i}"][-1].failure is None
+        assert prefill.engine.kv_pages_in_use == 0
+        assert decode.engine.kv_pages_in_use == 0
+    finally:
+        close(prefill, decode)
+
+
+@pytest.mark.parametrize(("size", "kv_heads"), [(2, 4), (4, 2)])
+def test_scatter_then_gather_gives_back_every_head(size, kv_heads, models):
+    """Random bytes written through the stager into pages of every rank (replicated heads
+    too) come back unchanged, and only the pages named were written."""
+    with LLM(models(kv_heads), tp_size=size, **OPTIONS) as llm:
+        pool = llm.engine.kv_pool
+        stager = TensorParallelStager(llm.engine.ranks, pool, [])
+        assert pool.num_kv_heads == max(kv_heads // size, 1)
+        assert stager.page_bytes[0] * pool.num_kv_heads == pool.nbytes // pool.num_pages * kv_heads
+        pages = [9, 3, 14]
+        total = stager.nbytes([pages])
+        data = torch.randint(0, 256, (total,), dtype=torch.uint8)
+        stager.scatter([pages], data)
+        assert torch.equal(stager.gather([pages]), data)
+        untouched = stager.gather([[0, 1, 2]])
+        assert not untouched.any(), "pages not named stay as they were (zeros)"
+        with pytest.raises(StagingError, match="outside"):
+            stager.gather([[pool.num_pages]])
+        # The ranks are still in step after the refusal: a forward pass works.
+        llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, temperature=0))
+
+
+def test_a_speculative_drafts_kv_travels_with_the_targets(spec_drafts, tiny_model_dirs):
+    """STANDALONE keeps draft KV (on prefill's rank 0 alone): it travels after the target's
+    heads, and decode at another TP size drafts from it: exactly the target's tokens."""
+    model = tiny_model_dirs("llama")
+    prompts = random_prompts(PROMPT_LENGTHS, 250, seed=7)
+    expected = colocated_tokens(model, prompts)
+    settings = SpecSettings(
+        "STANDALONE",
+        draft_model_path=spec_drafts["STANDALONE"],
+        num_steps=3,
+        eagle_topk=1,
+        num_draft_tokens=4,
+    )
+    prefill, decode = pair(model, 2, 1, "tcp", speculative=settings)
+    try:
+        assert len(prefill.transfer.stager.pools) == 2
+        outputs = run_rooms(prefill, decode, prompts)
+        for i, want in enumerate(expected):
+            assert tokens(outputs, f"d{i}") == want, f"prompt {i}"
+        assert outputs["d0"][-1].spec_verify_ct > 0
+        assert prefill.engine.kv_pages_in_use == 0
+        assert decode.engine.kv_pages_in_use == 0
+    finally:
+        close(prefill, decode)
+
+
+def test_a_dead_decode_rank_fails_the_room_and_frees_both_sides(models):
+    model = models(4)
+    prefill, decode = pair(model, 1, 2, "tcp")
+    try:
+        rank = decode.engine.ranks.processes[0]
+        rank.send_signal(signal.SIGKILL)
+        rank.wait(timeout=10)
+        prompt = random_prompts((9,), 250, seed=3)[0]
+        outputs = drive(
+            prefill,
+            decode,
+            until=lambda o: finished(o, "d0") and finished(o, "p0"),
+            messages={
+                prefill: [generate("p0", prompt, GREEDY, boot(prefill, 0))],
+                decode: [generate("d0", prompt, GREEDY, boot(prefill, 0))],
+            },
+            deadline_s=60,
+        )
+        failure = outputs["d0"][-1].failure
+        assert failure is not None and "rank 1 exited" in failure.message
+        assert decode.engine.kv_pages_in_use == 0
+        assert prefill.engine.kv_pages_in_use == 0
+    finally:
+        close(prefill, decode)
