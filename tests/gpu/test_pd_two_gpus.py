@@ -1,7 +1,8 @@
 """Disaggregated serving on two GPUs with the nccl backend: prefill on cuda:0, decode on
 cuda:1, a router in front. Greedy outputs equal a colocated `pdserve serve` on cuda:0, token
 for token; seeded sampling with logprobs, n > 1 and a prompt list (the router's fan-out) equal
-it field for field; every page is free afterwards. Needs two GPUs (nvidia-h200-x2)."""
+it field for field; every page is free afterwards. A TP 2 worker (both GPUs) pairs with a TP 1
+worker either way round. Needs two GPUs (nvidia-h200-x2)."""
 
 from __future__ import annotations
 
@@ -136,3 +137,38 @@ def test_seeded_fanout_with_logprobs_equals_colocated(two_gpus, stream):
     want, got = answers
     assert_same(got, want, tolerance=GPU_TOLERANCE)
     cluster.wait_all_free()
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["prefill-tp2", "decode-tp2"]
+)
+def test_nccl_handoff_across_tp_sizes_equals_colocated(prefill_tp, decode_tp, tiny_model_dirs):
+    """A TP 2 worker on cuda:0 + cuda:1 and a TP 1 worker on cuda:1, either way round: the
+    pair's NCCL group joins the TP 1 worker and the TP 2 worker's rank 0 (cuda:0); the KV of
+    both ranks travels through it."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
+    model = tiny_model_dirs("qwen3")
+    placement = {2: ("--device", "cuda:0", "--tp-size", "2"), 1: ("--device", "cuda:1")}
+    colocated = LocalServer(["serve", "--model-path", model, "--device", "cuda:0", *ENGINE])
+    pending = begin_cluster(
+        model,
+        backend="nccl",
+        worker_args=ENGINE,
+        prefill_args=placement[prefill_tp],
+        decode_args=placement[decode_tp],
+    )
+    cluster = None
+    try:
+        reference = Server(colocated.wait_healthy(START_DEADLINE_S), model)
+        cluster = pending.ready()
+        prompts = random_prompts(LENGTHS, 250, seed=6)
+        with ThreadPoolExecutor(8) as pool:
+            expected = list(pool.map(lambda p: _generate(reference.url, p, False), prompts))
+            got = list(pool.map(lambda p: _generate(cluster.router.url, p, False), prompts))
+        assert got == expected
+        cluster.wait_all_free()
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        colocated.stop()
