@@ -46,7 +46,8 @@ class LaunchConfig:
     num_decode: int = option(1, "decode workers")
     gpus: tuple[str, ...] | None = option(
         None,
-        "comma-separated GPU ids; worker k (prefill first) runs on gpus[k % len]",
+        "comma-separated GPU ids; worker k (prefill first) runs on the k-th run of --tp-size "
+        "of them, wrapping around",
         separator=",",
     )
     start_timeout: float = option(600.0, "seconds to wait for healthy workers")
@@ -84,6 +85,19 @@ class LaunchPlan:
     router: dict
     log_level: str
     split_gpu_memory: bool = True
+
+    def __post_init__(self) -> None:
+        gpus, size = self.launch.gpus, self.engine.tp_size
+        if gpus and size > len(gpus):
+            raise ValueError(
+                f"--tp-size {size} needs {size} GPUs per worker; --gpus names {len(gpus)}"
+            )
+
+    def worker_gpus(self, k: int) -> tuple[str, ...]:
+        """Worker k's GPUs (prefill workers first): `--tp-size` consecutive ids of `--gpus`
+        from the k-th group on, wrapping around; () without `--gpus`."""
+        gpus, size = self.launch.gpus or (), self.engine.tp_size
+        return tuple(gpus[(k * size + i) % len(gpus)] for i in range(size)) if gpus else ()
 
     def worker_argv(self, kind: str, sharing: int = 1) -> list[str]:
         """sharing: workers on this worker's GPU. Unless --gpu-memory-utilization was given,
@@ -221,10 +235,11 @@ def _start_workers(deployment: Deployment) -> list[str]:
     for k in range(total):
         kind = "prefill" if k < config.num_prefill else "decode"
         index = k if kind == "prefill" else k - config.num_prefill
-        gpus = config.gpus or ("",)  # NOTE: without --gpus every worker takes the first GPU
-        sharing = sum(gpus[j % len(gpus)] == gpus[k % len(gpus)] for j in range(total))
+        # NOTE: without --gpus every worker takes the first GPUs (all of them share them).
+        mine = set(plan.worker_gpus(k))
+        sharing = sum(bool(mine & set(plan.worker_gpus(j))) or not mine for j in range(total))
         argv = plan.worker_argv(kind, sharing)
-        env = {"CUDA_VISIBLE_DEVICES": config.gpus[k % len(config.gpus)]} if config.gpus else {}
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(plan.worker_gpus(k))} if config.gpus else {}
         if kind == "prefill":
             bootstrap_port = free_port(host)
             argv += ["--bootstrap-port", str(bootstrap_port)]

@@ -27,9 +27,9 @@
 #   TP_SIZE           tensor-parallel ranks of one worker, over all its nodes (GPUs cuda:N..
 #                     from DEVICE on each node; TP_SIZE / NNODES per node)                [1]
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   the node group this node is part of
-#                     [1, 0, unset, 29500]; NNODES > 1: one tensor-parallel serve worker spans
-#                     the nodes, node 0 (at MASTER_ADDR:MASTER_PORT) serves HTTP, the others run
-#                     ranks only (ROLE=serve only: prefill and decode workers take TP_SIZE 1)
+#                     [1, 0, unset, 29500]; NNODES > 1: one tensor-parallel worker spans
+#                     the nodes, node 0 (at MASTER_ADDR:MASTER_PORT) serves HTTP (and moves a
+#                     prefill or decode worker's KV), the others run ranks only
 #   LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX   set by a LeaderWorkerSet; they
 #                     stand in for MASTER_ADDR, NNODES and NODE_RANK when those are unset
 #   EXTRA_ARGS        more pdserve flags, split on spaces (e.g. speculative decoding)
@@ -97,9 +97,8 @@ fi
 TP_SIZE=${TP_SIZE:-1}
 [[ "$TP_SIZE" =~ ^[1-9][0-9]*$ ]] || die "TP_SIZE must be a positive integer, got '$TP_SIZE'"
 if ((NNODES > 1)); then
-  [[ "${ROLE:-}" == serve ]] ||
-    die "NNODES=$NNODES: only ROLE=serve workers span nodes (tensor parallelism); prefill and" \
-      "decode workers run on one node each (NNODES=1) for now"
+  [[ "${ROLE:-}" != router ]] ||
+    die "NNODES=$NNODES: only workers (serve, prefill, decode) span nodes; the router runs on one"
   ((TP_SIZE % NNODES == 0)) || die "TP_SIZE=$TP_SIZE does not split evenly over NNODES=$NNODES"
   [[ -n "$MASTER_ADDR" ]] || die "NNODES=$NNODES needs MASTER_ADDR: node 0's address"
 fi

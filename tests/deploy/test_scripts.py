@@ -66,7 +66,7 @@ WORKER = {"ROLE": "prefill", "MODEL_PATH": "/models", "POD_IP": "10.9.8.7"}
         ({"ROLE": "decode", "POD_IP": "10.0.0.1"}, "MODEL_PATH is required"),
         ({**WORKER, "PORT": "70000"}, "PORT must be a port number"),
         ({**WORKER, "BOOTSTRAP_PORT": "x"}, "BOOTSTRAP_PORT must be a port number"),
-        ({**WORKER, "NNODES": "2"}, "NNODES=2: only ROLE=serve workers span nodes"),
+        ({"ROLE": "router", "NNODES": "2"}, "NNODES=2: only workers (serve, prefill, decode)"),
         ({**WORKER, "LWS_GROUP_SIZE": "4"}, "NNODES=4"),
         ({**WORKER, "ROLE": "serve", "NNODES": "2", "TP_SIZE": "3"}, "does not split evenly"),
         ({**WORKER, "ROLE": "serve", "NNODES": "2", "TP_SIZE": "2"}, "needs MASTER_ADDR"),
@@ -129,8 +129,9 @@ def test_leaderworkerset_variables_stand_in_for_the_usual_ones():
     assert refused.returncode == 2 and "NODE_RANK must be in [0, NNODES=1)" in refused.stderr
 
 
-def test_a_serve_worker_over_two_nodes_gets_the_node_flags():
-    env = {**WORKER, "ROLE": "serve", "TP_SIZE": "16", "NNODES": "2", "NODE_RANK": "1"}
+@pytest.mark.parametrize("role", ["serve", "prefill", "decode"])
+def test_a_worker_over_two_nodes_gets_the_node_flags(role):
+    env = {**WORKER, "ROLE": role, "TP_SIZE": "16", "NNODES": "2", "NODE_RANK": "1"}
     argv = argv_of("pdserve-node.sh", {**env, "MASTER_ADDR": "10.0.0.1"})
     assert value(argv, "--tp-size") == "16"
     assert (value(argv, "--nnodes"), value(argv, "--node-rank")) == ("2", "1")

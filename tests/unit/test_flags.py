@@ -348,3 +348,13 @@ def test_workers_sharing_a_gpu_split_its_memory_unless_told_otherwise(monkeypatc
     assert utilization([], 1) == default
     assert utilization([], 2) == pytest.approx(default / 2, abs=1e-4)
     assert utilization(["--gpu-memory-utilization", "0.4"], 2) == 0.4
+
+
+def test_launch_gives_each_tensor_parallel_worker_its_own_run_of_gpus(monkeypatch):
+    plan = _launch_plan(["--gpus", "0,1,2,3", "--tp-size", "2", "--num-decode", "2"], monkeypatch)
+    assert [plan.worker_gpus(k) for k in range(3)] == [("0", "1"), ("2", "3"), ("0", "1")]
+    one_each = _launch_plan(["--gpus", "4,5"], monkeypatch)
+    assert [one_each.worker_gpus(k) for k in range(3)] == [("4",), ("5",), ("4",)]
+    assert _launch_plan([], monkeypatch).worker_gpus(0) == ()
+    with pytest.raises(ValueError, match="--tp-size 4 needs 4 GPUs per worker; --gpus names 2"):
+        _launch_plan(["--gpus", "0,1", "--tp-size", "4"], monkeypatch)
