@@ -6,7 +6,14 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.k8s_render import OVERLAYS, WORKERS, PodTemplate, pod_templates, render
+from tests.deploy.k8s_render import (
+    OVERLAYS,
+    WORKERS,
+    PodTemplate,
+    is_rank_pod,
+    pod_templates,
+    render,
+)
 
 
 @pytest.fixture(params=OVERLAYS)
@@ -21,6 +28,8 @@ def objects(overlay) -> list[dict[str, Any]]:
 
 @pytest.fixture
 def pods(objects) -> list[PodTemplate]:
-    templates = pod_templates(objects)
+    """The pods that serve (router and workers; a spanning worker's leader): the rank pods
+    after a leader are checked against their leader in test_k8s_multinode.py."""
+    templates = [pod for pod in pod_templates(objects) if not is_rank_pod(pod)]
     assert {pod.component for pod in templates} == {"router", *WORKERS}
     return templates

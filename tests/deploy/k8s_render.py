@@ -20,6 +20,9 @@ OVERLAYS = tuple(
 )
 RENDER_TIMEOUT_S = 60
 WORKERS = ("prefill", "decode")
+# Pods of a worker spanning several pods, after its leader (overlay leaderworkerset-multinode):
+# they run tensor-parallel ranks only, under a component label of their own.
+RANK_COMPONENTS = {f"{worker}-ranks": worker for worker in WORKERS}
 # The contract's named ports per component.
 PORTS = {
     "router": {"http": 8000},
@@ -93,6 +96,10 @@ def pod_templates(objects: list[dict[str, Any]]) -> list[PodTemplate]:
                 )
             )
     return found
+
+
+def is_rank_pod(pod: PodTemplate) -> bool:
+    return pod.component in RANK_COMPONENTS
 
 
 def of_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

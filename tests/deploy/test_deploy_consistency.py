@@ -21,6 +21,7 @@ from pdserve.cli import build_parser
 from pdserve.server.local_process import free_port
 from tests.deploy.k8s_render import (
     OVERLAYS,
+    RANK_COMPONENTS,
     container_ports,
     containers,
     of_kind,
@@ -120,10 +121,13 @@ def test_manifest_environments_build_commands_the_cli_accepts(overlay):
         assert argv[0] == "pdserve"
         args = build_parser().parse_args(argv[1:])  # exits (fails the test) on a bad flag
         role = argv[argv.index("--log-level") + 2]
-        assert role == pod.component, (pod.name, argv)
+        # NOTE: a rank pod (after a spanning worker's leader) runs its worker's role, ranks only.
+        assert role == RANK_COMPONENTS.get(pod.component, pod.component), (pod.name, argv)
         listed = _help(role)
         for flag in _flags(argv[argv.index(role) + 1 :]):
             assert flag in listed, f"{flag} (from {pod.name}) is not in `pdserve {role} --help`"
+        if pod.component in RANK_COMPONENTS:
+            continue  # no HTTP: no ports to agree with
         ports = container_ports(pod)
         assert args.port == ports["http"], (pod.name, args.port, ports)
         if role == "prefill":
@@ -198,6 +202,8 @@ def _manifest_paths() -> dict[str, set[tuple[str, str]]]:
     for overlay in OVERLAYS:
         objects = render(overlay)
         for pod in pod_templates(objects):
+            if pod.component in RANK_COMPONENTS:
+                continue  # serves no HTTP (test_k8s_multinode.py)
             by_role.setdefault(pod.component, set()).update(_probe_paths(pod))
         for monitor in of_kind(objects, "PodMonitor"):
             for endpoint in monitor["spec"]["podMetricsEndpoints"]:

@@ -54,7 +54,8 @@ def validate_pod_template(template: dict[str, Any], name: str) -> None:
 
 
 def test_expected_overlays_exist():
-    assert {"deployments", "leaderworkerset", "hostpath-model", "podmonitor"} <= set(OVERLAYS)
+    expected = {"deployments", "leaderworkerset", "leaderworkerset-multinode", "hostpath-model"}
+    assert expected | {"podmonitor"} <= set(OVERLAYS)
 
 
 def test_objects_share_namespace_and_common_labels(objects):
@@ -115,14 +116,14 @@ def test_lws_api_version_and_spec_keys(leaderworkersets):
         assert "workerTemplate" in lws["spec"]["leaderWorkerTemplate"], kind_name(lws)
 
 
-def test_lws_group_size_is_one(leaderworkersets):
-    for lws in leaderworkersets:
-        size = lws["spec"]["leaderWorkerTemplate"].get("size", 1)
-        assert isinstance(size, int) and size >= 1, f"{kind_name(lws)}: size {size!r}"
-        assert size == 1, (
-            f"{kind_name(lws)}: size {size}, but a pdserve worker is one process on one GPU "
-            "with no multi-node model parallelism; pdserve-node refuses LWS_GROUP_SIZE > 1"
-        )
+def test_lws_groups_are_one_pod_unless_the_worker_spans_pods():
+    """Size 1 in the leaderworkerset overlay; 2 in leaderworkerset-multinode, whose workers
+    span two pods (test_k8s_multinode.py)."""
+    for overlay, size in (("leaderworkerset", 1), ("leaderworkerset-multinode", 2)):
+        for lws in of_kind(render(overlay), "LeaderWorkerSet"):
+            lwt = lws["spec"]["leaderWorkerTemplate"]
+            assert lwt.get("size", 1) == size, f"{overlay}: {kind_name(lws)}"
+            assert ("leaderTemplate" in lwt) == (size > 1), f"{overlay}: {kind_name(lws)}"
 
 
 def test_lws_restart_and_startup_policies(leaderworkersets):

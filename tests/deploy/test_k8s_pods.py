@@ -78,11 +78,16 @@ def test_images_and_command(pods):
             assert container["command"] == ["pdserve-node"], pod.name
 
 
-def test_env_follows_contract(pods):
+# Overlays whose workers span pods: tensor-parallel ranks in all, over the group's pods.
+TP_ENV = {"leaderworkerset-multinode": {"TP_SIZE": "2"}}
+
+
+def test_env_follows_contract(pods, overlay):
     for pod in pods:
         env = env_by_name(pod.spec["containers"][0])
         plain = {name: entry["value"] for name, entry in env.items() if "value" in entry}
-        assert plain == ENV[pod.component], pod.name
+        spanning = TP_ENV.get(overlay, {}) if pod.component in WORKERS else {}
+        assert plain == {**ENV[pod.component], **spanning}, pod.name
         if pod.component in WORKERS:
             assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
 
