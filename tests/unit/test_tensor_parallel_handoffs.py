@@ -2,7 +2,7 @@
 rank processes on CPU), in one process over the transfer layer: the KV travels in the layout of
 one rank with every KV head, gathered from every prefill rank and scattered to every decode
 rank, so any pair of sizes gives colocated TP 1's tokens; KV heads replicated on ranks go once;
-a speculative draft's KV (on rank 0 alone) travels beside the target's; a decode rank that
+a speculative draft's KV and seed state (on rank 0 alone) travel beside the target's; a decode rank that
 died fails the room, names the rank, and leaves no page held on either side."""
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ OPTIONS = {"device": "cpu", "page_size": 4, "chunked_prefill_size": 16}
 PROMPT_LENGTHS = (1, 6, 17, 30)
 
 
-def transfer_config(backend: str) -> TransferConfig:
+def transfer_config(backend: str, piece_bytes: int | None = None) -> TransferConfig:
     return TransferConfig(
         backend=backend,
+        piece_bytes=piece_bytes,
         bootstrap_port=0,
         progress_timeout_s=20,
         peer_timeout_s=5,
@@ -74,9 +75,9 @@ def run_rooms(prefill, decode, prompts, deadline_s=90.0) -> dict:
     )
 
 
-def pair(model, prefill_tp, decode_tp, backend, **options):
+def pair(model, prefill_tp, decode_tp, backend, piece_bytes=None, **options):
     """A prefill and a decode handoff over engines at these TP sizes."""
-    config = transfer_config(backend)
+    config = transfer_config(backend, piece_bytes)
     prefill = PrefillHandoff(LLM(model, tp_size=prefill_tp, **OPTIONS, **options).engine, config)
     decode = DecodeHandoff(LLM(model, tp_size=decode_tp, **OPTIONS, **options).engine, config)
     return prefill, decode
@@ -89,20 +90,24 @@ def close(*handoffs) -> None:
 
 
 @pytest.mark.parametrize(
-    ("backend", "prefill_tp", "decode_tp", "kv_heads"),
+    ("backend", "prefill_tp", "decode_tp", "kv_heads", "piece_bytes"),
     [
-        ("tcp", 2, 1, 4),
-        ("tcp", 1, 2, 4),
-        ("gloo", 2, 2, 4),
+        ("tcp", 2, 1, 4, None),
+        ("tcp", 1, 2, 4, None),
+        ("gloo", 2, 2, 4, None),
         # TP 4 over 2 KV heads: each head on two prefill ranks, sent once.
-        ("tcp", 4, 2, 2),
+        ("tcp", 4, 2, 2, None),
+        # A piece after every chunk: gathers between prefill steps, while ranks compute.
+        ("tcp", 2, 1, 4, 1),
     ],
 )
-def test_pd_across_tp_sizes_equals_colocated_tp1(backend, prefill_tp, decode_tp, kv_heads, models):
+def test_pd_across_tp_sizes_equals_colocated_tp1(
+    backend, prefill_tp, decode_tp, kv_heads, piece_bytes, models
+):
     model = models(kv_heads)
     prompts = random_prompts(PROMPT_LENGTHS, 250, seed=5)
     expected = colocated_tokens(model, prompts)
-    prefill, decode = pair(model, prefill_tp, decode_tp, backend)
+    prefill, decode = pair(model, prefill_tp, decode_tp, backend, piece_bytes)
     try:
         # NOTE: the wire carries every KV head whatever the size: both sides agree on it.
         assert prefill.transfer.layout == decode.transfer.layout
@@ -111,6 +116,8 @@ def test_pd_across_tp_sizes_equals_colocated_tp1(backend, prefill_tp, decode_tp,
         for i, want in enumerate(expected):
             assert tokens(outputs, f"d{i}") == want, f"prompt {i}"
             assert outputs[f"d{i}"][-1].failure is None
+        if piece_bytes:
+            assert prefill.metrics.pieces_sent > len(prompts)  # the long prompts streamed
         assert prefill.engine.kv_pages_in_use == 0
         assert decode.engine.kv_pages_in_use == 0
     finally:
@@ -139,22 +146,28 @@ def test_scatter_then_gather_gives_back_every_head(size, kv_heads, models):
         llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, temperature=0))
 
 
-def test_a_speculative_drafts_kv_travels_with_the_targets(spec_drafts, tiny_model_dirs):
-    """STANDALONE keeps draft KV (on prefill's rank 0 alone): it travels after the target's
-    heads, and decode at another TP size drafts from it: exactly the target's tokens."""
+@pytest.mark.parametrize(
+    ("algorithm", "prefill_tp", "decode_tp"), [("STANDALONE", 2, 1), ("EAGLE3", 1, 2)]
+)
+def test_speculative_state_travels_across_tp_sizes(
+    algorithm, prefill_tp, decode_tp, spec_drafts, tiny_model_dirs
+):
+    """Drafts run on rank 0 alone: their KV travels after the target's heads (every head),
+    EAGLE-3's hidden state in the metadata record, and decode at another TP size drafts from
+    them: exactly the target's tokens."""
     model = tiny_model_dirs("llama")
     prompts = random_prompts(PROMPT_LENGTHS, 250, seed=7)
     expected = colocated_tokens(model, prompts)
     settings = SpecSettings(
-        "STANDALONE",
-        draft_model_path=spec_drafts["STANDALONE"],
+        algorithm,
+        draft_model_path=spec_drafts[algorithm],
         num_steps=3,
         eagle_topk=1,
         num_draft_tokens=4,
     )
-    prefill, decode = pair(model, 2, 1, "tcp", speculative=settings)
+    prefill, decode = pair(model, prefill_tp, decode_tp, "tcp", speculative=settings)
     try:
-        assert len(prefill.transfer.stager.pools) == 2
+        assert len(prefill.transfer.stager.pools) == 2  # target and draft KV move
         outputs = run_rooms(prefill, decode, prompts)
         for i, want in enumerate(expected):
             assert tokens(outputs, f"d{i}") == want, f"prompt {i}"
