@@ -2,8 +2,8 @@
 rank processes on CPU), in one process over the transfer layer: the KV travels in the layout of
 one rank with every KV head, gathered from every prefill rank and scattered to every decode
 rank, so any pair of sizes gives colocated TP 1's tokens; KV heads replicated on ranks go once;
-a speculative draft's KV and seed state (on rank 0 alone) travel beside the target's; a decode rank that
-died fails the room, names the rank, and leaves no page held on either side."""
+a speculative draft's KV and seed state (on rank 0 alone) travel beside the target's; a decode
+rank that died fails the room, names the rank, and leaves no page held on either side."""
 
 from __future__ import annotations
 
