@@ -46,9 +46,15 @@ class LaunchConfig:
     num_decode: int = option(1, "decode workers")
     gpus: tuple[str, ...] | None = option(
         None,
-        "comma-separated GPU ids; worker k (prefill first) runs on the k-th run of --tp-size "
-        "of them, wrapping around",
+        "comma-separated GPU ids; each worker (prefill first) takes the next run of as many "
+        "as its TP size, wrapping around",
         separator=",",
+    )
+    prefill_tp_size: int | None = option(
+        None, "tensor-parallel ranks of each prefill worker (default: --tp-size)"
+    )
+    decode_tp_size: int | None = option(
+        None, "tensor-parallel ranks of each decode worker (default: --tp-size)"
     )
     start_timeout: float = option(600.0, "seconds to wait for healthy workers")
     max_restarts: int = option(
@@ -70,6 +76,9 @@ class LaunchConfig:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.start_timeout <= 0:
             raise ValueError(f"--start-timeout must be positive, got {self.start_timeout}")
+        for name, size in (("prefill", self.prefill_tp_size), ("decode", self.decode_tp_size)):
+            if size is not None and size < 1:
+                raise ValueError(f"--{name}-tp-size must be >= 1, got {size}")
 
 
 @dataclass(frozen=True)
@@ -87,23 +96,37 @@ class LaunchPlan:
     split_gpu_memory: bool = True
 
     def __post_init__(self) -> None:
-        gpus, size = self.launch.gpus, self.engine.tp_size
-        if gpus and size > len(gpus):
+        gpus, largest = self.launch.gpus, max(self.worker_tp_sizes)
+        if gpus and largest > len(gpus):
             raise ValueError(
-                f"--tp-size {size} needs {size} GPUs per worker; --gpus names {len(gpus)}"
+                f"a worker at TP {largest} needs {largest} GPUs; --gpus names {len(gpus)}"
             )
 
+    def tp_size(self, kind: str) -> int:
+        """A prefill or decode worker's TP size: its role's flag, else --tp-size."""
+        own = self.launch.prefill_tp_size if kind == "prefill" else self.launch.decode_tp_size
+        return own or self.engine.tp_size
+
+    @property
+    def worker_tp_sizes(self) -> list[int]:
+        """Every worker's TP size, prefill workers first."""
+        launch = self.launch
+        return [self.tp_size("prefill")] * launch.num_prefill + [
+            self.tp_size("decode")
+        ] * launch.num_decode
+
     def worker_gpus(self, k: int) -> tuple[str, ...]:
-        """Worker k's GPUs (prefill workers first): `--tp-size` consecutive ids of `--gpus`
-        from the k-th group on, wrapping around; () without `--gpus`."""
-        gpus, size = self.launch.gpus or (), self.engine.tp_size
-        return tuple(gpus[(k * size + i) % len(gpus)] for i in range(size)) if gpus else ()
+        """Worker k's GPUs (prefill workers first): the next run of as many `--gpus` ids as
+        its TP size after the earlier workers' runs, wrapping around; () without `--gpus`."""
+        gpus, sizes = self.launch.gpus or (), self.worker_tp_sizes
+        start = sum(sizes[:k])
+        return tuple(gpus[(start + i) % len(gpus)] for i in range(sizes[k])) if gpus else ()
 
     def worker_argv(self, kind: str, sharing: int = 1) -> list[str]:
         """sharing: workers on this worker's GPU. Unless --gpu-memory-utilization was given,
         they split its share of the GPU's memory evenly, so `pdserve launch` works on one GPU."""
         skip = ("bootstrap_port",) if kind == "decode" else ("bootstrap_port", "bootstrap_allow")
-        engine = self.engine
+        engine = dataclasses.replace(self.engine, tp_size=self.tp_size(kind))
         if self.split_gpu_memory and sharing > 1:
             share = round(engine.gpu_memory_utilization / sharing, 4)
             engine = dataclasses.replace(engine, gpu_memory_utilization=share)

@@ -125,6 +125,8 @@ SAMPLES = {
             "num_prefill": 2,
             "num_decode": 3,
             "gpus": ("0", "1"),
+            "prefill_tp_size": 2,
+            "decode_tp_size": 4,
             "start_timeout": 30.0,
             "max_restarts": 0,
             "check": True,
@@ -353,8 +355,21 @@ def test_workers_sharing_a_gpu_split_its_memory_unless_told_otherwise(monkeypatc
 def test_launch_gives_each_tensor_parallel_worker_its_own_run_of_gpus(monkeypatch):
     plan = _launch_plan(["--gpus", "0,1,2,3", "--tp-size", "2", "--num-decode", "2"], monkeypatch)
     assert [plan.worker_gpus(k) for k in range(3)] == [("0", "1"), ("2", "3"), ("0", "1")]
-    one_each = _launch_plan(["--gpus", "4,5"], monkeypatch)
+    one_each = _launch_plan(["--gpus", "4,5", "--num-prefill", "2"], monkeypatch)
     assert [one_each.worker_gpus(k) for k in range(3)] == [("4",), ("5",), ("4",)]
     assert _launch_plan([], monkeypatch).worker_gpus(0) == ()
-    with pytest.raises(ValueError, match="--tp-size 4 needs 4 GPUs per worker; --gpus names 2"):
+    with pytest.raises(ValueError, match="a worker at TP 4 needs 4 GPUs; --gpus names 2"):
         _launch_plan(["--gpus", "0,1", "--tp-size", "4"], monkeypatch)
+
+
+def test_launch_runs_prefill_and_decode_at_their_own_tp_sizes(monkeypatch):
+    argv = ["--gpus", "0,1,2,3,4,5", "--prefill-tp-size", "4", "--decode-tp-size", "2"]
+    plan = _launch_plan(argv, monkeypatch)
+    assert [plan.worker_gpus(k) for k in range(2)] == [("0", "1", "2", "3"), ("4", "5")]
+    for kind, size in (("prefill", "4"), ("decode", "2")):
+        worker = plan.worker_argv(kind)
+        assert worker[worker.index("--tp-size") + 1] == size
+    plain = _launch_plan(["--tp-size", "2", "--decode-tp-size", "1"], monkeypatch)
+    assert plain.tp_size("prefill") == 2 and plain.tp_size("decode") == 1
+    with pytest.raises(ValueError, match="--decode-tp-size must be >= 1"):
+        _launch_plan(["--decode-tp-size", "0"], monkeypatch)
