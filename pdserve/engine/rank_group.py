@@ -33,8 +33,10 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -70,6 +72,9 @@ SEND_TIMEOUT_MS = 10_000
 STOP_WAIT_S = 10.0
 POLL_S = 0.05
 REMOTE_CHECK_S = 1.0
+WATCH_INTERVAL_S = 0.2
+# A worker stuck this long after one of its ranks died gives up (`RankGroup.watch`).
+RANK_DEATH_GRACE_S = 5.0
 DEAD_KEY = f"{STORE_PREFIX}/dead"  # set by another node when one of its ranks exits
 CONFIG_KEY = f"{STORE_PREFIX}/config"  # rank 0's engine settings, for the other nodes
 
@@ -119,6 +124,7 @@ class RankGroup:
             wait_for_workers=False,
         )
         self._broken: str | None = None
+        self._closing = threading.Event()
         self.context = zmq.Context()
         self.channels: list[Channel] = []
         self.processes: list[subprocess.Popen] = []
@@ -180,6 +186,36 @@ class RankGroup:
         with contextlib.suppress(Exception):
             self.store.set(DEAD_KEY, self._broken)  # NOTE: other nodes' ranks leave too
         return RankDiedError(self._broken)
+
+    def watch(
+        self, on_stuck: Callable[[str], None], grace_s: float = RANK_DEATH_GRACE_S
+    ) -> threading.Thread:
+        """Watch this node's ranks from a thread of its own. A rank that dies inside a pass
+        can block rank 0's thread for good, where `check_alive` never runs again: in a kernel
+        that waits for the dead rank (the one-shot all-reduce waits on its peer's flag) or in
+        an NCCL collective until its timeout (`COLLECTIVE_TIMEOUT_S`). If this group is not
+        closed within `grace_s` of a rank's death, `on_stuck(reason)` runs on the watching
+        thread: the engine process exits there, and its front end starts a new one. (`LLM`
+        does not watch: a library does not end its caller's process.) Returns the thread,
+        which ends once the group closes or `on_stuck` returns."""
+        watcher = threading.Thread(
+            target=self._watch, args=(on_stuck, grace_s), name="tp-rank-watch", daemon=True
+        )
+        watcher.start()
+        return watcher
+
+    def _watch(self, on_stuck: Callable[[str], None], grace_s: float) -> None:
+        while not self._closing.wait(WATCH_INTERVAL_S):
+            for rank, process in enumerate(self.processes, start=1):
+                code = process.poll()
+                if code is None:
+                    continue
+                if not self._closing.wait(grace_s):
+                    on_stuck(
+                        f"tensor-parallel rank {rank} exited with code {code} and rank 0 did "
+                        f"not get past it within {grace_s:g} s"
+                    )
+                return
 
     def check_alive(self, when: str = "") -> None:
         if self._broken is not None:
@@ -298,6 +334,7 @@ class RankGroup:
     def close(self, *, ask: bool = True) -> None:
         """Stop the other ranks (asked first, killed after `STOP_WAIT_S`; without `ask`,
         killed now)."""
+        self._closing.set()  # NOTE: ranks stopped from here on are no deaths to watch for
         if ask:
             for channel in self.channels:
                 # NOTE: a rank that cannot take it is killed below.

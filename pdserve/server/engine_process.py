@@ -83,6 +83,8 @@ def run_engine_process(
         context.term()
         sys.exit(1)
     outbox.send(_ready(handoff))
+    if handoff.engine.ranks is not None:
+        handoff.engine.ranks.watch(_exit_stuck)
     try:
         EngineLoop(handoff).run(inbox, outbox)
     except Exception as e:
@@ -95,6 +97,14 @@ def run_engine_process(
         inbox.close()
         outbox.close()
         context.term()
+
+
+def _exit_stuck(reason: str) -> None:
+    """A tensor-parallel rank died and this process's loop is blocked past it (waiting for
+    the dead rank on the GPU): end the process, as its own death would. The front end fails
+    its requests and starts a new engine; the other ranks leave when this one is gone."""
+    logger.error("%s; ending the engine process", reason)
+    os._exit(1)
 
 
 def _ready(handoff: Handoff) -> EngineReady:

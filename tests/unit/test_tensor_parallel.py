@@ -290,3 +290,33 @@ def test_a_start_that_fails_after_the_ranks_started_leaves_none_running(tiny_mod
     with pytest.raises(KVCacheTooSmallError, match="less than one sequence"):
         LLM(tiny_model_dirs("llama"), tp_size=2, kv_cache_memory=4096, **OPTIONS)
     assert _rank_children() == []
+
+
+def test_a_worker_stuck_after_a_rank_died_is_told_within_the_grace(tiny_model_dirs):
+    """Rank 0's thread blocked on the dead rank (here: it never steps again) never runs
+    `check_alive`; the watching thread reports it after the grace, naming the rank."""
+    with LLM(tiny_model_dirs("llama"), tp_size=2, **OPTIONS) as llm:
+        ranks = llm.engine.ranks
+        stuck = []
+        ranks.watch(stuck.append, grace_s=0.5)
+        follower = ranks.processes[0]
+        follower.send_signal(signal.SIGKILL)
+        follower.wait(timeout=10)
+        wait_until(lambda: stuck, "the watcher to report the stuck worker", deadline_s=10)
+        assert stuck == [
+            "tensor-parallel rank 1 exited with code -9 and rank 0 did not get past it within 0.5 s"
+        ]
+
+
+def test_a_worker_that_closes_after_a_rank_died_is_not_reported(tiny_model_dirs):
+    with LLM(tiny_model_dirs("llama"), tp_size=2, **OPTIONS) as llm:
+        ranks = llm.engine.ranks
+        stuck = []
+        watcher = ranks.watch(stuck.append, grace_s=30.0)
+        ranks.processes[0].send_signal(signal.SIGKILL)
+        llm.engine.add_request("r", [5, 6, 7], GREEDY)
+        with pytest.raises(RankDiedError):
+            llm.engine.step()
+        llm.close()  # NOTE: what the engine process does once its loop gives up
+        watcher.join(timeout=10)  # NOTE: it ends at the close, not after the grace
+        assert not watcher.is_alive() and stuck == []
