@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -50,6 +51,28 @@ def engine_pid(server: Server) -> int:
             if b"spawn_main" in f.read():
                 return pid
     raise AssertionError(f"no engine process among {pids}")
+
+
+def rank_pids(worker_pid: int) -> list[int]:
+    """The tensor-parallel rank processes below a worker (its engine process's children)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            parents[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmdline)
+
+    def below(pid: int) -> bool:
+        while pid > 1 and pid in parents:
+            pid = parents[pid][0]
+            if pid == worker_pid:
+                return True
+        return False
+
+    return [p for p, (_, cmd) in parents.items() if b"rank_worker" in cmd and below(p)]
 
 
 def start_server(model_path: str, *extra: str) -> Server:

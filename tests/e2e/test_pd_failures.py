@@ -105,9 +105,9 @@ def shared(tiny_model_dirs):
     cluster.stop()
 
 
-def test_prefill_killed_mid_request(fresh):
-    cluster = fresh(prefill_args=SLOW_PREFILL)
-    prefill, decode = cluster.prefill[0], cluster.decode[0]
+def long_request_while_prefilling(cluster, prefill):
+    """Send LONG_PROMPT through the router in the background; returns its `join` once the
+    prefill worker is computing it."""
     url = cluster.router.url + "/generate"
     join = _in_background(lambda: httpx.post(url, json=_generate_body(LONG_PROMPT), timeout=90))
     wait_until(
@@ -115,6 +115,13 @@ def test_prefill_killed_mid_request(fresh):
         "the prefill to start",
         describe=cluster.states,
     )
+    return join
+
+
+def test_prefill_killed_mid_request(fresh):
+    cluster = fresh(prefill_args=SLOW_PREFILL)
+    prefill, decode = cluster.prefill[0], cluster.decode[0]
+    join = long_request_while_prefilling(cluster, prefill)
     _kill(prefill)
     response, seconds = join()
     assert response.status_code in (502, 503), response.text

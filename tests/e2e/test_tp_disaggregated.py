@@ -8,39 +8,21 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import httpx
 
 from pdserve import LLM, SamplingParams
+from tests.e2e.conftest import rank_pids
 from tests.e2e.pd_cluster import FAST_FAILURE, start_cluster
-from tests.e2e.test_pd_failures import DEADLINE_S, LONG_PROMPT, _generate_body, _in_background
+from tests.e2e.test_pd_failures import (
+    DEADLINE_S,
+    _generate_body,
+    long_request_while_prefilling,
+)
 from tests.waiting import wait_until
 
 RESTART_DEADLINE_S = 120.0
 PROMPTS = ([5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23])
-
-
-def rank_pids(worker_pid: int) -> list[int]:
-    """The tensor-parallel rank processes below a worker (its engine process's children)."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            parents[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmdline)
-
-    def below(pid: int) -> bool:
-        while pid > 1 and pid in parents:
-            pid = parents[pid][0]
-            if pid == worker_pid:
-                return True
-        return False
-
-    return [p for p, (_, cmd) in parents.items() if b"rank_worker" in cmd and below(p)]
 
 
 def generated(cluster, prompt) -> list[int]:
@@ -63,13 +45,7 @@ def test_prefill_tp2_to_decode_tp1_and_a_dead_prefill_rank(tiny_model_dirs):
     prefill = cluster.prefill[0]
     try:
         assert [generated(cluster, p) for p in PROMPTS] == expected
-        url = cluster.router.url + "/generate"
-        join = _in_background(lambda: httpx.post(url, json=_generate_body(LONG_PROMPT), timeout=90))
-        wait_until(
-            lambda: cluster.state(prefill)["num_prefilling"] == 1,
-            "the prefill to start",
-            describe=cluster.states,
-        )
+        join = long_request_while_prefilling(cluster, prefill)
         (rank,) = rank_pids(prefill.process.pid)
         os.kill(rank, signal.SIGKILL)
         response, seconds = join()

@@ -5,6 +5,11 @@ and without the one-shot all-reduce."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
+import httpx
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +28,8 @@ from pdserve.engine.rank_worker import MirroredRequest
 from pdserve.engine.tensor_parallel import ModelSplit, TensorParallel, open_group
 from pdserve.engine.tiny_model import make_tiny_model
 from tests.conftest import random_prompts
+from tests.e2e.conftest import rank_pids, start_server
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.gpu
 
@@ -109,3 +116,37 @@ def test_tp2_on_two_gpus_equals_tp1(tiny_model_dirs, kv4_model):
     _tp2_equals_tp1(tiny_model_dirs("llama"), custom_all_reduce=True, expect_one_shot=True)
     _tp2_equals_tp1(kv4_model, custom_all_reduce=False, expect_one_shot=False)
     _tp2_equals_tp1(kv4_model, custom_all_reduce=True, expect_one_shot=False)
+
+
+def test_a_rank_killed_mid_decode_fails_the_stream_and_the_worker_restarts(tiny_model_dirs):
+    """A TP 2 `serve` worker on two GPUs (one-shot all-reduce on, CUDA graphs): rank 1 killed
+    while a long stream decodes. Rank 0 may then wait on the dead rank inside a kernel, where
+    no check runs; the worker must still end the stream with an error within seconds and
+    serve again after its engine restarts, not hang (the one-shot all-reduce has no timeout)
+    or wait out NCCL's 300 s."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
+    server = start_server(tiny_model_dirs("llama"), "--device", "cuda:0", "--tp-size", "2")
+    try:
+        body = {
+            "input_ids": [5, 6, 7],
+            "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True},
+            "stream": True,
+        }
+        seen, started = [], None
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    seen.append(line)
+                if seen and started is None:  # NOTE: 2000 tokens take seconds: still decoding
+                    (rank,) = rank_pids(server.process.pid)
+                    os.kill(rank, signal.SIGKILL)
+                    started = time.monotonic()
+        assert started is not None and time.monotonic() - started < 30
+        assert seen[-1] == "data: [DONE]" and '"error"' in seen[-2], seen[-2:]
+        wait_until(lambda: server.get("/health").status_code == 200, "the restart", 180)
+        done = server.post("/generate", {**body, "stream": False})
+        assert done.status_code == 200, done.text
+    finally:
+        server.local.stop()
