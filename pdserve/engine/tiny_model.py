@@ -14,6 +14,7 @@ the same arguments give byte-identical files.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -184,8 +185,25 @@ def make_tiny_model(
     stop_ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(IM_END_TOKEN)]
     model.generation_config = GenerationConfig(**{**token_ids, "eos_token_id": stop_ids})
     save_kwargs = {} if shard_size is None else {"max_shard_size": shard_size}
-    model.save_pretrained(out_dir, **save_kwargs)
+    with _no_progress_bar():
+        model.save_pretrained(out_dir, **save_kwargs)
     return out_dir
+
+
+@contextlib.contextmanager
+def _no_progress_bar():
+    """transformers draws a progress bar on stderr while it writes shards: noise for a model
+    of kilobytes, and the first `pdserve` command without a model writes this one (a bad
+    flag's one `error:` line must stay the only line)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def default_model_dir() -> Path:

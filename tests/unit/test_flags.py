@@ -373,3 +373,14 @@ def test_launch_runs_prefill_and_decode_at_their_own_tp_sizes(monkeypatch):
     assert plain.tp_size("prefill") == 2 and plain.tp_size("decode") == 1
     with pytest.raises(ValueError, match="--decode-tp-size must be >= 1"):
         _launch_plan(["--decode-tp-size", "0"], monkeypatch)
+
+
+def test_a_bad_flag_is_one_line_even_when_the_built_in_model_is_written_first(
+    tmp_path, monkeypatch, capsys
+):
+    """A fresh cache: the first command without a model writes the tiny model, silently."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    assert main(["--log-level", "error", "serve", "--page-size", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: page_size must be >= 1, got 0\n"
+    assert any(tmp_path.iterdir()), "the built-in model was written to the fresh cache"
