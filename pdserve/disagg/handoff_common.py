@@ -21,7 +21,7 @@ class EngineTransferLayout:
 
     layout: KVLayout
     metadata: MetadataSpec
-    stager: KVStager | TensorParallelStager
+    stager: KVStager  # a TensorParallelStager for a tensor-parallel worker
 
     def transfer_pages(self, engine, pages: list[int], num_prompt_tokens: int) -> list[int]:
         """The pages that hold the KV a handoff moves for this prompt."""

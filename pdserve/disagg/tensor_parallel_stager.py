@@ -9,13 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.tensor_parallel_kv import (
-    PageIdError,
-    gather_heads,
-    page_index,
-    scatter_heads,
-)
-from pdserve.transfer.kv_staging import KVStager, StagingError
+from pdserve.engine.tensor_parallel_kv import gather_heads, scatter_heads
+from pdserve.transfer.kv_staging import KVStager
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_pool import KVPool
@@ -23,41 +18,36 @@ if TYPE_CHECKING:
     from pdserve.engine.tensor_parallel import TensorParallel
 
 
-class TensorParallelStager:
+class TensorParallelStager(KVStager):
     """`KVStager` for a tensor-parallel worker's rank 0: the target pool's pages in the layout
     of one rank with every head, gathered from and scattered to every rank; a speculative
     draft's pools (on rank 0 alone, every head) as `KVStager` moves them."""
 
     def __init__(self, ranks: RankGroup, pool: KVPool, draft_pools: list):
+        super().__init__([pool, *draft_pools])
         self.ranks = ranks
         self.tp: TensorParallel = ranks.tp
         self.target = pool
         self.drafts = KVStager(draft_pools) if draft_pools else None
-        self.pools = [pool, *draft_pools]
-        self.device = pool.device
         self.num_kv_heads = self.tp.split.num_kv_heads
-        local_bytes = pool.nbytes // pool.num_pages
-        self.page_bytes = [
-            local_bytes // pool.num_kv_heads * self.num_kv_heads,
-            *(self.drafts.page_bytes if self.drafts else []),
-        ]
 
-    def nbytes(self, page_ids: list[list[int]]) -> int:
-        if len(page_ids) != len(self.pools):
-            raise StagingError(f"{len(page_ids)} page lists for {len(self.pools)} pools")
-        return sum(len(ids) * size for ids, size in zip(page_ids, self.page_bytes, strict=True))
+    @property
+    def page_bytes(self) -> list[int]:
+        """Bytes per page of each pool: the target's with every KV head, then the draft's."""
+        local = self.target.nbytes // self.target.num_pages // self.target.num_kv_heads
+        return [local * self.num_kv_heads, *(self.drafts.page_bytes if self.drafts else [])]
 
     def gather(self, page_ids: list[list[int]]) -> torch.Tensor:
         """The pages (one id list per pool) as one flat uint8 buffer on rank 0's device."""
-        self.nbytes(page_ids)
+        self._check_counts(page_ids)
         pages = page_ids[0]
-        self._check(pages)
+        self._index(self.target, pages)  # NOTE: refused before any rank is told to move them
         try:
             self.ranks.gather_kv(pages)
             target = gather_heads(self.tp, self.target, pages)
         except Exception as e:
             raise self.ranks.abandon(f"gathering KV for a transfer failed: {e}") from e
-        parts = [_bytes(target)]
+        parts = [target.view(-1).view(torch.uint8)]
         if self.drafts is not None:
             parts.append(self.drafts.gather(page_ids[1:]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -65,13 +55,9 @@ class TensorParallelStager:
     def scatter(self, page_ids: list[list[int]], buffer: torch.Tensor) -> None:
         """Write a buffer made by `gather` (or by a `KVStager` of a worker at another TP
         size) into these pages on every rank."""
-        total = self.nbytes(page_ids)
-        if buffer.dtype != torch.uint8 or buffer.numel() != total:
-            raise StagingError(
-                f"buffer of {buffer.numel()} bytes does not match {total} bytes of pages"
-            )
+        self._check_buffer(page_ids, buffer)
         pages = page_ids[0]
-        self._check(pages)
+        self._index(self.target, pages)
         split_at = len(pages) * self.page_bytes[0]
         pool = self.target
         full = (
@@ -87,14 +73,3 @@ class TensorParallelStager:
             raise self.ranks.abandon(f"committing transferred KV failed: {e}") from e
         if self.drafts is not None:
             self.drafts.scatter(page_ids[1:], buffer[split_at:])
-
-    def _check(self, pages: list[int]) -> None:
-        """Refuse page ids outside the pool before any rank is told to move them."""
-        try:
-            page_index(self.target, pages)
-        except PageIdError as e:
-            raise StagingError(str(e)) from None
-
-
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view(-1).view(torch.uint8)

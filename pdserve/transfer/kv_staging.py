@@ -58,11 +58,7 @@ class KVStager:
 
     def scatter(self, page_ids: list[list[int]], buffer: torch.Tensor) -> None:
         """Write a buffer made by `gather` (possibly elsewhere) into these pages."""
-        total = self.nbytes(page_ids)
-        if buffer.dtype != torch.uint8 or buffer.numel() != total:
-            raise StagingError(
-                f"buffer of {buffer.numel()} bytes does not match {total} bytes of pages"
-            )
+        self._check_buffer(page_ids, buffer)
         buffer = buffer.to(self.device)
         for pool, ids, part in self._parts(page_ids, buffer):
             _rows(pool).index_copy_(1, self._index(pool, ids), part)
@@ -80,6 +76,13 @@ class KVStager:
         if any(not 0 <= p < pool.num_pages for p in ids):
             raise StagingError(f"page ids outside [0, {pool.num_pages}): {ids[:8]}")
         return torch.tensor(ids, dtype=torch.int64, device=self.device)
+
+    def _check_buffer(self, page_ids: list[list[int]], buffer: torch.Tensor) -> None:
+        total = self.nbytes(page_ids)
+        if buffer.dtype != torch.uint8 or buffer.numel() != total:
+            raise StagingError(
+                f"buffer of {buffer.numel()} bytes does not match {total} bytes of pages"
+            )
 
     def _check_counts(self, page_ids: list[list[int]]) -> None:
         if len(page_ids) != len(self.pools):
