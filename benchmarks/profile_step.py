@@ -50,6 +50,8 @@ def main() -> None:
     parser.add_argument("--disable-cuda-graph", action="store_true")
     parser.add_argument("--speculative", choices=["eagle3-chain", "ngram-chain"], default=None)
     parser.add_argument("--draft", default=None, help="EAGLE-3 head (default: a random one)")
+    parser.add_argument("--tp-size", type=int, default=1, help="rank 0's view of a TP worker")
+    parser.add_argument("--trace", help="write the profiled steps' Chrome trace here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.unfused_elementwise:
@@ -68,6 +70,7 @@ def main() -> None:
             attention_backend=args.attention_backend,
             disable_cuda_graph=args.disable_cuda_graph,
             speculative=speculative_settings(args, model, scratch),
+            tp_size=args.tp_size,
         )
     engine = llm.engine
     backend = type(engine.attention_backend).__name__
@@ -95,6 +98,40 @@ def main() -> None:
             if event.device_type == torch.autograd.DeviceType.CUDA
         )
         print(f"GPU time per {args.mode} step ({backend}): {kernels_us / args.steps / 1e3:.2f} ms")
+        print_kernel_classes(prof, args.steps)
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
+
+
+KERNEL_CLASSES = {
+    "matmul": ("gemm", "gemv", "cutlass", "sm90_xmma", "splitk", "matmul"),
+    "all-reduce": ("one_shot", "all_reduce", "allreduce", "AllReduce"),
+    "other collective": ("nccl", "Broadcast", "AllGather"),
+    "attention": ("attention", "attn", "flash", "decode_kernel"),
+}
+
+
+def print_kernel_classes(prof, steps: int) -> None:
+    """GPU time per step by kind of kernel (first matching class by name), the launches per
+    step, and the largest single kernels of the collective classes (a long one waited for a
+    peer rank)."""
+    totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for event in prof.key_averages():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.key
+        kind = next(
+            (k for k, needles in KERNEL_CLASSES.items() if any(n in name for n in needles)),
+            "other",
+        )
+        totals[kind] = totals.get(kind, 0.0) + event.self_device_time_total
+        counts[kind] = counts.get(kind, 0) + event.count
+    for kind, us in sorted(totals.items(), key=lambda item: -item[1]):
+        print(
+            f"  {kind:>16}: {us / steps / 1e3:.3f} ms a step, "
+            f"{counts[kind] / steps:.0f} kernels a step"
+        )
 
 
 def speculative_settings(args, model: str, scratch: str):
@@ -164,6 +201,8 @@ def prefill_steps(engine, args):
         sync()
         start = time.perf_counter()
         engine.step()
+        if engine.overlap and engine.requests:
+            engine.step()  # NOTE: overlapped, the first token lands a step later
         sync()
         elapsed = time.perf_counter() - start
         if engine.requests:
