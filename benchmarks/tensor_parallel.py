@@ -5,9 +5,15 @@ Decode: `latency.py`'s measurement (a batch of `--prompt-len`-token prompts subm
 greedy, EOS ignored; the decode steps after every sequence's first token are timed, median of
 `--runs` after `--warmup-runs`). Prefill: one `--prefill-len`-token prompt, submit to first
 token, in one chunk (median of `--runs`). Ratios are each size's figure over the first size's.
+`--two-batch-overlap both` measures every size above 1 twice, without and with
+`--enable-two-batch-overlap` (long prefill passes as two halves whose all-reduces overlap);
+compare the two prefill figures: torch maps one symmetric-memory group per process, so the
+second engine's decode all-reduces fall back to NCCL.
 
     python benchmarks/tensor_parallel.py --preset llama-3.1-8b --tp-sizes 1,2 \\
         --batch-sizes 1,64 --prefill-len 4096 --output $OUT/tensor_parallel.json
+    python benchmarks/tensor_parallel.py --model-path DIR --tp-sizes 1,2 --batch-sizes 1 \
+        --two-batch-overlap both --output $OUT/tensor_parallel_tbo.json
     python benchmarks/tensor_parallel.py --model-path DIR --tp-sizes 1,2 --batch-sizes 1,2 \\
         --prompt-len 8 --new-tokens 8 --prefill-len 64 --runs 1 --warmup-runs 0   # CPU smoke
 """
@@ -28,12 +34,13 @@ from harness import add_model_arguments, device_name, model_directory, sync
 from latency import parse_sizes, summarize, time_pdserve_batch
 
 
-def measure(model_path: str, tp_size: int, args: argparse.Namespace) -> dict:
+def measure(model_path: str, tp_size: int, args: argparse.Namespace, overlap: bool) -> dict:
     from pdserve import LLM, SamplingParams
 
     largest = max(args.batch_sizes)
     options = dict(
         tp_size=tp_size,
+        enable_two_batch_overlap=overlap,
         dtype=args.dtype,
         max_model_len=max(args.prompt_len + args.new_tokens, args.prefill_len) + 1,
         max_running_requests=largest,
@@ -56,7 +63,7 @@ def measure(model_path: str, tp_size: int, args: argparse.Namespace) -> dict:
                 for _ in range(args.runs)
             ]
             decode.append(summarize("pdserve", batch, timings))
-            print(json.dumps({"tp_size": tp_size, **decode[-1]}), flush=True)
+            print(json.dumps({"tp_size": tp_size, "overlap": overlap, **decode[-1]}), flush=True)
         one_token = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
         vocab = engine.model_config.vocab_size
         prefill_s = []
@@ -70,6 +77,7 @@ def measure(model_path: str, tp_size: int, args: argparse.Namespace) -> dict:
                 prefill_s.append(time.perf_counter() - start)
     result = {
         "tp_size": tp_size,
+        "two_batch_overlap": overlap,
         "decode": decode,
         "prefill_len": args.prefill_len,
         "prefill_ms": round(statistics.median(prefill_s) * 1e3, 2),
@@ -88,7 +96,8 @@ def ratios(results: list[dict]) -> dict:
             for d, b in zip(result["decode"], base["decode"], strict=True)
         }
         row["prefill"] = round(base["prefill_ms"] / result["prefill_ms"], 2)
-        table[f"tp{result['tp_size']}_over_tp{base['tp_size']}"] = row
+        name = f"tp{result['tp_size']}{'_two_batch' if result['two_batch_overlap'] else ''}"
+        table[f"{name}_over_tp{base['tp_size']}"] = row
     return table
 
 
@@ -103,7 +112,8 @@ def markdown_table(report: dict) -> str:
     ]
     for r in report["results"]:
         cells = [str(d["decode_tokens_per_s"]) for d in r["decode"]] + [str(r["prefill_ms"])]
-        lines.append(f"| {r['tp_size']} | " + " | ".join(cells) + " |")
+        label = f"{r['tp_size']}{' two-batch' if r['two_batch_overlap'] else ''}"
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     for name, row in report["ratios"].items():
         lines.append("")
         lines.append(f"{name}: " + ", ".join(f"{k} {v}x" for k, v in row.items()))
@@ -124,6 +134,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", help="rank 0's device (default: auto)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument(
+        "--two-batch-overlap",
+        choices=["off", "on", "both"],
+        default="off",
+        help="--enable-two-batch-overlap for sizes above 1 (both: each such size twice)",
+    )
     parser.add_argument("--output", help="write the results as JSON here")
     args = parser.parse_args()
     if args.new_tokens < 2:
@@ -144,9 +160,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         model_path = model_directory(args, scratch)
         for size in args.tp_sizes:
-            report["results"].append(measure(model_path, size, args))
-            gc.collect()
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.two_batch_overlap]
+            for overlap in overlaps if size > 1 else [False]:
+                report["results"].append(measure(model_path, size, args, overlap))
+                gc.collect()
+                torch.cuda.empty_cache() if torch.cuda.is_available() else None
     report["ratios"] = ratios(report["results"])
     print(markdown_table(report))
     if args.output:

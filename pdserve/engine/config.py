@@ -37,6 +37,9 @@ class EngineConfig:
     a worker whose ranks span nodes (SGLang's flags); node k runs ranks
     k * tp_size / nnodes onwards, node 0 serves. disable_custom_all_reduce: decode's small
     all-reduces go through NCCL too (`pdserve.engine.symmetric_all_reduce`).
+    enable_two_batch_overlap: under tensor parallelism, an eager pass of at least
+    `two_batch_min_tokens` tokens (a long prefill chunk) runs as two halves of its tokens,
+    each half's all-reduces overlapping the other half's compute (`ModelRunner`).
     """
 
     model_path: str
@@ -92,6 +95,12 @@ class EngineConfig:
     disable_custom_all_reduce: bool = option(
         False, "tensor parallelism: NCCL for every all-reduce (no one-shot over GPU memory)"
     )
+    enable_two_batch_overlap: bool = option(
+        False,
+        "tensor parallelism: long prefill passes run as two halves, each half's all-reduces "
+        "overlapping the other's compute",
+    )
+    two_batch_min_tokens: int = 2048
     cpu_kv_cache_cap: int = 1 << 30
     speculative: SpecSettings | None = None
 
@@ -134,6 +143,11 @@ class EngineConfig:
                 f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address), "
                 f"got {self.dist_init_addr!r}"
             )
+        if self.two_batch_min_tokens < 2:
+            raise ValueError(
+                f"two_batch_min_tokens must be >= 2 (a pass splits in two), "
+                f"got {self.two_batch_min_tokens}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -147,6 +161,11 @@ class EngineConfig:
         return (
             self.chunked_prefill_size if self.chunked_prefill_size > 0 else self.max_prefill_tokens
         )
+
+    @property
+    def two_batch_overlap_tokens(self) -> int:
+        """The fewest tokens of a pass that runs as two halves (0: none does)."""
+        return self.two_batch_min_tokens if self.enable_two_batch_overlap else 0
 
     @property
     def split_prompts(self) -> bool:

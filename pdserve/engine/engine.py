@@ -159,6 +159,7 @@ class Engine:
             decode_graphs,
             verify_graphs,
             self.ranks,
+            config.two_batch_overlap_tokens,
         )
         self.requests: dict[str, Request] = {}
         # Finished requests whose pages are kept for a KV transfer (see `hold_pages`).

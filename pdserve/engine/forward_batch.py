@@ -125,6 +125,27 @@ class ForwardBatch:
     def query_lens(self) -> list[int]:
         return [len(t) for t in self.token_ids]
 
+    def split_tokens(self, at: int) -> tuple[ForwardBatch, ForwardBatch]:
+        """The pass as two: its first `at` new tokens and the rest, in order. A sequence that
+        straddles `at` is in both, its later tokens after its earlier ones (so the second
+        part reads the KV the first writes). Plain passes only: causal, slot positions."""
+        if self.masks or self.has_explicit_positions:
+            raise ValueError("only a causal pass at slot positions splits by tokens")
+        if not 0 < at < self.num_tokens:
+            raise ValueError(f"split at token {at} of a pass of {self.num_tokens}")
+        first, second = ForwardBatch(), ForwardBatch()
+        seen = 0
+        for pages, computed, tokens, request in zip(
+            self.pages, self.num_computed, self.token_ids, self.requests, strict=True
+        ):
+            head = min(max(at - seen, 0), len(tokens))
+            if head:
+                first.add(pages, computed, tokens[:head], request=request)
+            if head < len(tokens):
+                second.add(pages, computed + head, tokens[head:], request=request)
+            seen += len(tokens)
+        return first, second
+
     def flat_token_ids(self) -> list[int]:
         return [token for tokens in self.token_ids for token in tokens]
 

@@ -9,6 +9,7 @@ worker, every pass, logits computation and KV move is announced to the other ran
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,6 +19,7 @@ from pdserve.engine.decode_graphs import DecodeGraphRunner
 from pdserve.engine.forward_batch import Capture, ForwardBatch, ForwardOutput, device_ints
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.models import CausalLM
+from pdserve.engine.models.decoder import MicroBatch
 from pdserve.engine.overlap import resolve_placeholders
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SampleResult
@@ -36,17 +38,21 @@ class ModelRunner:
         decode_graphs: DecodeGraphRunner | None = None,
         verify_graphs: DecodeGraphRunner | None = None,
         ranks: RankGroup | None = None,
+        two_batch_min_tokens: int = 0,
     ):
         """`decode_graphs` replays plain decode batches; `verify_graphs` (speculative
         decoding) batches of up to its `tokens_per_seq` tokens per sequence. `ranks`: the
         other ranks of a tensor-parallel worker (on rank 0). `sampler`: None on the other
-        ranks (they never sample)."""
+        ranks (they never sample). `two_batch_min_tokens`: under tensor parallelism, eager
+        plain passes of at least this many tokens run as two halves whose all-reduces
+        overlap each other's compute (0: never)."""
         self.model = model
         self.kv_pool = kv_pool
         self.sampler = sampler
         self.device = device
         self.graphs = {"decode": decode_graphs, "verify": verify_graphs}
         self.ranks = ranks
+        self.two_batch_min_tokens = two_batch_min_tokens if getattr(model, "tp", None) else 0
 
     @property
     def decode_graphs(self) -> DecodeGraphRunner | None:
@@ -106,6 +112,8 @@ class ModelRunner:
                 features = hidden
             features = None if features is None else features.clone()
             return ForwardOutput(batch, runner.query_starts(len(batch)), hidden, features)
+        if self._runs_as_two(batch):
+            return self._forward_two_batches(batch, capture, device_tokens)
         ctx = AttentionContext.build(
             page_size=self.kv_pool.page_size,
             pages=batch.pages,
@@ -115,10 +123,7 @@ class ModelRunner:
             positions=batch.explicit_positions(),
             masks=batch.masks or None,
         )
-        ids = torch.tensor(batch.flat_token_ids(), dtype=torch.int64)
-        ids = ids.to(self.device, non_blocking=True)
-        if device_tokens is not None:
-            ids = resolve_placeholders(ids, device_tokens)
+        ids = self._device_ids(batch, device_tokens)
         if capture.kind == "layers":
             hidden, features = self.model.forward_capture(
                 ids, ctx.positions, self.kv_pool, ctx, capture.layer_ids
@@ -127,6 +132,47 @@ class ModelRunner:
             hidden = self.model(ids, ctx.positions, self.kv_pool, ctx)
             features = hidden if capture.kind == "final" else None
         return ForwardOutput(batch, ctx.query_starts, hidden, features)
+
+    def _device_ids(self, batch: ForwardBatch, device_tokens: torch.Tensor | None) -> torch.Tensor:
+        ids = torch.tensor(batch.flat_token_ids(), dtype=torch.int64)
+        ids = ids.to(self.device, non_blocking=True)
+        if device_tokens is not None:
+            ids = resolve_placeholders(ids, device_tokens)
+        return ids
+
+    def _runs_as_two(self, batch: ForwardBatch) -> bool:
+        """Whether this eager pass runs as two halves (`two_batch_min_tokens`). Every rank
+        decides the same from the same pass: their collectives pair up."""
+        return (
+            0 < self.two_batch_min_tokens <= batch.num_tokens
+            and not batch.masks
+            and not batch.has_explicit_positions
+        )
+
+    def _forward_two_batches(
+        self, batch: ForwardBatch, capture: Capture, device_tokens: torch.Tensor | None
+    ) -> ForwardOutput:
+        """The pass as its first and second half of tokens, layer by layer side by side, so
+        that each half's all-reduces run while the other half computes."""
+        parts = batch.split_tokens(batch.num_tokens // 2)
+        ids, halves = [], []
+        for part in parts:
+            ctx = AttentionContext.build(
+                page_size=self.kv_pool.page_size,
+                pages=part.pages,
+                num_computed=part.num_computed,
+                query_lens=part.query_lens,
+                device=self.device,
+            )
+            ids.append(self._device_ids(part, device_tokens))
+            halves.append(MicroBatch(ctx.positions, ctx))
+        hidden, features = self.model.forward_two_batches(
+            ids, halves, self.kv_pool, capture.layer_ids
+        )
+        if capture.kind == "final":
+            features = hidden
+        starts = list(itertools.accumulate(batch.query_lens[:-1], initial=0))
+        return ForwardOutput(batch, starts, hidden, features)
 
     @torch.inference_mode()
     def sample(

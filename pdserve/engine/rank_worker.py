@@ -139,7 +139,13 @@ class RankWorker:
                 share_pool_with=decode_graphs,
             )
         self.runner = ModelRunner(
-            self.model, self.kv_pool, None, self.device, decode_graphs, verify_graphs
+            self.model,
+            self.kv_pool,
+            None,
+            self.device,
+            decode_graphs,
+            verify_graphs,
+            two_batch_min_tokens=config.two_batch_overlap_tokens,
         )
         self.requests: dict[str, MirroredRequest] = {}
         self.output: ForwardOutput | None = None

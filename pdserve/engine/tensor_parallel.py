@@ -146,6 +146,14 @@ class TensorParallel:
         self.group.allreduce([x]).wait()
         return x
 
+    def all_reduce_async(self, x: torch.Tensor) -> PendingSum:
+        """Start summing `x` over the ranks; `wait()` gives the sum. Under NCCL the sum runs
+        on NCCL's stream, so what the caller launches meanwhile (the other half of a pass
+        run as two) overlaps it; the one-shot path sums at once."""
+        if self.small is not None and self.small.fits(x):
+            return PendingSum(self.small(x))
+        return PendingSum(x, self.group.allreduce([x]))
+
     def close(self) -> None:
         if self.small is not None:
             self.small.close()
@@ -169,6 +177,21 @@ class TensorParallel:
         options.rootRank = 0
         self.group.broadcast([x], options).wait()
         return x
+
+
+class PendingSum:
+    """An all-reduce started by `TensorParallel.all_reduce_async`."""
+
+    def __init__(self, tensor: torch.Tensor, work: dist.Work | None = None):
+        self._tensor = tensor
+        self._work = work
+
+    def wait(self) -> torch.Tensor:
+        """The sum. Under NCCL the host does not wait: the current stream does."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._tensor
 
 
 def all_reduce_min(group: dist.ProcessGroup, device: torch.device, value: int) -> int:

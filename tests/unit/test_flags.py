@@ -47,6 +47,7 @@ SAMPLES = {
             "node_rank": 1,
             "dist_init_addr": "10.0.0.1:29500",
             "disable_custom_all_reduce": True,
+            "enable_two_batch_overlap": True,
         },
     ),
     SpecSettings: (

@@ -141,3 +141,31 @@ def test_capture_kinds():
         Capture.layers([])
     with pytest.raises(ValueError, match="capture kind"):
         Capture("hidden")
+
+
+def test_a_pass_splits_by_tokens_with_the_straddling_sequence_in_both_parts():
+    batch = ForwardBatch()
+    batch.add([1], 3, [7])  # a decode token
+    batch.add([2, 3], 0, [10, 11, 12, 13, 14])  # a prefill chunk
+    batch.add([4], 5, [8])
+    first, second = batch.split_tokens(3)
+    assert (first.pages, first.num_computed, first.token_ids) == (
+        [[1], [2, 3]],
+        [3, 0],
+        [[7], [10, 11]],
+    )
+    assert (second.pages, second.num_computed, second.token_ids) == (
+        [[2, 3], [4]],
+        [2, 5],
+        [[12, 13, 14], [8]],
+    )
+    # A split on a sequence boundary leaves every sequence whole.
+    first, second = batch.split_tokens(6)
+    assert (first.token_ids, second.token_ids) == ([[7], [10, 11, 12, 13, 14]], [[8]])
+    for at in (0, 7):
+        with pytest.raises(ValueError, match="split at token"):
+            batch.split_tokens(at)
+    masked = ForwardBatch()
+    masked.add([1], 0, [1, 2], mask=torch.ones(2, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="only a causal pass"):
+        masked.split_tokens(1)

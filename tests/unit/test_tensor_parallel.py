@@ -13,8 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.forward_batch import Capture, ForwardBatch
 from pdserve.engine.rank_group import RankDiedError
 from pdserve.engine.tensor_parallel import ModelSplit, TensorParallelError
 from pdserve.engine.tiny_model import make_tiny_model
@@ -135,6 +137,37 @@ def test_overlapped_steps_broadcast_their_device_tokens(kv4_models, tp1_tokens, 
     assert generate(kv4_models("llama"), prompts, 2, overlap=True) == tp1_tokens("llama")
 
 
+# Every pass of at least 4 tokens (prefill chunks, alone or beside decode tokens) as two.
+TWO_BATCHES = {"enable_two_batch_overlap": True, "two_batch_min_tokens": 4}
+
+
+def count_two_batch_passes(llm) -> list[int]:
+    """A counter of rank 0's passes run as two halves (so a test sees the path taken)."""
+    runner, count = llm.engine.runner, [0]
+    two = runner._forward_two_batches
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return two(*args, **kwargs)
+
+    runner._forward_two_batches = counted
+    return count
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_two_batch_overlap_equals_tp1(arch, kv4_models, tp1_tokens, prompts):
+    """Prefill passes split in two halves of their tokens (a prompt straddling the split
+    reads in its second half the KV its first half wrote), each half's all-reduces started
+    while the other half computes: TP 1's tokens, with overlap scheduling too."""
+    with LLM(kv4_models(arch), tp_size=2, **OPTIONS, **TWO_BATCHES) as llm:
+        llm.engine.overlap = True
+        passes = count_two_batch_passes(llm)
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        assert llm.engine.kv_pages_in_use == 0
+    assert passes[0] >= 3
+    assert got == tp1_tokens(arch)
+
+
 CHAIN = {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}
 TREE = {"num_steps": 3, "eagle_topk": 3, "num_draft_tokens": 8}
 
@@ -154,6 +187,33 @@ def test_speculative_decoding_under_tp_is_lossless(
         expected = [o.token_ids for o in llm.generate(repetitive, GREEDY)]
     settings = SpecSettings(algorithm, draft_model_path=spec_drafts[algorithm], **shape)
     assert generate(model, repetitive, 2, speculative=settings) == expected
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_pass_run_as_two_computes_what_one_pass_does(backend, tiny_model_dirs):
+    """Hidden states and captured layer outputs (what EAGLE drafts read) of one mixed pass,
+    TP 2 with and without the split: the same rows, in the same order. On Triton the fused
+    norms update each half's residual in place (the GPU's path; here, the interpreter)."""
+    capture = Capture.layers([0, 1])
+    results = []
+    for options in ({}, TWO_BATCHES):
+        options = {**options, "attention_backend": backend}
+        with LLM(tiny_model_dirs("llama"), tp_size=2, **OPTIONS, **options) as llm:
+            engine = llm.engine
+            passes = count_two_batch_passes(llm)
+            pages = engine.allocator.allocate(9)
+            batch = ForwardBatch()
+            batch.add(pages[:4], 0, list(range(3, 16)))  # 13 prompt tokens: straddles
+            batch.add(pages[4:8], 0, list(range(20, 27)))
+            batch.add(pages[8:], 0, [42])  # one token: attention's decode path
+            out = engine.runner.forward(batch, capture)
+            results.append((out.hidden.clone(), out.features.clone(), out.query_starts))
+            engine.allocator.free(pages)
+            assert passes[0] == (1 if options.get("enable_two_batch_overlap") else 0)
+    (hidden, features, starts), (hidden2, features2, starts2) = results
+    assert starts == starts2 == [0, 13, 20]
+    torch.testing.assert_close(hidden2, hidden)
+    torch.testing.assert_close(features2, features)
 
 
 # ---- failures ----------------------------------------------------------------------------

@@ -9,7 +9,8 @@ loading reads only the rank's slice of each tensor (`ModelSplit.checkpoint_slice
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ from pdserve.engine.models.layers import (
     VocabParallelEmbedding,
     rope_inverse_frequencies,
 )
-from pdserve.engine.tensor_parallel import TensorParallel
+from pdserve.engine.tensor_parallel import PendingSum, TensorParallel
 
 # checkpoint projection -> (fused module, index of its slice)
 _FUSED = {
@@ -39,6 +40,30 @@ _FUSED = {
 
 class MissingWeightsError(ValueError):
     """The checkpoint lacks tensors the model needs."""
+
+
+@dataclass
+class MicroBatch:
+    """One of the two halves of a pass run as two (`DecoderModel.forward_two_batches`): its
+    new tokens' positions and attention metadata, and where its residual stream stands (`h`,
+    or the all-reduce that will give it, plus `residual`)."""
+
+    positions: torch.Tensor
+    ctx: AttentionContext
+    h: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+    pending: PendingSum | None = None
+
+    def hidden(self) -> torch.Tensor:
+        """`h`, once its all-reduce (if one is running) has summed it."""
+        if self.pending is not None:
+            self.h, self.pending = self.pending.wait(), None
+        return self.h
+
+    def stream(self) -> torch.Tensor:
+        """The residual stream's value (`h + residual`)."""
+        h = self.hidden()
+        return h if self.residual is None else h + self.residual
 
 
 class DecoderLayer(nn.Module):
@@ -55,6 +80,7 @@ class DecoderLayer(nn.Module):
         tp: TensorParallel | None = None,
     ):
         super().__init__()
+        self.tp = tp
         fused = backend.fused_elementwise
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.self_attn = Attention(
@@ -86,13 +112,28 @@ class DecoderLayer(nn.Module):
         NOTE: fused norms update the residual in place: the tensor passed as `residual`, or
         as `h` with residual None, is overwritten.
         """
-        if residual is None:
-            h, residual = self.input_layernorm(h), h
-        else:
-            h, residual = self.input_layernorm(h, residual)
+        h, residual = self._input_norm(h, residual)
         h = self.self_attn(h, positions, kv_pool, ctx)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def _input_norm(self, h, residual):
+        if residual is None:
+            return self.input_layernorm(h), h
+        return self.input_layernorm(h, residual)
+
+    def forward_two_batches(self, halves: Sequence[MicroBatch], kv_pool: KVPool) -> None:
+        """Both halves through this layer (tensor parallelism), each block's all-reduce left
+        running while the other half computes: attention of the first half, attention of
+        the second while the first's sum runs, the first's MLP while the second's sum runs,
+        and so on into the next layer. Leaves each half's output pending."""
+        for half in halves:
+            h, half.residual = self._input_norm(half.hidden(), half.residual)
+            partial = self.self_attn(h, half.positions, kv_pool, half.ctx, reduce=False)
+            half.pending = self.tp.all_reduce_async(partial)
+        for half in halves:
+            h, half.residual = self.post_attention_layernorm(half.hidden(), half.residual)
+            half.pending = self.tp.all_reduce_async(self.mlp(h, reduce=False))
 
 
 class DecoderModel(nn.Module):
@@ -128,6 +169,27 @@ class DecoderModel(nn.Module):
             if index in capture:
                 captured[index] = h + residual
         h, _ = self.norm(h, residual)
+        return h, [captured[i] for i in capture]
+
+    def forward_two_batches(
+        self,
+        input_ids: Sequence[torch.Tensor],
+        halves: Sequence[MicroBatch],
+        kv_pool: KVPool,
+        capture: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward` of a pass split in two by tokens (`input_ids[i]` are `halves[i]`'s), the
+        halves' rows joined again: each all-reduce of one half runs while the other half
+        computes (tensor parallelism only). The embedding runs once for both."""
+        embedded = self.embed_tokens(torch.cat(list(input_ids)))
+        for half, h in zip(halves, embedded.split([len(i) for i in input_ids]), strict=True):
+            half.h = h
+        captured: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(self.layers):
+            layer.forward_two_batches(halves, kv_pool)
+            if index in capture:
+                captured[index] = torch.cat([half.stream() for half in halves])
+        h = torch.cat([self.norm(half.hidden(), half.residual)[0] for half in halves])
         return h, [captured[i] for i in capture]
 
 
@@ -170,6 +232,18 @@ class CausalLM(nn.Module):
         """Final hidden states, and the `layers`' outputs side by side `[T, len * hidden]`."""
         hidden, captured = self.model(input_ids, positions, kv_pool, ctx, tuple(layers))
         return hidden, torch.cat(captured, dim=-1)
+
+    def forward_two_batches(
+        self,
+        input_ids: Sequence[torch.Tensor],
+        halves: Sequence[MicroBatch],
+        kv_pool: KVPool,
+        layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` (or `forward_capture` of `layers`) of a pass split in two by tokens,
+        each half's all-reduces overlapping the other half's compute (`DecoderModel`)."""
+        hidden, captured = self.model.forward_two_batches(input_ids, halves, kv_pool, layers)
+        return hidden, torch.cat(captured, dim=-1) if captured else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (under tensor parallelism every rank computes its

@@ -127,6 +127,10 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(super().forward(x))
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum: the all-reduce is left to the caller."""
+        return super().forward(x)
+
 
 def output_projection(in_features: int, out_features: int, tp: TensorParallel | None):
     """The projection back into the residual stream: row-parallel under tensor parallelism."""
@@ -190,8 +194,15 @@ class Attention(nn.Module):
         self.__dict__["backend"] = backend
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, kv_pool: KVPool, ctx: AttentionContext
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_pool: KVPool,
+        ctx: AttentionContext,
+        *,
+        reduce: bool = True,
     ) -> torch.Tensor:
+        """`reduce` False (tensor parallelism only): this rank's partial sum, unreduced."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -210,7 +221,8 @@ class Attention(nn.Module):
             scale=self.scale,
             sliding_window=self.sliding_window,
         )
-        return self.o_proj(out.reshape(-1, self.q_size))
+        project = self.o_proj if reduce else self.o_proj.partial
+        return project(out.reshape(-1, self.q_size))
 
 
 class GatedMLP(nn.Module):
@@ -236,10 +248,12 @@ class GatedMLP(nn.Module):
 
             self._silu_and_mul = silu_and_mul
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, reduce: bool = True) -> torch.Tensor:
+        """`reduce` False (tensor parallelism only): this rank's partial sum, unreduced."""
+        project = self.down_proj if reduce else self.down_proj.partial
         gate_up = self.gate_up_proj(x)
         if self.fused:
             rows = self._silu_and_mul(gate_up.reshape(-1, gate_up.shape[-1]))
-            return self.down_proj(rows.view(*gate_up.shape[:-1], self.intermediate_size))
+            return project(rows.view(*gate_up.shape[:-1], self.intermediate_size))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return project(F.silu(gate) * up)
