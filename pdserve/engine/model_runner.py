@@ -114,15 +114,7 @@ class ModelRunner:
             return ForwardOutput(batch, runner.query_starts(len(batch)), hidden, features)
         if self._runs_as_two(batch):
             return self._forward_two_batches(batch, capture, device_tokens)
-        ctx = AttentionContext.build(
-            page_size=self.kv_pool.page_size,
-            pages=batch.pages,
-            num_computed=batch.num_computed,
-            query_lens=batch.query_lens,
-            device=self.device,
-            positions=batch.explicit_positions(),
-            masks=batch.masks or None,
-        )
+        ctx = self._context(batch)
         ids = self._device_ids(batch, device_tokens)
         if capture.kind == "layers":
             hidden, features = self.model.forward_capture(
@@ -132,6 +124,17 @@ class ModelRunner:
             hidden = self.model(ids, ctx.positions, self.kv_pool, ctx)
             features = hidden if capture.kind == "final" else None
         return ForwardOutput(batch, ctx.query_starts, hidden, features)
+
+    def _context(self, batch: ForwardBatch) -> AttentionContext:
+        return AttentionContext.build(
+            page_size=self.kv_pool.page_size,
+            pages=batch.pages,
+            num_computed=batch.num_computed,
+            query_lens=batch.query_lens,
+            device=self.device,
+            positions=batch.explicit_positions(),
+            masks=batch.masks or None,
+        )
 
     def _device_ids(self, batch: ForwardBatch, device_tokens: torch.Tensor | None) -> torch.Tensor:
         ids = torch.tensor(batch.flat_token_ids(), dtype=torch.int64)
@@ -157,13 +160,7 @@ class ModelRunner:
         parts = batch.split_tokens(batch.num_tokens // 2)
         ids, halves = [], []
         for part in parts:
-            ctx = AttentionContext.build(
-                page_size=self.kv_pool.page_size,
-                pages=part.pages,
-                num_computed=part.num_computed,
-                query_lens=part.query_lens,
-                device=self.device,
-            )
+            ctx = self._context(part)
             ids.append(self._device_ids(part, device_tokens))
             halves.append(MicroBatch(ctx.positions, ctx))
         hidden, features = self.model.forward_two_batches(

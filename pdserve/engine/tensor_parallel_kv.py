@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from pdserve.engine.forward_batch import device_ints
+
 if TYPE_CHECKING:
     from pdserve.engine.kv_pool import KVPool
     from pdserve.engine.tensor_parallel import TensorParallel
@@ -56,7 +58,7 @@ class PageIdError(ValueError):
 def page_index(pool: KVPool, pages: list[int]) -> torch.Tensor:
     if any(not 0 <= p < pool.num_pages for p in pages):
         raise PageIdError(f"page ids outside [0, {pool.num_pages}): {pages[:8]}")
-    return torch.tensor(pages, dtype=torch.int64, device=pool.device)
+    return device_ints(pages, pool.device)
 
 
 def gather_heads(tp: TensorParallel, pool: KVPool, pages: list[int]) -> torch.Tensor | None:

@@ -75,7 +75,10 @@ class KVStager:
     def _index(self, pool: PagedKV, ids: list[int]) -> torch.Tensor:
         if any(not 0 <= p < pool.num_pages for p in ids):
             raise StagingError(f"page ids outside [0, {pool.num_pages}): {ids[:8]}")
-        return torch.tensor(ids, dtype=torch.int64, device=self.device)
+        # NOTE: built on the host, then copied without blocking: `torch.tensor(ids,
+        # device=...)` would first wait for every kernel queued before it (the prefill chunk
+        # whose KV this gathers; decode's running steps at a commit), stalling the engine.
+        return torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def _check_buffer(self, page_ids: list[list[int]], buffer: torch.Tensor) -> None:
         total = self.nbytes(page_ids)

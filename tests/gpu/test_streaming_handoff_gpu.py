@@ -48,3 +48,34 @@ def test_streamed_handoff_on_a_gpu_equals_colocated(backend, tiny_model_dirs):
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_gather_and_scatter_queue_behind_the_gpu_without_waiting_for_it():
+    """A piece's gather (prefill, right behind the chunk that wrote the pages) and a commit's
+    scatter (decode, behind its running steps) must not stop the host until the GPU catches
+    up: a blocking page-index copy would, and the engine loop could not queue its next step
+    meanwhile. Both are called while the GPU sleeps; each returns before the sleep ends, and
+    the bytes are right once it has."""
+    import torch
+
+    from pdserve.engine.kv_pool import KVPool
+    from pdserve.transfer.kv_staging import KVStager
+
+    shape = dict(num_layers=2, page_size=4, num_kv_heads=2, head_dim=8, device=torch.device("cuda"))
+    pool = KVPool(num_pages=8, dtype=torch.float32, **shape)
+    pool.storage.copy_(torch.randn_like(pool.storage))
+    stager = KVStager([pool])
+    for step in ("gather", "scatter"):
+        other = torch.randn_like(pool.storage) if step == "scatter" else None
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time
+        asleep = torch.cuda.Event()
+        asleep.record()
+        if step == "gather":
+            data = stager.gather([[5, 2]])
+        else:
+            stager.scatter([[1]], other[:, :, 3:4].contiguous().view(torch.uint8).flatten())
+        assert not asleep.query(), f"{step} waited for the GPU"
+        torch.cuda.synchronize()
+    gathered = data.view(torch.float32).view(2, 2, 2, 4, 2, 8)
+    torch.testing.assert_close(gathered[:, :, 0], pool.storage[:, :, 5])
+    torch.testing.assert_close(pool.storage[:, :, 1], other[:, :, 3])
