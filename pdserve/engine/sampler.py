@@ -13,6 +13,11 @@ have drawn in one. Reported logprobs are those of the raw model distribution.
 Whatever the settings, a row always yields a valid token id: `SamplingParams` bounds keep the
 arithmetic finite, and a row that still ends with no probability mass (every token banned or
 filtered out) takes the argmax of its logits instead of feeding NaN to the draw.
+
+`sample` never waits for the GPU: an overlapped step samples while the device still runs the
+step before (`overlap.py`), so per-row settings and row indices go up with non-blocking
+copies (`torch.tensor(values, device=...)`, or indexing a GPU tensor with a list, would first
+wait for every kernel queued before it).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.forward_batch import device_ints
 from pdserve.engine.request import Request
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -87,9 +93,12 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         params = [r.sampling_params for r in requests]
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if len(sample_rows) == len(requests):
+            return self._draw(filtered_probs(logits, params), requests)
         if sample_rows:
-            probs = filtered_probs(logits[sample_rows], [params[i] for i in sample_rows])
-            tokens[sample_rows] = self._draw(probs, [requests[i] for i in sample_rows])
+            rows = device_ints(sample_rows, logits.device)
+            probs = filtered_probs(logits.index_select(0, rows), [params[i] for i in sample_rows])
+            tokens.index_copy_(0, rows, self._draw(probs, [requests[i] for i in sample_rows]))
         return tokens
 
     def process_logits(self, logits: torch.Tensor, requests) -> None:
@@ -109,18 +118,30 @@ class Sampler:
             # NOTE: the engine refuses ids outside the vocabulary; a stray one must not crash.
             banned = [t for t in banned if t < logits.shape[-1]]
             if banned:
-                logits[row, banned] = float("-inf")
+                logits[row].index_fill_(0, device_ints(banned, logits.device), float("-inf"))
 
     @staticmethod
     def _draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        drawn = torch.empty(len(requests), dtype=torch.int64, device=probs.device)
         unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+        if len(unseeded) == len(requests):
+            return draw(probs)
+        drawn = torch.empty(len(requests), dtype=torch.int64, device=probs.device)
         if unseeded:
-            drawn[unseeded] = torch.multinomial(probs[unseeded], 1)[:, 0]
+            rows = device_ints(unseeded, probs.device)
+            drawn.index_copy_(0, rows, draw(probs.index_select(0, rows)))
         for i, request in enumerate(requests):
             if request.generator is not None:
-                drawn[i] = torch.multinomial(probs[i], 1, generator=generator_at(request))[0]
+                drawn[i] = draw(probs[i], generator_at(request))
         return drawn
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of `probs` (the last dimension), drawn in proportion to it: the
+    largest probability over an exponential variate. The very draws (same generator, same
+    tokens) of `torch.multinomial(probs, 1)`, whose one-sample path computes exactly this, but
+    without its validity check, a host sync (`_with_mass` has made every row valid)."""
+    race = torch.empty_like(probs).exponential_(1, generator=generator)
+    return probs.div(race).argmax(dim=-1)
 
 
 def _apply_penalties(row_logits: torch.Tensor, request: Request) -> None:
@@ -141,7 +162,7 @@ def _apply_penalties(row_logits: torch.Tensor, request: Request) -> None:
 def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p, renormalized."""
     device = logits.device
-    temperature = torch.tensor([p.sampling_temperature for p in params], device=device)
+    temperature = _device_floats([p.sampling_temperature for p in params], device)
     logits = (logits / temperature[:, None]).nan_to_num_(nan=float("-inf"), posinf=FLOAT32_MAX)
     vocab = logits.shape[-1]
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
@@ -149,22 +170,27 @@ def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     if any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device)
-        k = torch.tensor(top_k, device=device)
+        k = device_ints(top_k, device)
         sorted_logits.masked_fill_(ranks[None, :] >= k[:, None], float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
         # NOTE: drop a token once the mass strictly before it already reaches top_p; the most
         # likely token is always kept.
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        p = torch.tensor(top_p, device=device)
+        p = _device_floats(top_p, device)
         sorted_logits.masked_fill_(mass_before >= p[:, None], float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device)
+        min_p = _device_floats([p.min_p for p in params], device)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return _with_mass(probs, logits)
+
+
+def _device_floats(values: list[float], device: torch.device) -> torch.Tensor:
+    """Host floats as a float32 tensor on `device`, without waiting for the GPU."""
+    return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
 
 
 def _with_mass(probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

@@ -96,3 +96,33 @@ def test_kv_pool_sized_from_gpu_memory(tiny_model_dirs):
     pool = llm.engine.kv_pool
     assert 0.03 * total < pool.nbytes < 0.1 * total
     assert llm.generate(["Hi"], greedy(4))[0].token_ids
+
+
+def test_sampling_queues_behind_the_gpu_without_waiting_for_it():
+    """An overlapped step samples while the GPU still runs the step before: every kind of
+    row (greedy, temperature with top-k / top-p / min-p, a stop token banned before
+    min_new_tokens, seeded and unseeded) must be sampled without the host waiting for the
+    GPU. Called while the GPU sleeps, `sample` returns before the sleep ends."""
+    from pdserve.engine.request import Request
+    from pdserve.engine.sampler import Sampler
+
+    device = torch.device("cuda")
+    sampler = Sampler((1,))
+    settings = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=1.0, min_new_tokens=2),
+        SamplingParams(temperature=0.8, seed=7),
+    ]
+    requests = [Request(f"r{i}", [5, 6, 7], p, 100) for i, p in enumerate(settings)]
+    for request in requests:
+        if request.sampling_params.seed is not None:
+            request.generator = sampler.make_generator(device)
+    for rows in (requests, requests[1:3]):  # some rows greedy, then every row sampled
+        logits = torch.randn(len(rows), 64, device=device)
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time
+        asleep = torch.cuda.Event()
+        asleep.record()
+        tokens = sampler.sample(logits, rows)
+        assert not asleep.query(), "sampling waited for the GPU"
+        assert all(0 <= t < 64 for t in tokens.tolist())

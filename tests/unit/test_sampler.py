@@ -161,3 +161,23 @@ def test_invalid_sampling_params_name_the_parameter(field, value):
     with pytest.raises(InvalidSamplingParams) as info:
         SamplingParams(**{field: value})
     assert info.value.param == field
+
+
+def test_a_draw_is_what_multinomial_draws_from_the_same_generator_state():
+    """`draw` skips `torch.multinomial`'s validity check (a host sync on a GPU) and keeps its
+    draws: a seed gives the tokens it gave before, rows and single rows alike."""
+    from pdserve.engine.sampler import draw
+
+    probs = torch.rand(8, VOCAB, generator=torch.Generator().manual_seed(1)).softmax(dim=-1)
+    probs[:, :4] = 0  # tokens no row may draw
+    for seed in range(20):
+        expected = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed))
+        got = draw(probs, torch.Generator().manual_seed(seed))
+        assert torch.equal(got, expected[:, 0])
+        assert (got >= 4).all()
+        one = torch.multinomial(probs[3], 1, generator=torch.Generator().manual_seed(seed))
+        assert draw(probs[3], torch.Generator().manual_seed(seed)).item() == one.item()
+    torch.manual_seed(5)
+    expected = torch.multinomial(probs, 1)[:, 0]
+    torch.manual_seed(5)
+    assert torch.equal(draw(probs), expected)
