@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from pdserve.server.local_process import LocalServer, free_port
+from pdserve.server.local_process import free_port
 
 HERE = Path(__file__).resolve().parent
 TIMESTAMP = re.compile(rb'"content":"t([0-9.]+)"')
@@ -70,11 +70,19 @@ def start_mock(role: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
     return process, url
 
 
-def start_pdserve_router(prefill: str, decode: str, log_dir: Path) -> tuple[LocalServer, str]:
-    args = ["router", "--prefill", prefill, str(free_port()), "--decode", decode]
-    server = LocalServer(args, log_level="info", log_path=str(log_dir / "pdserve_router.log"))
-    server.wait_healthy(60)
-    return server, server.url
+def start_pdserve_router(prefill: str, decode: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
+    """Its output (an access line per request) goes to a file, as sglang-router's does: not
+    through a thread of this process (LocalServer's log copier), which would take the
+    client's GIL turns once per request, for pdserve alone."""
+    port = free_port()
+    command = [sys.executable, "-m", "pdserve.cli", "--log-level", "info", "router"]
+    command += ["--prefill", prefill, str(free_port()), "--decode", decode]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
+    log = open(log_dir / "pdserve_router.log", "w")  # noqa: SIM115 (closed with the process)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, process, "pdserve router")
+    return process, url
 
 
 def start_sglang_router(prefill: str, decode: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
@@ -365,11 +373,8 @@ def main() -> None:
             found = asyncio.run(measure(args, targets, decode_url))
         finally:
             for process in reversed(processes):
-                if isinstance(process, LocalServer):
-                    process.stop()
-                else:
-                    process.terminate()
-                    process.wait(timeout=30)
+                process.terminate()
+                process.wait(timeout=30)
     rows = summarize(found)
     print(table(rows))
     machine = f"{_cpu_model()}, {os.cpu_count()} CPUs"

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
 
 import httpx
 from fastapi import FastAPI, Request
@@ -24,18 +23,17 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve import __version__
 from pdserve.protocol.api_key import ApiKeyMiddleware
-from pdserve.protocol.asgi_watch import client_left
-from pdserve.router.access_log import AccessLog, AccessRecord
+from pdserve.router.access_log import AccessLog, AccessRecord, header, new_request_id
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Discovery
 from pdserve.router.errors import error_response, http_error_handler, internal_error_handler
 from pdserve.router.health import HealthChecker
 from pdserve.router.http1 import Http1Pool
-from pdserve.router.intake import BadBody, read_json_body
+from pdserve.router.intake import BadBody, ClientWatch, read_json_body
 from pdserve.router.legs import Legs, TransportLegClient
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.proxy import Proxy
@@ -167,7 +165,7 @@ def build_router_app(
         try:
             response = await client.get(
                 workers[0].url + request.url.path,
-                headers=_leg_headers(request),
+                headers=_leg_headers(request.scope["headers"]),
                 timeout=config.health_check_timeout_s * 5,
             )
         except httpx.HTTPError as e:
@@ -207,17 +205,12 @@ class RouterApp(FastAPI):
             await super().__call__(scope, receive, send)
             return
         scope["app"] = self
-        started = False
-
-        async def send_and_see(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
         try:
-            await self.fast_path(scope, receive, send_and_see)
+            await self.fast_path(scope, receive, send)
         except Exception as error:
-            if not started:
+            # NOTE: the access log's record knows whether the response started.
+            record: AccessRecord | None = scope.get("state", {}).get("access")
+            if record is None or record.status is None:
                 response = await internal_error_handler(Request(scope), error)
                 await response(scope, receive, send)
             raise  # NOTE: the server logs the traceback, as under FastAPI's own stack
@@ -225,26 +218,35 @@ class RouterApp(FastAPI):
 
 class Generation:
     """A request to a generation endpoint, as plain ASGI (a class, so that Starlette calls
-    it as it is): the router's hot path, without FastAPI's request handling around it."""
+    it as it is): the router's hot path, without FastAPI's request handling around it. From
+    the body's end to the answer's, a `ClientWatch` ends the request if its client leaves."""
 
     def __init__(self, config: RouterConfig):
         self.config = config
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = Request(scope, receive)
-        access: AccessRecord = request.state.access
-        headers = _leg_headers(request, access.request_id)
+        access: AccessRecord = scope["state"]["access"]
+        headers = _leg_headers(scope["headers"], access.request_id)
         try:
-            body = await read_json_body(request, self.config.max_body_bytes)
+            length = header(scope["headers"], b"content-length")
+            body = await read_json_body(receive, length, self.config.max_body_bytes)
         except BadBody as e:
             response = e.response()
         except ClientDisconnect:
             response = Response(status_code=499)  # NOTE: nobody is left to read it
         else:
-            proxy: Proxy = request.app.state.proxy
-            response = await proxy.handle(
-                scope["path"], body, headers, lambda: client_left(receive), access
-            )
+            proxy: Proxy = scope["app"].state.proxy
+            watch = ClientWatch(receive)
+            try:
+                response = await proxy.handle(scope["path"], body, headers, watch, access)
+                await response(scope, receive, send)
+            except asyncio.CancelledError:
+                if not watch.caught():
+                    raise
+                # NOTE: the client left mid-stream; the stream's cleanup ended its rooms.
+            finally:
+                watch.stop()
+            return
         await response(scope, receive, send)
 
 
@@ -262,11 +264,12 @@ def _describe(pool: WorkerPool) -> list[dict]:
     ]
 
 
-def _leg_headers(request: Request, request_id: str | None = None) -> dict[str, str]:
+def _leg_headers(raw: list[tuple[bytes, bytes]], request_id: str | None = None) -> dict[str, str]:
     """Headers for both legs (and the response): the request id (the client's, else a new
-    one), and the client's key."""
-    request_id = request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+    one), and the client's key. raw: the request's headers as the server gives them."""
+    request_id = request_id or header(raw, b"x-request-id") or new_request_id()
     headers = {"X-Request-Id": request_id}
-    if "authorization" in request.headers:
-        headers["Authorization"] = request.headers["authorization"]
+    authorization = header(raw, b"authorization")
+    if authorization is not None:
+        headers["Authorization"] = authorization
     return headers

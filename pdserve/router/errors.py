@@ -99,7 +99,9 @@ def leg_error(role: str, status: int, content: bytes) -> LegError:
 def raise_if_error_event(role: str, head: bytes) -> None:
     """A stream whose first event is an error failed before sending anything."""
     first = head.split(b"\n\n", 1)[0].strip()  # NOTE: an SSE event ends with a blank line
-    if not first.startswith(b"data:"):
+    # NOTE: no JSON parsing of every stream's first event: an error event's key is written
+    # as it is (json.dumps escapes no ASCII letter).
+    if not first.startswith(b"data:") or b'"error"' not in first:
         return
     try:
         event = json.loads(first[5:])

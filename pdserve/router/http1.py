@@ -24,6 +24,7 @@ Sockets get the dead-peer options (`transport.dead_peer_socket_options`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import ssl
 from collections.abc import AsyncIterator
@@ -183,48 +184,40 @@ class Http1Response:
         else:
             self._framing, self._length, close = "close", None, True
         self._keep_alive = not close
-        self.stream = self._body()
+        self.complete = False  # the body was read to its end (the connection is let go)
+        self._stream: AsyncIterator[bytes] | None = None
+
+    @property
+    def stream(self) -> AsyncIterator[bytes]:
+        # NOTE: made on first use: an async generator costs the event loop's bookkeeping
+        # once it is iterated or closed, which an answer read whole (`aread`) does without.
+        if self._stream is None:
+            self._stream = self._body()
+        return self._stream
 
     async def aread(self) -> bytes:
-        return b"".join([chunk async for chunk in self.stream])
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
-        self._drop()
-
-    def _drop(self) -> None:
-        """Close the connection of an answer not read to its end (it cannot serve again)."""
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
-
-    async def _body(self) -> AsyncIterator[bytes]:
-        reader = self._connection.reader
+        if self._framing != "length" or self._stream is not None or self._connection is None:
+            return b"".join([chunk async for chunk in self.stream])
         try:
-            if self._framing == "chunked":
-                async for data in _dechunk(reader):
-                    yield data
-            elif self._framing == "length":
-                left = self._length
-                while left > 0:
-                    data = await reader.read(min(left, 1 << 16))
-                    if not data:
-                        raise asyncio.IncompleteReadError(b"", left)
-                    left -= len(data)
-                    yield data
-            else:
-                while data := await reader.read(1 << 16):
-                    yield data
+            body = await self._connection.reader.readexactly(self._length)
         except _BROKEN as e:
-            self._drop()
-            if isinstance(e, OSError):
-                raise httpx.ReadError(f"{type(e).__name__}: {e}") from None
-            raise httpx.RemoteProtocolError(
-                "the worker closed the connection before its answer was complete"
-            ) from None
+            raise self._broken(e) from None
         except BaseException:
             self._drop()
             raise
+        self._finish()
+        return body
+
+    async def aclose(self) -> None:
+        if self._stream is not None:
+            await self._stream.aclose()
+        self._drop()
+
+    def _finish(self) -> None:
+        """The body was read to its end: the connection serves again, or closes."""
+        if self.complete or self._connection is None:
+            return
+        self.complete = True
         connection, self._connection = self._connection, None
         if self._keep_alive:
             connection.served += 1
@@ -232,7 +225,94 @@ class Http1Response:
         else:
             connection.close()
 
+    def _drop(self) -> None:
+        """Close the connection of an answer not read to its end (it cannot serve again)."""
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
 
+    def _broken(self, error: BaseException) -> httpx.HTTPError:
+        """The connection broke (or the worker closed it) while the body was read."""
+        self._drop()
+        if isinstance(error, OSError):
+            return httpx.ReadError(f"{type(error).__name__}: {error}")
+        return httpx.RemoteProtocolError(
+            "the worker closed the connection before its answer was complete"
+        )
+
+    async def _body(self) -> AsyncIterator[bytes]:
+        if self._connection is None:
+            return  # NOTE: read whole already, or closed
+        reader = self._connection.reader
+        try:
+            if self._framing == "chunked":
+                chunks = Dechunker()
+                while not chunks.done:
+                    data = await reader.read(1 << 16)
+                    if not data:
+                        raise asyncio.IncompleteReadError(b"", None)
+                    data = chunks.feed(data)
+                    if chunks.done:
+                        self._finish()  # NOTE: before the last data: its reader may stop there
+                    if data:
+                        yield data
+            elif self._framing == "length":
+                left = self._length
+                while left > 0:
+                    data = await reader.read(min(left, 1 << 16))
+                    if not data:
+                        raise asyncio.IncompleteReadError(b"", left)
+                    left -= len(data)
+                    if left == 0:
+                        self._finish()
+                    yield data
+            else:
+                while data := await reader.read(1 << 16):
+                    yield data
+        except _BROKEN as e:
+            raise self._broken(e) from None
+        except BaseException:
+            self._drop()
+            raise
+        self._finish()
+
+
+class Dechunker:
+    """A chunked body's data from its bytes as they arrive, without I/O: `feed` returns the
+    data of the chunks that arrived whole, joined (several of a stream's events that came
+    together go on together: one write for the client instead of one each, and no delay for
+    any of them); `done` once the last chunk came."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self._rest = b""  # NOTE: bytes not parsed yet
+
+    def feed(self, data: bytes) -> bytes:
+        buffer, at, pieces = self._rest + data, 0, []
+        while (line_end := buffer.find(b"\r\n", at)) >= 0:
+            try:
+                size = int(buffer[at:line_end].partition(b";")[0], 16)
+            except ValueError:
+                raise httpx.RemoteProtocolError(
+                    f"bad chunk size line: {buffer[at:line_end][:40]!r}"
+                ) from None
+            if size == 0:
+                # NOTE: the last chunk, then trailers (which nothing here needs), then a
+                # blank line.
+                self.done = buffer.find(b"\r\n\r\n", line_end) >= 0
+                break
+            start, end = line_end + 2, line_end + 2 + size
+            if len(buffer) < end + 2:
+                break
+            pieces.append(buffer[start:end])
+            at = end + 2
+        self._rest = buffer[at:]
+        if b"\r\n" not in self._rest and len(self._rest) > MAX_CHUNK_LINE_BYTES:
+            raise httpx.RemoteProtocolError("a chunk size line runs on without an end")
+        return b"".join(pieces)
+
+
+@functools.lru_cache(maxsize=1024)  # NOTE: a leg's URL is a worker's and an endpoint
 def _split(url: str) -> tuple[str, str, int, str]:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -246,14 +326,15 @@ def _split(url: str) -> tuple[str, str, int, str]:
 
 def _request_head(host: str, port: int, target: str, length: int, headers) -> bytes:
     host_header = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    fields = [f"{name}: {value}" for name, value in headers.items()]
+    # NOTE: the client's headers reach here through the HTTP server, which refuses line
+    # breaks in them; checked again (all at once), as one would split a worker's request
+    # in two.
+    if _FORBIDDEN_IN_HEADERS.search("".join(fields)):
+        name = next(n for n, v in headers.items() if _FORBIDDEN_IN_HEADERS.search(n + v))
+        raise ValueError(f"header {name!r} holds a line break or NUL")
     lines = [f"POST {target} HTTP/1.1", f"Host: {host_header}", f"Content-Length: {length}"]
-    for name, value in headers.items():
-        # NOTE: the client's headers reach here through the HTTP server, which refuses line
-        # breaks in them; checked again, as one would split a worker's request in two.
-        if _FORBIDDEN_IN_HEADERS.search(name) or _FORBIDDEN_IN_HEADERS.search(value):
-            raise ValueError(f"header {name!r} holds a line break or NUL")
-        lines.append(f"{name}: {value}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    return ("\r\n".join(lines + fields) + "\r\n\r\n").encode("latin-1")
 
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
@@ -274,40 +355,3 @@ async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]
     if version == "HTTP/1.0" and headers.get("connection", "").lower() != "keep-alive":
         headers["connection"] = "close"
     return status, headers
-
-
-async def _dechunk(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
-    """A chunked body's data as it arrives: the chunks that have arrived whole so far, joined
-    (several of a stream's events that came together go on together: one write for the
-    client instead of one each, and no delay for any of them)."""
-    buffer, at = b"", 0  # NOTE: bytes not parsed yet are buffer[at:]
-    while True:
-        pieces = []
-        while (line_end := buffer.find(b"\r\n", at)) >= 0:
-            try:
-                size = int(buffer[at:line_end].split(b";", 1)[0], 16)
-            except ValueError:
-                raise httpx.RemoteProtocolError(
-                    f"bad chunk size line: {buffer[at:line_end][:40]!r}"
-                ) from None
-            if size == 0:
-                # NOTE: the last chunk, then trailers (which nothing here needs), then a
-                # blank line.
-                if buffer.find(b"\r\n\r\n", line_end) < 0:
-                    break
-                if pieces:
-                    yield b"".join(pieces)
-                return
-            start, end = line_end + 2, line_end + 2 + size
-            if len(buffer) < end + 2:
-                break
-            pieces.append(buffer[start:end])
-            at = end + 2
-        if pieces:
-            yield b"".join(pieces)
-        if buffer.find(b"\r\n", at) < 0 and len(buffer) - at > MAX_CHUNK_LINE_BYTES:
-            raise httpx.RemoteProtocolError("a chunk size line runs on without an end")
-        data = await reader.read(1 << 16)
-        if not data:
-            raise asyncio.IncompleteReadError(buffer[at:], None)
-        buffer, at = buffer[at:] + data, 0

@@ -5,12 +5,22 @@ leaves. Torch-free.
 The body is read as it arrives and refused with 413 as soon as it passes the limit (at once
 when its Content-Length says it will), so an oversized upload costs the router no more memory
 than the limit; the 413 closes the connection, so the rest of the upload is never read.
+
+A client that leaves ends its request wherever the request is (`ClientWatch`): waiting for a
+worker's first answer, or in the middle of a stream waiting for the next token. One listener
+per request, for its whole life, and the request's work in the request's own task: the
+router's CPU per request is what bounds it under load (benchmarks/RESULTS.md, router
+overhead), and a listener per phase, each beside a task for the work, cost three tasks more.
 """
 
 from __future__ import annotations
 
-from starlette.requests import Request
+import asyncio
 
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive
+
+from pdserve.protocol.asgi_watch import client_left
 from pdserve.protocol.strict_json import BodyTooLarge, InvalidJSON, parse_json, read_bounded
 from pdserve.router.errors import error_response
 
@@ -30,12 +40,13 @@ class BadBody(Exception):
         return error_response(self.status, str(self), self.code, headers)
 
 
-async def read_json_body(request: Request, limit: int) -> dict:
+async def read_json_body(receive: Receive, declared_length: str | None, limit: int) -> dict:
     """The body as a JSON object, read chunk by chunk and never held past `limit` bytes, and
-    parsed strictly (no NaN, lone surrogates or deep nesting). Raises BadBody, or
-    starlette's ClientDisconnect if the client leaves mid-upload."""
+    parsed strictly (no NaN, lone surrogates or deep nesting). `declared_length`: the
+    request's Content-Length header, if any. Raises BadBody, or starlette's ClientDisconnect
+    if the client leaves mid-upload."""
     try:
-        raw = await read_bounded(request.stream(), request.headers.get("content-length"), limit)
+        raw = await read_bounded(_BodyChunks(receive), declared_length, limit)
         body = parse_json(raw)
     except BodyTooLarge:
         raise BadBody(
@@ -46,3 +57,65 @@ async def read_json_body(request: Request, limit: int) -> dict:
     if not isinstance(body, dict):
         raise BadBody(400, "the request body must be a JSON object")
     return body
+
+
+class _BodyChunks:
+    """The request body's chunks as they arrive (what starlette's `Request.stream` gives,
+    without a Request per request). A class: an async generator costs the event loop's
+    bookkeeping, per request."""
+
+    def __init__(self, receive: Receive):
+        self.receive = receive
+        self.more = True
+
+    def __aiter__(self) -> _BodyChunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if not self.more:
+            raise StopAsyncIteration
+        message = await self.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        self.more = message.get("more_body", False)
+        return message.get("body", b"")
+
+
+class ClientWatch:
+    """Cancels the task that serves a request the moment its client leaves. Start it once the
+    body was read (every message left on the channel is then the disconnect) and `stop` it
+    when the answer is out; in between, a CancelledError may be the watch's (`caught`).
+
+    NOTE: servers also report a finished response as a disconnect: the watch must be stopped
+    before the answer's last message is sent (EventStream does), or with nothing awaited
+    between that send and `stop` (a whole answer's send is the handler's last await)."""
+
+    def __init__(self, receive: Receive):
+        self.left = False
+        self._task: asyncio.Task | None = asyncio.current_task()
+        self._withdrawn = False
+        self._listener = asyncio.ensure_future(client_left(receive))
+        self._listener.add_done_callback(self._heard)
+
+    def stop(self) -> None:
+        self._task = None
+        self._listener.cancel()
+
+    def caught(self) -> bool:
+        """In `except CancelledError`: whether the cancellation is the watch's (the client
+        left) and no one else's; the watch's cancel request is then withdrawn, so the task
+        goes on (to its cleanup and its access line) as if it had not been cancelled."""
+        if not self.left:
+            return False
+        task = asyncio.current_task()
+        if not self._withdrawn:
+            self._withdrawn = True
+            return task.uncancel() == 0
+        return task.cancelling() == 0
+
+    def _heard(self, listener: asyncio.Future) -> None:
+        if listener.cancelled() or listener.exception() is not None:
+            return  # NOTE: stopped, or a receive that failed: nothing to go by
+        if self._task is not None and not self._task.done():
+            self.left = True
+            self._task.cancel()

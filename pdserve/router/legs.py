@@ -52,6 +52,11 @@ class Answer:
     chunks: AsyncIterator[bytes] | None = None  # a stream's bytes after `head`
     prefill: asyncio.Task | None = None  # the prefill leg, still running or done
 
+    def finished(self) -> bool:
+        """Whether the answering worker's answer was read to its end (`http1` answers say;
+        others are taken as not)."""
+        return getattr(self.response, "complete", False)
+
 
 class LegResponse(Protocol):
     """A worker's answer to a leg, its body still to read (`http1.Http1Response`, or an
@@ -174,17 +179,16 @@ class Legs:
         the workers), its worker released."""
         answer.pool.release(answer.worker)
         prefill = answer.prefill
-        if prefill is not None:
+        if prefill is not None and prefill.done():
+            self._forget(prefill)  # NOTE: how it ended no longer matters
+        elif prefill is not None:
             # NOTE: decode answered, so the room's KV arrived: prefill's answer is only its
             # bookkeeping, and the client is not held for it. It may finish in the background
             # (cut, its connection would be lost: a new one for every short stream's next
             # prefill leg), within PREFILL_ANSWER_GRACE_S.
             self._keep(prefill)
-            if not prefill.done():
-                timer = asyncio.get_running_loop().call_later(
-                    PREFILL_ANSWER_GRACE_S, prefill.cancel
-                )
-                prefill.add_done_callback(lambda _: timer.cancel())
+            timer = asyncio.get_running_loop().call_later(PREFILL_ANSWER_GRACE_S, prefill.cancel)
+            prefill.add_done_callback(lambda _: timer.cancel())
         await answer.response.aclose()
 
     def abort_rooms(self, workers: list[Worker], leg_body: dict, headers) -> None:

@@ -11,6 +11,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 
 class RouterMetrics:
     def __init__(self) -> None:
         self._rendered: set[tuple[str, str]] = set()
+        self._children: dict[tuple, Counter | Histogram] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -35,7 +36,7 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.first_byte = Histogram(
+        self.first_byte_latency = Histogram(
             "pdserve_router:time_to_first_byte_seconds",
             "Time from request arrival to the first response byte from the decode worker",
             ["endpoint"],
@@ -54,6 +55,25 @@ class RouterMetrics:
             ["role", "url"],
             registry=r,
         )
+
+    def ended(self, endpoint: str, status: str, seconds: float) -> None:
+        """A request ended with `status` (sent, or the error a started stream ended with)
+        `seconds` after its arrival."""
+        self._child(self.requests, endpoint, status).inc()
+        self._child(self.latency, endpoint).observe(seconds)
+
+    def first_byte(self, endpoint: str, seconds: float) -> None:
+        """The answering worker's first byte for a request came `seconds` after its arrival."""
+        self._child(self.first_byte_latency, endpoint).observe(seconds)
+
+    def _child(self, metric, *labels: str):
+        # NOTE: labels() checks and locks on every call (the hot path calls this 3 times a
+        # request); a child, once made, stays.
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def render(self, pools) -> bytes:
         current = set()

@@ -15,10 +15,8 @@ aborts them on the workers). Torch-free.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 
 from fastapi.responses import Response
 
@@ -27,6 +25,7 @@ from pdserve.router.access_log import AccessRecord
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import LegError, error_response
 from pdserve.router.fanout import BadAnswer, StreamMerge, TooManyRooms, merge_bodies
+from pdserve.router.intake import ClientWatch
 from pdserve.router.legs import Answer
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefix_index import routing_key
@@ -53,11 +52,11 @@ class Proxy:
         endpoint: str,
         body: dict,
         headers: dict[str, str],
-        client_left: Callable[[], Awaitable[None]],
+        watch: ClientWatch,
         access: AccessRecord,
     ) -> Response | EventStream:
-        """client_left: returns when the client closes its connection; access: where the
-        request's routes, retries and answer bytes are noted for its access line."""
+        """watch: cancels this request when its client leaves; access: where the request's
+        routes, retries and answer bytes are noted for its access line."""
         started = time.monotonic()
         deadline = started + self.config.request_timeout_s
         stream = body.get("stream") is True
@@ -69,33 +68,24 @@ class Proxy:
             return self._done(endpoint, started, response)
         bodies = [part.body for part in parts]
         access.rooms = len(bodies)
-        attempt = asyncio.ensure_future(
-            self._open_all(endpoint, bodies, headers, stream, deadline, access)
-        )
-        # NOTE: until the first byte, the client leaving is watched here (streaming or not):
-        # every room's legs are cancelled, which aborts them on the workers; once a stream
-        # has started, the streaming response notices.
-        watcher = asyncio.ensure_future(client_left())
         try:
-            await asyncio.wait({attempt, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not attempt.done():
-                attempt.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await attempt
-        if attempt.cancelled():
+            rooms = await self._open_all(endpoint, bodies, headers, stream, deadline, access)
+        except asyncio.CancelledError:
+            if not watch.caught():
+                raise
+            # NOTE: the client left before the first byte: every room's legs were cancelled,
+            # which aborts them on the workers.
             return self._done(endpoint, started, Response(status_code=499))
-        rooms = attempt.result()
         if isinstance(rooms, Response):
             return self._done(endpoint, started, rooms)
         if stream:
             if len(rooms) == 1:
                 relay = self.relay.one(endpoint, rooms[0], deadline, started, access)
-            else:
-                merge = StreamMerge(endpoint, parts)
-                relay = self.relay.merged(endpoint, rooms, merge, deadline, started, access)
-            return EventStream(relay, _reply(headers))
+                return EventStream(relay, _reply(headers), watch, rooms[0].finished)
+            merge = StreamMerge(endpoint, parts)
+            relay = self.relay.merged(endpoint, rooms, merge, deadline, started, access)
+            return EventStream(relay, _reply(headers), watch)
+        watch.stop()  # NOTE: the answers were read whole: nothing is left to cancel
         await self.relay.close_all(rooms)
         if len(rooms) == 1:
             content = rooms[0].head
@@ -111,8 +101,7 @@ class Proxy:
         return self._done(endpoint, started, response)
 
     def _done(self, endpoint: str, started: float, response: Response) -> Response:
-        self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        self.metrics.latency.labels(endpoint).observe(time.monotonic() - started)
+        self.metrics.ended(endpoint, str(response.status_code), time.monotonic() - started)
         return response
 
     # ---- attempts --------------------------------------------------------------------

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from pdserve.protocol.asgi_watch import until_done_or_client_left
 from pdserve.router.access_log import AccessRecord
 from pdserve.router.errors import error_event
 from pdserve.router.fanout import DONE, BadAnswer, RoomFailed, StreamMerge
+from pdserve.router.intake import ClientWatch
 from pdserve.router.legs import Answer, Legs
 from pdserve.router.metrics import RouterMetrics
 
@@ -43,29 +43,35 @@ class Relay:
     ) -> AsyncIterator[bytes]:
         """The answering worker's stream, as it comes; an SSE error event if it breaks."""
         status = "200"
-        self.metrics.first_byte.labels(endpoint).observe(time.monotonic() - started)
+        self.metrics.first_byte(endpoint, time.monotonic() - started)
         saw = access.saw
         try:
-            saw(0, answer.head)
-            yield answer.head
-            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
-                async for chunk in answer.chunks:
-                    saw(0, chunk)
-                    yield chunk
-        except TimeoutError:
-            status = "504"
-            yield error_event(504, "request timed out while streaming", "timeout") + DONE
-        except httpx.HTTPError as e:
-            status = "502"
-            self.legs.unreachable(answer.pool, answer.worker, e)
-            reason = f"{type(e).__name__}: {e}".rstrip(": ")
-            message = f"the {answer.pool.role.value} worker failed mid-stream ({reason})"
-            yield error_event(502, message, "worker_failed") + DONE
-        finally:
+            try:
+                saw(0, answer.head)
+                yield answer.head
+                if not answer.finished():  # NOTE: else nothing is left to wait for
+                    async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                        async for chunk in answer.chunks:
+                            saw(0, chunk)
+                            yield chunk
+            except TimeoutError:
+                status = "504"
+                yield error_event(504, "request timed out while streaming", "timeout") + DONE
+            except httpx.HTTPError as e:
+                status = "502"
+                self.legs.unreachable(answer.pool, answer.worker, e)
+                reason = f"{type(e).__name__}: {e}".rstrip(": ")
+                message = f"the {answer.pool.role.value} worker failed mid-stream ({reason})"
+                yield error_event(502, message, "worker_failed") + DONE
+        except BaseException:
+            # NOTE: cut short: the client left (its watch cancelled the task), or the stream
+            # was closed. Shielded, so that the cleanup (closing the worker's leg aborts it
+            # there) runs to the end even if the task is cancelled again.
             self._ended(endpoint, status, started, access)
-            # NOTE: shielded: a client that left cancels this generator, and the cleanup
-            # (closing the worker's leg aborts it there) must still run to the end.
             await asyncio.shield(self.legs.close(answer))
+            raise
+        self._ended(endpoint, status, started, access)
+        await self.legs.close(answer)
 
     async def merged(
         self,
@@ -79,7 +85,7 @@ class Relay:
         """The rooms' streams as one (`fanout.StreamMerge`); when one room fails, the stream
         ends with its error and every other room is closed (aborted on its workers)."""
         status = "200"
-        self.metrics.first_byte.labels(endpoint).observe(time.monotonic() - started)
+        self.metrics.first_byte(endpoint, time.monotonic() - started)
         # NOTE: bounded, so a slow client holds the rooms back instead of filling memory.
         queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(rooms))
 
@@ -140,20 +146,33 @@ class Relay:
 
     def _ended(self, endpoint: str, status: str, started: float, access: AccessRecord) -> None:
         access.stream_error = None if status == "200" else status
-        self.metrics.requests.labels(endpoint, status).inc()
-        self.metrics.latency.labels(endpoint).observe(time.monotonic() - started)
+        self.metrics.ended(endpoint, status, time.monotonic() - started)
 
 
 class EventStream:
-    """A server-sent event stream: `events`' bytes as they come. A client that leaves, noticed
-    at once even while nothing is being sent, ends `events` (its cleanup ends the rooms).
-    Plain ASGI: one task for the stream and one that listens for the disconnect, nothing per
-    chunk but the write."""
+    """A server-sent event stream: `events`' bytes as they come. Plain ASGI, nothing per chunk
+    but the write. The client leaving is not watched here: the request's `ClientWatch`
+    cancels the task that runs this, and closing `events` ends the rooms; `watch` is stopped
+    as the stream's end goes out.
+
+    finished: whether the worker's answer behind `events` was read to its end (after which
+    `events` gives nothing more). Once it was, the chunk `events` gave last goes out with the
+    response's end, in one write (a short stream is often all there by the time the router
+    has read its first event): one write and one pass through the server less; `events`
+    then ends (its rooms closed)."""
 
     status_code = 200
 
-    def __init__(self, events: AsyncGenerator[bytes, None], headers: dict[str, str]):
+    def __init__(
+        self,
+        events: AsyncGenerator[bytes, None],
+        headers: dict[str, str],
+        watch: ClientWatch,
+        finished: Callable[[], bool] = lambda: False,
+    ):
         self.events = events
+        self.watch = watch
+        self.finished = finished
         self.headers = [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             *((name.lower().encode("latin-1"), value.encode("latin-1"))
@@ -161,13 +180,18 @@ class EventStream:
         ]  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await until_done_or_client_left(self._stream(send), receive)
-
-    async def _stream(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        events = self.events
         try:
-            async for chunk in self.events:
+            # NOTE: `events` starts before anything is sent: a generator closed before its
+            # start would skip its cleanup (the rooms' legs left open).
+            chunk = await anext(events, None)
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            while chunk is not None and not self.finished():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                chunk = await anext(events, None)
+            self.watch.stop()
+            await send({"type": "http.response.body", "body": chunk or b"", "more_body": False})
+            if chunk is not None and await anext(events, None) is not None:  # NOTE: its end
+                raise RuntimeError("a relay gave more after its answer was read to its end")
         finally:
-            await self.events.aclose()  # NOTE: at once, also when the client left mid-write
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await events.aclose()  # NOTE: at once, also when the client left mid-write

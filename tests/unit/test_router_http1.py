@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
-from pdserve.router.http1 import Http1Pool
+from pdserve.router.http1 import Dechunker, Http1Pool
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
@@ -116,6 +116,66 @@ def test_chunks_come_as_they_arrive_and_those_that_came_together_come_together()
 
     chunks, _ = _run(stream, read)
     assert chunks == [b"one", b"twothree"]
+
+
+def test_a_stream_that_came_whole_is_complete_with_its_last_data_and_its_connection_free():
+    """The relay sends a stream's last data with the response's end once the answer is
+    complete, and reads no further: the connection must be back in the pool by then."""
+
+    async def stream_whole(reader, writer):
+        while True:
+            await _read_request(reader)
+            writer.write(OK_HEAD + b"transfer-encoding: chunked\r\n\r\n3\r\none\r\n0\r\n\r\n")
+            await writer.drain()
+
+    async def twice(pool, url):
+        complete = []
+        for _ in range(2):
+            response = await pool.post(url, b"{}", {})
+            chunk = await anext(response.stream)
+            complete.append((chunk, response.complete))
+            await response.aclose()  # NOTE: without reading on: the relay stops there
+        return complete
+
+    complete, connections = _run(stream_whole, twice)
+    assert complete == [(b"one", True)] * 2
+    assert connections == 1
+
+
+def test_a_stream_is_not_complete_before_its_last_chunk():
+    events = asyncio.Queue()
+
+    async def stream(reader, writer):
+        await _read_request(reader)
+        writer.write(OK_HEAD + b"transfer-encoding: chunked\r\n\r\n3\r\none\r\n")
+        await writer.drain()
+        await events.get()
+        writer.write(b"3\r\ntwo\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async def read(pool, url):
+        response = await pool.post(url, b"{}", {})
+        seen = []
+        async for chunk in response.stream:
+            seen.append((chunk, response.complete))
+            events.put_nowait(None)
+        await response.aclose()
+        return seen
+
+    seen, _ = _run(stream, read)
+    assert seen == [(b"one", False), (b"two", True)]
+
+
+def test_chunked_bodies_come_out_the_same_however_their_bytes_arrive():
+    body = b"3\r\none\r\n5;ext=1\r\nthree\r\n0\r\nTrailer: t\r\n\r\n"
+    for size in (1, 2, 3, 7, len(body)):
+        chunks, data = Dechunker(), b""
+        for at in range(0, len(body), size):
+            assert not chunks.done
+            data += chunks.feed(body[at : at + size])
+        assert (data, chunks.done) == (b"onethree", True), size
+    with pytest.raises(httpx.RemoteProtocolError, match="bad chunk size"):
+        Dechunker().feed(b"zz\r\n")
 
 
 def test_an_answer_without_length_ends_with_the_connection_which_is_not_reused():

@@ -18,6 +18,7 @@ from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.router.access_log import AccessRecord
 from pdserve.router.app import build_router_app
 from pdserve.router.config import RouterConfig
+from pdserve.router.intake import ClientWatch
 from pdserve.router.legs import Legs, TransportLegClient
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.proxy import Proxy
@@ -218,11 +219,17 @@ def test_a_client_that_leaves_before_the_first_byte_cancels_both_legs(stream):
         legs = Legs(config, TransportLegClient(fakes.transport, fakes.transport, httpx.Timeout(5)))
         proxy = Proxy(config, PairRoute(config, legs, prefill, decode), metrics)
         body = {**BODY, "stream": stream}
-        handling = asyncio.create_task(
-            proxy.handle(
-                "/v1/completions", body, {"X-Request-Id": "x"}, gone.wait, AccessRecord("x")
-            )
-        )
+
+        async def receive():  # NOTE: the body was read; what is left is the disconnect
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def handle():
+            watch = ClientWatch(receive)
+            headers = {"X-Request-Id": "x"}
+            return await proxy.handle("/v1/completions", body, headers, watch, AccessRecord("x"))
+
+        handling = asyncio.create_task(handle())
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in reached.values())), 10)
         gone.set()
         response = await asyncio.wait_for(handling, 10)
