@@ -162,7 +162,7 @@ class ModelRunner:
         for part in parts:
             ctx = self._context(part)
             ids.append(self._device_ids(part, device_tokens))
-            halves.append(MicroBatch(ctx.positions, ctx))
+            halves.append(MicroBatch(ctx))
         hidden, features = self.model.forward_two_batches(
             ids, halves, self.kv_pool, capture.layer_ids
         )

@@ -90,11 +90,11 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The tokens alone, on the logits' device. `logits` is modified in place."""
         self.process_logits(logits, requests)
-        tokens = logits.argmax(dim=-1)
         params = [r.sampling_params for r in requests]
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(sample_rows) == len(requests):
             return self._draw(filtered_probs(logits, params), requests)
+        tokens = logits.argmax(dim=-1)
         if sample_rows:
             rows = device_ints(sample_rows, logits.device)
             probs = filtered_probs(logits.index_select(0, rows), [params[i] for i in sample_rows])

@@ -45,10 +45,9 @@ class MissingWeightsError(ValueError):
 @dataclass
 class MicroBatch:
     """One of the two halves of a pass run as two (`DecoderModel.forward_two_batches`): its
-    new tokens' positions and attention metadata, and where its residual stream stands (`h`,
-    or the all-reduce that will give it, plus `residual`)."""
+    attention metadata (its new tokens' positions among them), and where its residual stream
+    stands (`h`, or the all-reduce that will give it, plus `residual`)."""
 
-    positions: torch.Tensor
     ctx: AttentionContext
     h: torch.Tensor | None = None
     residual: torch.Tensor | None = None
@@ -129,7 +128,7 @@ class DecoderLayer(nn.Module):
         and so on into the next layer. Leaves each half's output pending."""
         for half in halves:
             h, half.residual = self._input_norm(half.hidden(), half.residual)
-            partial = self.self_attn(h, half.positions, kv_pool, half.ctx, reduce=False)
+            partial = self.self_attn(h, half.ctx.positions, kv_pool, half.ctx, reduce=False)
             half.pending = self.tp.all_reduce_async(partial)
         for half in halves:
             h, half.residual = self.post_attention_layernorm(half.hidden(), half.residual)
