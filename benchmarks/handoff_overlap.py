@@ -64,21 +64,32 @@ class LocalDecode:
         self.handoff = decode
         self.loop = EngineLoop(decode)
         self.committed_at: float | None = None
+        self.receiver = None
 
     def start(self, request: GenerateRequest) -> None:
-        self.committed_at = None
+        self.committed_at, self.receiver = None, None
         self.loop.tick([request])
 
     def turn(self) -> float | None:
         """One tick; the clock at the commit of the room's first token, once it happened."""
+        if self.receiver is None:
+            rooms = [p.receiver for p in self.handoff.transferring.values()]
+            self.receiver = next((r for r in rooms if r is not None), None)
         sent = self.loop.tick([])
         for output in sent.outputs if sent is not None else []:
             if output.error:
                 raise RuntimeError(f"{output.request_id}: {output.error}")
             if self.committed_at is None:
                 sync()
-                self.committed_at = time.perf_counter()
+                self.committed_at = time.monotonic()
         return self.committed_at
+
+    def stamps(self) -> dict[str, float]:
+        """The decode side's protocol steps of the last room (monotonic clock)."""
+        stamps = dict(self.receiver.stamps) if self.receiver is not None else {}
+        return {f"decode_{name}": t for name, t in stamps.items()} | {
+            "decode_committed": self.committed_at
+        }
 
     def stop(self) -> None:
         self.handoff.stop()
@@ -96,7 +107,10 @@ def decode_process(conn, model: str, engine: dict) -> None:
     waiting = False
     try:
         while True:
-            if conn.poll(0 if waiting or decode is not None else 0.01):
+            # NOTE: as `pdserve decode` waits for its next message: not while the engine has
+            # work, a millisecond while rooms are in flight.
+            idle_s = 0.01 if decode is None else decode.loop.idle_wait_ms() / 1000
+            if conn.poll(min(idle_s, 0.01)):
                 command, value = conn.recv()
                 if command == "stop":
                     return
@@ -117,7 +131,7 @@ def decode_process(conn, model: str, engine: dict) -> None:
                 waiting = False
                 continue
             if waiting and committed_at is not None:
-                conn.send(("committed", committed_at))
+                conn.send(("committed", decode.stamps()))
                 waiting = False
     finally:
         if decode is not None:
@@ -136,6 +150,7 @@ class RemoteDecode:
         )
         self.process.start()
         self.committed_at: float | None = None
+        self._stamps: dict[str, float] = {}
         self._expect("ready", timeout=600)
 
     def _expect(self, kind: str, timeout: float):
@@ -157,8 +172,12 @@ class RemoteDecode:
 
     def turn(self) -> float | None:
         if self.committed_at is None and self.conn.poll(0):
-            self.committed_at = self._expect("committed", timeout=0)
+            self._stamps = self._expect("committed", timeout=0)
+            self.committed_at = self._stamps["decode_committed"]
         return self.committed_at
+
+    def stamps(self) -> dict[str, float]:
+        return self._stamps
 
     def stop(self) -> None:
         """The handoff's end is the next `use` (or `close`)."""
@@ -170,9 +189,12 @@ class RemoteDecode:
             self.process.kill()
 
 
-def handoff(prefill: PrefillHandoff, decode: LocalDecode | RemoteDecode, prompt, room) -> float:
+def handoff(prefill: PrefillHandoff, decode: LocalDecode | RemoteDecode, prompt, room):
     """Seconds from handing the prompt to the prefill loop (decode's pages already reserved,
-    prefill already asked) to the decode loop reporting the committed first token."""
+    prefill already asked) to the decode loop reporting the committed first token, and each
+    side's protocol steps as ms since that start. Both loops wait between turns as the
+    workers' loops do (`EngineLoop.idle_wait_ms`), so that the transfer threads get the GIL
+    as they would in the workers."""
     body = dataclasses.asdict(FIRST)
     boot = Bootstrap("127.0.0.1", prefill.bootstrap_port, room)
     loop = EngineLoop(prefill)
@@ -182,8 +204,9 @@ def handoff(prefill: PrefillHandoff, decode: LocalDecode | RemoteDecode, prompt,
         decode.turn()
         if time.monotonic() > deadline:
             raise TimeoutError("decode's transfer request never reached prefill")
+    sender = prefill.server.rooms[room]
     sync()
-    started = time.perf_counter()
+    started = time.monotonic()
     loop.tick([GenerateRequest(f"p{room}", prompt, body, boot)])
     committed_at = None
     while committed_at is None or prefill.sending or prefill.prefilling:
@@ -192,9 +215,13 @@ def handoff(prefill: PrefillHandoff, decode: LocalDecode | RemoteDecode, prompt,
             if output.error:
                 raise RuntimeError(f"{output.request_id}: {output.error}")
         committed_at = decode.turn()
+        if sent is None:
+            time.sleep(loop.idle_wait_ms() / 1000)
         if time.monotonic() > deadline:
             raise TimeoutError("the handoff did not finish within 60 s")
-    return committed_at - started
+    steps = {f"prefill_{name}": t for name, t in sender.stamps.items()} | decode.stamps()
+    ordered = sorted((t, name) for name, t in steps.items() if t is not None)
+    return committed_at - started, {name: round((t - started) * 1e3, 2) for t, name in ordered}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,11 +269,12 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 decode = LocalDecode(DecodeHandoff(decode_llm.engine, config))
             try:
-                times = []
+                runs = []
                 for _ in range(args.repeats + 1):
-                    times.append(handoff(prefill, decode, prompt, room))
+                    runs.append(handoff(prefill, decode, prompt, room))
                     room += 1
-                times = times[1:]  # the first builds the connection
+                runs = sorted(runs[1:], key=lambda run: run[0])  # the first connects
+                times = [elapsed for elapsed, _ in runs]
             finally:
                 prefill.stop()
                 decode.stop()
@@ -257,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                 "start_to_commit_ms": 1e3 * statistics.median(times),
             }
             row["ratio"] = row["start_to_commit_ms"] / row["prefill_alone_ms"]
+            row["median_run_steps_ms"] = runs[len(runs) // 2][1]
             rows.append(row)
             print(json.dumps(row), flush=True)
         del prefill_llm, prefill

@@ -1,10 +1,10 @@
 """Decode latency at fixed batch sizes: pdserve's engine beside transformers' static-cache
 `generate`, in one process.
 
-Each batch of B prompts (`--prompt-len` random token ids each) is submitted at once, greedy,
-EOS ignored, so every sequence generates exactly `--new-tokens` tokens. Every figure is the
-median of `--runs` timed runs after `--warmup-runs` untimed ones at the same batch size, with
-fresh prompts each run.
+Each batch of B prompts (`--prompt-len` random token ids each) is submitted at once, greedy
+(or sampled with `--temperature`/`--top-p`, both engines alike), EOS ignored, so every sequence
+generates exactly `--new-tokens` tokens. Every figure is the median of `--runs` timed runs
+after `--warmup-runs` untimed ones at the same batch size, with fresh prompts each run.
 
 pdserve: the engine is stepped until every sequence has its first token (time to first token
 for the batch; the prefill budget fits the largest batch in one step), then the remaining
@@ -145,7 +145,12 @@ def time_pdserve_batch(engine, batch: int, args, generator, request_ids) -> Batc
     from pdserve import SamplingParams
 
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(
+        max_new_tokens=args.new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        ignore_eos=True,
+    )
     prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=generator).tolist()
     sync()
     start = time.perf_counter()
@@ -223,7 +228,8 @@ def time_generate(model, batch: int, new_tokens: int, args, generator) -> float:
         ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=new_tokens,
-        do_sample=False,
+        do_sample=args.temperature > 0,
+        **({"temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0 else {}),
         pad_token_id=0,
         cache_implementation="static",
         disable_compile=args.no_compile,
@@ -295,6 +301,8 @@ def main() -> None:
     parser.add_argument("--warmup-runs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--backends", default="pdserve,transformers")
     parser.add_argument(
         "--hf-batch-sizes", type=parse_sizes, default=[1], help="transformers' batch sizes"
@@ -326,6 +334,8 @@ def main() -> None:
         "dtype": args.dtype,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
         "runs": args.runs,
         "warmup_runs": args.warmup_runs,
         "results": [],

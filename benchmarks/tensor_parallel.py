@@ -132,6 +132,8 @@ def main() -> None:
     parser.add_argument("--warmup-runs", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--device", help="rank 0's device (default: auto)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument(

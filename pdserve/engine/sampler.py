@@ -147,15 +147,19 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
 def _apply_penalties(row_logits: torch.Tensor, request: Request) -> None:
     p = request.sampling_params
     device = row_logits.device
+    # NOTE: ids go up without blocking and counts come from index_add_, not bincount (which
+    # reads the largest id back to the host): penalties must not wait for the GPU either.
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.int64, device=device)
+        seen = device_ints(sorted(set(request.token_ids)), device)
         values = row_logits[seen]
         row_logits[seen] = torch.where(
             values > 0, values / p.repetition_penalty, values * p.repetition_penalty
         )
     if (p.frequency_penalty or p.presence_penalty) and request.num_output_tokens:
-        output = torch.tensor(request.output_token_ids, dtype=torch.int64, device=device)
-        counts = torch.bincount(output, minlength=row_logits.shape[0])[: row_logits.shape[0]]
+        output = device_ints(request.output_token_ids, device)
+        counts = torch.zeros(row_logits.shape[0], device=device).index_add_(
+            0, output, torch.ones(len(request.output_token_ids), device=device)
+        )
         row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 

@@ -164,7 +164,7 @@ class EngineLoop:
                 # outputs any more, so stop instead of computing for no one.
                 logger.error("front end process is gone; shutting the engine down")
                 return
-            result = self.tick(_receive(poller, inbox, self._idle_wait_ms()))
+            result = self.tick(_receive(poller, inbox, self.idle_wait_ms()))
             if result is None and time.monotonic() - last_sent >= HEARTBEAT_S:
                 result = self._stats()
             if result is not None:
@@ -225,7 +225,7 @@ class EngineLoop:
             logger.error("%d consecutive failures; stopping the engine", self.consecutive_failures)
             raise
 
-    def _idle_wait_ms(self) -> int:
+    def idle_wait_ms(self) -> int:
         """How long to wait for requests: not at all while the engine has work, briefly while
         rooms are in flight (their progress is polled), else until the next heartbeat."""
         if self.engine.has_unfinished():

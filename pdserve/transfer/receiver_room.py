@@ -69,9 +69,11 @@ class ReceiverRoom(Room):
         """Write the received KV into this room's pages; call once, after SUCCESS."""
         if self._state.state is not TransferState.SUCCESS or not self._pieces.complete:
             raise RuntimeError(f"room {self.room} cannot commit in {self._state.state.name}")
+        self.stamps["commit_start"] = time.monotonic()
         self._pieces.scatter(stager, self.page_ids, self.draft_page_ids)
         for buffer in self._pieces.buffers():
             self._buffers.give(buffer)
+        self.stamps["commit_queued"] = time.monotonic()
         return self.metadata
 
     # ---- IO thread -------------------------------------------------------------------
@@ -117,12 +119,14 @@ class ReceiverRoom(Room):
             return f"KV chunk of piece {piece} announced {nbytes} bytes, carried {size}"
         target.copy_(torch.frombuffer(data, dtype=torch.uint8))
         self._pieces.landed(piece, nbytes)
+        self.stamps["last_landed"] = time.monotonic()
         self._progress()
         return None
 
     def on_landed(self, piece: int, nbytes: int) -> None:
         """A posted receive of piece `piece` completed (torch.distributed)."""
         self._pieces.landed(piece, nbytes)
+        self.stamps["last_landed"] = time.monotonic()
         self._progress()
 
     def on_metadata(self, record: MetadataRecord) -> None:

@@ -101,8 +101,10 @@ def test_kv_pool_sized_from_gpu_memory(tiny_model_dirs):
 def test_sampling_queues_behind_the_gpu_without_waiting_for_it():
     """An overlapped step samples while the GPU still runs the step before: every kind of
     row (greedy, temperature with top-k / top-p / min-p, a stop token banned before
-    min_new_tokens, seeded and unseeded) must be sampled without the host waiting for the
-    GPU. Called while the GPU sleeps, `sample` returns before the sleep ends."""
+    min_new_tokens, seeded and unseeded, penalties) must be sampled without the host waiting
+    for the GPU. Called while the GPU sleeps, `sample` returns before the sleep ends. (One
+    untimed round first: a kernel's first launch in a process loads its module, which may
+    wait for the GPU: once per process, not per step.)"""
     from pdserve.engine.request import Request
     from pdserve.engine.sampler import Sampler
 
@@ -113,12 +115,20 @@ def test_sampling_queues_behind_the_gpu_without_waiting_for_it():
         SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05),
         SamplingParams(temperature=1.0, min_new_tokens=2),
         SamplingParams(temperature=0.8, seed=7),
+        SamplingParams(
+            temperature=0.9, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3
+        ),
     ]
     requests = [Request(f"r{i}", [5, 6, 7], p, 100) for i, p in enumerate(settings)]
+    for token in (6, 9, 9):
+        requests[-1].append_token(token)  # penalties read the tokens generated so far
     for request in requests:
         if request.sampling_params.seed is not None:
             request.generator = sampler.make_generator(device)
-    for rows in (requests, requests[1:3]):  # some rows greedy, then every row sampled
+    for rows in (requests, requests[1:]):
+        sampler.sample(torch.randn(len(rows), 64, device=device), rows)
+    torch.cuda.synchronize()
+    for rows in (requests, requests[1:]):  # some rows greedy, then every row sampled
         logits = torch.randn(len(rows), 64, device=device)
         torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time
         asleep = torch.cuda.Event()

@@ -55,7 +55,8 @@ def test_gather_and_scatter_queue_behind_the_gpu_without_waiting_for_it():
     scatter (decode, behind its running steps) must not stop the host until the GPU catches
     up: a blocking page-index copy would, and the engine loop could not queue its next step
     meanwhile. Both are called while the GPU sleeps; each returns before the sleep ends, and
-    the bytes are right once it has."""
+    the bytes are right once it has. (Each runs once first: a kernel's first launch in a
+    process loads its module, which may wait for the GPU: once per process, not per call.)"""
     import torch
 
     from pdserve.engine.kv_pool import KVPool
@@ -65,15 +66,18 @@ def test_gather_and_scatter_queue_behind_the_gpu_without_waiting_for_it():
     pool = KVPool(num_pages=8, dtype=torch.float32, **shape)
     pool.storage.copy_(torch.randn_like(pool.storage))
     stager = KVStager([pool])
+    stager.scatter([[1]], stager.gather([[5]]))
+    torch.cuda.synchronize()
+    other = torch.randn_like(pool.storage)
+    incoming = other[:, :, 3:4].contiguous().view(torch.uint8).flatten()
     for step in ("gather", "scatter"):
-        other = torch.randn_like(pool.storage) if step == "scatter" else None
         torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time
         asleep = torch.cuda.Event()
         asleep.record()
         if step == "gather":
             data = stager.gather([[5, 2]])
         else:
-            stager.scatter([[1]], other[:, :, 3:4].contiguous().view(torch.uint8).flatten())
+            stager.scatter([[1]], incoming)
         assert not asleep.query(), f"{step} waited for the GPU"
         torch.cuda.synchronize()
     gathered = data.view(torch.float32).view(2, 2, 2, 4, 2, 8)
