@@ -8,10 +8,10 @@ here (or from this worker's own cache), as the first token needs it.
 
 The KV leaves while the prompt is still being computed: after every step, the pages a chunk
 completed are gathered (on the compute stream, right behind the chunk) and sent as a piece once
-they add up to `--transfer-piece-bytes` (by default over tcp only, see
-`TransferConfig.streamed_piece_bytes`); the last piece, after the first token, takes the rest
-and the draft's KV. The data plane orders each send after its gather by a CUDA event, so
-neither this loop nor the compute stream waits for a transfer.
+they add up to `--transfer-piece-bytes` (64 MiB by default; 0 sends the KV whole after the
+prefill); the last piece, after the first token, takes the rest and the draft's KV. The data
+plane orders each send after its gather by a CUDA event, so neither this loop nor the compute
+stream waits for a transfer.
 
 Queues, in order: `bootstrapping` (no compute yet: decode's free memory is our admission
 control) -> `prefilling` (in the engine) -> `sending`. The HTTP response of the prefill leg
@@ -200,7 +200,7 @@ class PrefillHandoff(DisaggHandoff):
 
     def _stream_pieces(self) -> None:
         """Send the pages prefill completed since the last piece, once they are worth it."""
-        piece_bytes = self.config.streamed_piece_bytes()
+        piece_bytes = self.config.piece_bytes
         if piece_bytes <= 0:
             return
         page_size = self.engine.config.page_size

