@@ -11,6 +11,11 @@ for tcp; torch.distributed send/recv on a pair group for gloo and nccl).
     python benchmarks/transfer.py --backend tcp --sizes-mib 16 128 512
     python benchmarks/transfer.py --backend gloo
     python benchmarks/transfer.py --backend nccl   # prefill on cuda:0, decode on cuda:1
+    python benchmarks/transfer.py --backend nccl --protocol-only
+
+`--protocol-only` measures what a handoff costs beyond its bytes: rooms of one 512-byte page
+(one layer, one KV head of 8), 40 of them one after another, each protocol step's median time
+since the gather started (the first 5 rooms are a warm-up).
 
 For nccl, raw is one `PairLink.send` of a contiguous GPU tensor, timed on the sender once the
 receiver's matching receive is posted (the same order pdserve's protocol guarantees).
@@ -19,8 +24,11 @@ receiver's matching receive is posted (the same order pdserve's protocol guarant
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import json
 import multiprocessing
+import statistics
 import time
 
 import torch
@@ -35,10 +43,30 @@ from pdserve.transfer.metadata import MetadataRecord
 from pdserve.transfer.room_state import TransferState
 
 MIB = 1 << 20
-PAGE_SIZE, LAYERS, KV_HEADS, HEAD_DIM = 16, 32, 8, 128  # Llama-3.1-8B's KV shape
-PAGE_BYTES = 2 * LAYERS * PAGE_SIZE * KV_HEADS * HEAD_DIM * 2  # bf16: 2 MiB per page
-LAYOUT = KVLayout("bench", LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE, "bfloat16", SpecLayout())
 REPEATS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class KVShape:
+    page_size: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    name: str
+
+    @property
+    def page_bytes(self) -> int:
+        return 2 * self.layers * self.page_size * self.kv_heads * self.head_dim * 2  # K, V; bf16
+
+    @property
+    def layout(self) -> KVLayout:
+        shape = (self.layers, self.kv_heads, self.head_dim, self.page_size)
+        return KVLayout("bench", *shape, "bfloat16", SpecLayout())
+
+
+LLAMA_8B = KVShape(16, 32, 8, 128, "Llama-3.1-8B (32 layers, 8 KV heads, 128)")  # 2 MiB pages
+TINY = KVShape(16, 1, 1, 8, "one layer, one KV head of 8 (512-byte pages)")
+PROTOCOL_ROOMS, PROTOCOL_WARMUP = 40, 5
 
 
 def device_for(backend: str, rank: int) -> torch.device:
@@ -55,13 +83,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_pool(num_pages: int, device: torch.device) -> KVPool:
+def make_pool(shape: KVShape, num_pages: int, device: torch.device) -> KVPool:
     pool = KVPool(
-        num_layers=LAYERS,
+        num_layers=shape.layers,
         num_pages=num_pages,
-        page_size=PAGE_SIZE,
-        num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
+        page_size=shape.page_size,
+        num_kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
         dtype=torch.bfloat16,
         device=device,
     )
@@ -77,19 +105,22 @@ def wait(predicate, deadline_s=600.0):
         time.sleep(0.00005)
 
 
-def prefill_main(sizes, config, port_queue, timings):
+def prefill_main(sizes, shape: KVShape, repeats: int, config, port_queue, timings):
+    """sizes: pages per room."""
     from pdserve.transfer.prefill_side import PrefillTransferServer
 
     device = device_for(config.backend, 0)
-    server = PrefillTransferServer(config, LAYOUT, MetadataSpec(), "bench-prefill", device=device)
+    server = PrefillTransferServer(
+        config, shape.layout, MetadataSpec(), "bench-prefill", device=device
+    )
     port_queue.put(server.start())
-    pool = make_pool(2 * max(sizes) * MIB // PAGE_BYTES + 1, device)
+    pool = make_pool(shape, 2 * max(sizes) + 1, device)
     stager = KVStager([pool])
     staging = BufferPool(device)
     room = 0
     for size in sizes:
-        pages = list(range(1, 2 * size * MIB // PAGE_BYTES, 2))  # every other page
-        for _ in range(REPEATS):
+        pages = list(range(1, 2 * size, 2))  # every other page
+        for _ in range(repeats):
             room += 1
             sender = server.sender(room)
             wait(lambda s=sender: s.poll() is TransferState.WAITING_FOR_INPUT)
@@ -107,20 +138,20 @@ def prefill_main(sizes, config, port_queue, timings):
     server.stop()
 
 
-def decode_main(sizes, config, port, timings):
+def decode_main(sizes, shape: KVShape, repeats: int, config, port, timings):
     from pdserve.transfer.decode_side import DecodeTransferClient
 
     device = device_for(config.backend, 1)
-    pool = make_pool(2 * max(sizes) * MIB // PAGE_BYTES + 1, device)
+    pool = make_pool(shape, 2 * max(sizes) + 1, device)
     stager = KVStager([pool])
     client = DecodeTransferClient(
-        config, LAYOUT, MetadataSpec(), "bench-decode", stager.page_bytes, device=device
+        config, shape.layout, MetadataSpec(), "bench-decode", stager.page_bytes, device=device
     )
     client.start()
     room = 0
     for size in sizes:
-        pages = list(range(0, 2 * size * MIB // PAGE_BYTES, 2))
-        for _ in range(REPEATS):
+        pages = list(range(0, 2 * size, 2))
+        for _ in range(repeats):
             room += 1
             receiver = client.receiver(room, "127.0.0.1", port, pages)
             wait(lambda r=receiver: r.poll() in (TransferState.SUCCESS, TransferState.FAILED))
@@ -238,7 +269,8 @@ def _link_receiver(sizes, backend, ports, done):
     server.close()
 
 
-def paged(sizes, backend) -> list:
+def paged(sizes, backend, shape: KVShape = LLAMA_8B, repeats: int = REPEATS) -> list:
+    """sizes: pages per room; `repeats` rooms of each."""
     spawn = multiprocessing.get_context("spawn")
     config = TransferConfig(
         backend=backend,
@@ -248,13 +280,15 @@ def paged(sizes, backend) -> list:
         heartbeat_interval_s=1.0,
     )
     ports, timings = spawn.Queue(), spawn.Queue()
-    prefill = spawn.Process(target=prefill_main, args=(sizes, config, ports, timings))
+    prefill = spawn.Process(
+        target=prefill_main, args=(sizes, shape, repeats, config, ports, timings)
+    )
     prefill.start()
     decode = spawn.Process(
-        target=decode_main, args=(sizes, config, ports.get(timeout=120), timings)
+        target=decode_main, args=(sizes, shape, repeats, config, ports.get(timeout=120), timings)
     )
     decode.start()
-    rows = [timings.get(timeout=1200) for _ in range(4 * len(sizes) * REPEATS)]
+    rows = [timings.get(timeout=1200) for _ in range(4 * len(sizes) * repeats)]
     prefill.join(timeout=60)
     decode.join(timeout=60)
     return rows
@@ -271,14 +305,15 @@ def _steps(rows, room: int) -> dict[str, float]:
     return {name: round((t - origin) * 1000, 3) for name, t in ordered}
 
 
-def summarize(paged_rows, raw_rows, sizes) -> list[dict]:
+def summarize(paged_rows, raw_rows, sizes, pages) -> list[dict]:
+    """sizes: MiB, each `pages` pages."""
     table = []
     states = [state for kind, *_, state in paged_rows if kind != "stamps"]
     assert all(state == "SUCCESS" for state in states), "a transfer failed"
     starts = {room: t for kind, _, room, t, _ in paged_rows if kind == "start"}
     ends = {room: t for kind, _, room, t, _ in paged_rows if kind == "end"}
-    for size in sizes:
-        rooms = [room for kind, s, room, _, _ in paged_rows if kind == "end" and s == size]
+    for size, num_pages in zip(sizes, pages, strict=True):
+        rooms = [room for kind, s, room, _, _ in paged_rows if kind == "end" and s == num_pages]
         handoffs = sorted(ends[room] - starts[room] for room in rooms)
         raws = sorted(t for kind, s, t in raw_rows if s == size)
         paged = handoffs[len(handoffs) // 2]
@@ -299,25 +334,59 @@ def summarize(paged_rows, raw_rows, sizes) -> list[dict]:
     return table
 
 
+def protocol_steps(paged_rows) -> dict[str, float]:
+    """Each protocol step's median over the rooms after the warm-up, as ms since the gather
+    started (each side's steps, and the commit's end)."""
+    stamps = collections.defaultdict(dict)
+    for kind, _, room, value, _ in paged_rows:
+        if kind == "stamps":
+            stamps[room].update(value)
+        elif kind == "end":
+            stamps[room]["handoff_end"] = value
+    since_start = collections.defaultdict(list)
+    for room, steps in stamps.items():
+        if room > PROTOCOL_WARMUP:
+            for name, t in steps.items():
+                since_start[name].append((t - steps["gather_start"]) * 1e3)
+    medians = {name: statistics.median(times) for name, times in since_start.items()}
+    return {name: round(t, 3) for name, t in sorted(medians.items(), key=lambda item: item[1])}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="tcp", choices=["tcp", "gloo", "nccl"])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 128, 512])
+    parser.add_argument(
+        "--protocol-only",
+        action="store_true",
+        help="one-page rooms of 512 bytes: the handoff's cost beyond its bytes, step by step",
+    )
     parser.add_argument("--output")
     args = parser.parse_args()
-    raw_rows: list = []
-    if args.backend == "tcp":
-        raw_zmq(args.sizes_mib, raw_rows)
+    report = {"backend": args.backend}
+    if args.protocol_only:
+        rows = paged([1], args.backend, TINY, PROTOCOL_ROOMS)
+        assert all(state == "SUCCESS" for kind, *_, state in rows if kind != "stamps")
+        report |= {
+            "kv_shape": TINY.name,
+            "rooms": PROTOCOL_ROOMS,
+            "warmup_rooms": PROTOCOL_WARMUP,
+            "median_steps_ms": protocol_steps(rows),
+        }
     else:
-        raw_link(args.sizes_mib, args.backend, raw_rows)
-    table = summarize(paged(args.sizes_mib, args.backend), raw_rows, args.sizes_mib)
-    report = {
-        "backend": args.backend,
-        "kv_shape": "Llama-3.1-8B (32 layers, 8 KV heads, 128)",
-        "page_size": PAGE_SIZE,
-        "median_of": REPEATS,
-        "results": table,
-    }
+        raw_rows: list = []
+        if args.backend == "tcp":
+            raw_zmq(args.sizes_mib, raw_rows)
+        else:
+            raw_link(args.sizes_mib, args.backend, raw_rows)
+        pages = [size * MIB // LLAMA_8B.page_bytes for size in args.sizes_mib]
+        table = summarize(paged(pages, args.backend), raw_rows, args.sizes_mib, pages)
+        report |= {
+            "kv_shape": LLAMA_8B.name,
+            "page_size": LLAMA_8B.page_size,
+            "median_of": REPEATS,
+            "results": table,
+        }
     if args.backend == "nccl":
         report["devices"] = [torch.cuda.get_device_name(i) for i in range(2)]
     print(json.dumps(report, indent=2))
