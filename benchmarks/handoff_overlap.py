@@ -23,6 +23,8 @@ import dataclasses
 import gc
 import json
 import multiprocessing
+import multiprocessing.connection
+import select
 import statistics
 import sys
 import tempfile
@@ -108,9 +110,15 @@ def decode_process(conn, model: str, engine: dict) -> None:
     try:
         while True:
             # NOTE: as `pdserve decode` waits for its next message: not while the engine has
-            # work, a millisecond while rooms are in flight.
-            idle_s = 0.01 if decode is None else decode.loop.idle_wait_ms() / 1000
-            if conn.poll(min(idle_s, 0.01)):
+            # work, else until a message or the handoff's doorbell (a room moved).
+            if decode is None:
+                ready = conn.poll(0.01)
+            else:
+                idle_s = min(decode.loop.idle_wait_ms(), 10) / 1000
+                doorbell = decode.handoff.doorbell
+                ready = conn in multiprocessing.connection.wait([conn, doorbell], idle_s)
+                doorbell.answer()
+            if ready:
                 command, value = conn.recv()
                 if command == "stop":
                     return
@@ -193,8 +201,8 @@ def handoff(prefill: PrefillHandoff, decode: LocalDecode | RemoteDecode, prompt,
     """Seconds from handing the prompt to the prefill loop (decode's pages already reserved,
     prefill already asked) to the decode loop reporting the committed first token, and each
     side's protocol steps as ms since that start. Both loops wait between turns as the
-    workers' loops do (`EngineLoop.idle_wait_ms`), so that the transfer threads get the GIL
-    as they would in the workers."""
+    workers' loops do (`EngineLoop.idle_wait_ms`, woken by the handoff's doorbell), so that
+    the transfer threads get the GIL as they would in the workers."""
     body = dataclasses.asdict(FIRST)
     boot = Bootstrap("127.0.0.1", prefill.bootstrap_port, room)
     loop = EngineLoop(prefill)
@@ -215,8 +223,13 @@ def handoff(prefill: PrefillHandoff, decode: LocalDecode | RemoteDecode, prompt,
             if output.error:
                 raise RuntimeError(f"{output.request_id}: {output.error}")
         committed_at = decode.turn()
-        if sent is None:
-            time.sleep(loop.idle_wait_ms() / 1000)
+        if sent is None:  # NOTE: as `pdserve prefill` waits: until its doorbell rings
+            doorbells = [prefill.doorbell]
+            if isinstance(decode, LocalDecode):
+                doorbells.append(decode.handoff.doorbell)
+            select.select(doorbells, [], [], loop.idle_wait_ms() / 1000)
+            for doorbell in doorbells:
+                doorbell.answer()
         if time.monotonic() > deadline:
             raise TimeoutError("the handoff did not finish within 60 s")
     steps = {f"prefill_{name}": t for name, t in sender.stamps.items()} | decode.stamps()

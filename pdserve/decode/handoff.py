@@ -67,6 +67,7 @@ class DecodeHandoff(DisaggHandoff):
             device=receive_device,
         )
         self.client.start()
+        self.doorbell = self.client.doorbell
         self.prealloc: OrderedDict[str, _Pending] = OrderedDict()
         self.transferring: dict[str, _Pending] = {}
 

@@ -35,6 +35,9 @@ class Handoff(ABC):
     role: ClassVar[str]
     # Where peers fetch this worker's KV (a prefill worker's bootstrap port), else None.
     bootstrap_port: int | None = None
+    # What wakes the loop's wait for messages when a room changes (a transfer endpoint's
+    # `Doorbell`: `fileno()` to poll, `answer()` once awake), else None.
+    doorbell = None
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -78,7 +81,8 @@ class Handoff(ABC):
 
     @property
     def busy(self) -> bool:
-        """Rooms are in flight outside the engine: the loop polls often while idle."""
+        """Rooms are in flight outside the engine: the loop polls now and then while idle
+        (their deadlines), beside the doorbell."""
         return False
 
     @abstractmethod

@@ -75,6 +75,7 @@ class PrefillHandoff(DisaggHandoff):
             ),
         )
         self.bootstrap_port = self.server.start()
+        self.doorbell = self.server.doorbell
         self.bootstrapping: dict[str, _Pending] = {}
         self.prefilling: dict[str, _Pending] = {}
         self.sending: dict[str, _Pending] = {}

@@ -52,7 +52,9 @@ from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
-HANDOFF_POLL_MS = 1
+# While rooms are in flight and the engine idles: how often the loop looks at them anyway (the
+# doorbell wakes it for every change; this is for the handoff's own queue deadlines).
+HANDOFF_POLL_MS = 10
 SEND_TIMEOUT_MS = 5000
 MAX_CONSECUTIVE_FAILURES = 3
 
@@ -156,6 +158,9 @@ class EngineLoop:
         gone); heartbeats while idle."""
         poller = zmq.Poller()
         poller.register(inbox.socket, zmq.POLLIN)
+        doorbell = self.handoff.doorbell
+        if doorbell is not None:
+            poller.register(doorbell.fileno(), zmq.POLLIN)
         parent_pid = os.getppid()
         last_sent = 0.0
         while self.running:
@@ -164,7 +169,7 @@ class EngineLoop:
                 # outputs any more, so stop instead of computing for no one.
                 logger.error("front end process is gone; shutting the engine down")
                 return
-            result = self.tick(_receive(poller, inbox, self.idle_wait_ms()))
+            result = self.tick(_receive(poller, inbox, self.idle_wait_ms(), doorbell))
             if result is None and time.monotonic() - last_sent >= HEARTBEAT_S:
                 result = self._stats()
             if result is not None:
@@ -285,11 +290,16 @@ class EngineLoop:
             self.running = False
 
 
-def _receive(poller: zmq.Poller, inbox: Channel, timeout_ms: int) -> list[Message]:
-    """What came in within `timeout_ms` (then all that is queued), decoded."""
+def _receive(poller: zmq.Poller, inbox: Channel, timeout_ms: int, doorbell=None) -> list[Message]:
+    """What came in within `timeout_ms` (then all that is queued), decoded; returns early,
+    maybe with nothing, when the handoff's `doorbell` rings (a room moved)."""
     messages = []
-    while poller.poll(timeout_ms):
+    while events := dict(poller.poll(timeout_ms)):
         timeout_ms = 0
+        if doorbell is not None and doorbell.fileno() in events:
+            doorbell.answer()
+        if inbox.socket not in events:
+            continue
         try:
             messages.append(inbox.receive().msg)
         except ProtocolError as e:

@@ -76,6 +76,7 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         for peer in self.peers.values():
             peer.channel.close()
         self.context.term()
+        self.doorbell.close()
 
     def receiver(
         self,

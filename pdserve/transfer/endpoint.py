@@ -27,6 +27,7 @@ from pdserve.protocol.failures import Failure, FailureKind
 from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.protocol.transfer_messages import AbortRoom, Heartbeat
 from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.doorbell import Doorbell
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.outbox import Outbox, PeerBlocked
@@ -68,6 +69,8 @@ class Endpoint:
         self.metrics = metrics or TransferMetrics()
         self.context = zmq.Context()
         self.io = IOThread(f"{self.side}-transfer-{worker_id}", self.context)
+        # Rung whenever a room changes state (see doorbell); the owner closes it at stop.
+        self.doorbell = Doorbell()
         self.rooms: dict[int, Any] = {}
         self.lock = threading.Lock()  # guards `rooms` against the caller's thread
         self.tombstones = Tombstones(config.tombstone_ttl_s)

@@ -112,6 +112,7 @@ class PrefillTransferServer(DecodePeers, Endpoint):
         self.plane.close()
         self.channel.close()
         self.context.term()
+        self.doorbell.close()
 
     def sender(self, room: int) -> SenderRoom:
         """The room's sender, created in BOOTSTRAPPING if decode has not asked for it yet."""
@@ -125,7 +126,11 @@ class PrefillTransferServer(DecodePeers, Endpoint):
     def _room(self, room: int) -> SenderRoom:
         with self.lock:
             if room not in self.rooms:
-                state = RoomState(room, progress_timeout_s=self.config.progress_timeout_s)
+                state = RoomState(
+                    room,
+                    progress_timeout_s=self.config.progress_timeout_s,
+                    on_change=self.doorbell.ring,
+                )
                 if room in self.tombstones:
                     failure = self.tombstones.failure(room)
                     if failure is None:

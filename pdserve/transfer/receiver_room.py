@@ -34,7 +34,10 @@ class ReceiverRoom(Room):
     ):
         """page_ids: every target page of the room; the first `num_cached_pages` hold their
         KV already (this worker's prefix cache) and are neither received nor written."""
-        super().__init__(room, RoomState(room, progress_timeout_s=client.config.progress_timeout_s))
+        timeout_s = client.config.progress_timeout_s
+        super().__init__(
+            room, RoomState(room, progress_timeout_s=timeout_s, on_change=client.doorbell.ring)
+        )
         self._client = client
         self._buffers: BufferPool = client.buffers
         self.peer: Peer | None = None

@@ -38,7 +38,10 @@ class RoomState:
         *,
         progress_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[], None] | None = None,
     ):
+        """on_change: called (on the changing thread) after every move and on failing: the
+        endpoint's doorbell, which wakes the worker's engine loop."""
         if progress_timeout_s <= 0:
             raise ValueError(f"progress_timeout_s must be positive, got {progress_timeout_s}")
         self.room = room
@@ -48,6 +51,7 @@ class RoomState:
         self.failure: Failure | None = None
         self.entered_at = clock()
         self.limit_s = progress_timeout_s
+        self._on_change = on_change
 
     @property
     def done(self) -> bool:
@@ -67,6 +71,7 @@ class RoomState:
             )
         self.state = new_state
         self.restart_clock()
+        self._changed()
         return True
 
     def hold(self, limit_s: float) -> None:
@@ -88,7 +93,12 @@ class RoomState:
         self.failure = Failure(kind, stage, message)
         self.state = TransferState.FAILED
         self.entered_at = self._clock()
+        self._changed()
         return True
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change()
 
     def check_deadline(self) -> bool:
         """Fail the room if it sat in its state past the deadline; True if it failed now."""

@@ -91,6 +91,27 @@ def test_late_messages_for_a_finished_room_are_ignored(pair):
     assert "reused" in revived.failure.message
 
 
+def test_each_side_rings_its_doorbell_when_a_room_moves(pair):
+    """A worker's engine loop sleeps in its socket poll while its rooms are in flight; the
+    endpoint's doorbell wakes it for each change it acts on (decode's KV landed, prefill's
+    room acked, a failure)."""
+    import select
+
+    def rung(bell) -> bool:
+        return bool(select.select([bell], [], [], 0)[0])
+
+    bells = [pair.server.doorbell, pair.client.doorbell]
+    for bell in bells:
+        bell.answer()
+    assert not any(rung(bell) for bell in bells)
+    pair.transfer(CASE)
+    assert all(rung(bell) for bell in bells)
+    for bell in bells:
+        bell.answer()
+    pair.server.sender(9).abort(FailureKind.ABORTED, "client gone")  # failed on the IO thread
+    wait_until(lambda: rung(pair.server.doorbell), "the failure's ring", 5)
+
+
 def test_reusing_a_finished_room_id_is_refused_on_decode(pair):
     pair.transfer(CASE)
     pair.client.release(CASE.room)
