@@ -232,7 +232,8 @@ class EngineLoop:
 
     def idle_wait_ms(self) -> int:
         """How long to wait for requests: not at all while the engine has work, briefly while
-        rooms are in flight (their progress is polled), else until the next heartbeat."""
+        rooms are in flight (the handoff's doorbell ends the wait at each room's change; this
+        bounds it for the queues' deadlines), else until the next heartbeat."""
         if self.engine.has_unfinished():
             return 0
         if self.handoff.busy:
