@@ -28,6 +28,7 @@ import collections
 import dataclasses
 import json
 import multiprocessing
+import select
 import statistics
 import time
 
@@ -44,6 +45,7 @@ from pdserve.transfer.room_state import TransferState
 
 MIB = 1 << 20
 REPEATS = 3
+ENDED = (TransferState.SUCCESS, TransferState.FAILED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,12 +99,14 @@ def make_pool(shape: KVShape, num_pages: int, device: torch.device) -> KVPool:
     return pool
 
 
-def wait(predicate, deadline_s=600.0):
+def wait(predicate, doorbell, deadline_s=600.0):
+    """Until `predicate()`, woken by the endpoint's doorbell as a worker's engine loop is."""
     deadline = time.monotonic() + deadline_s
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError("benchmark step timed out")
-        time.sleep(0.00005)
+        select.select([doorbell], [], [], 0.01)
+        doorbell.answer()
 
 
 def prefill_main(sizes, shape: KVShape, repeats: int, config, port_queue, timings):
@@ -123,14 +127,14 @@ def prefill_main(sizes, shape: KVShape, repeats: int, config, port_queue, timing
         for _ in range(repeats):
             room += 1
             sender = server.sender(room)
-            wait(lambda s=sender: s.poll() is TransferState.WAITING_FOR_INPUT)
+            wait(lambda s=sender: s.poll() is TransferState.WAITING_FOR_INPUT, server.doorbell)
             start = time.monotonic()
             # NOTE: staging comes from a pool, as a prefill worker's would: fresh memory costs
             # page faults on every request. Success means decode acked: the buffer is free.
             kv = stager.gather([pages], out=staging.take(stager.nbytes([pages])))
             synchronize(device)
             sender.send(kv, MetadataRecord(first_token=1))
-            wait(lambda s=sender: s.poll() in (TransferState.SUCCESS, TransferState.FAILED))
+            wait(lambda s=sender: s.poll() in ENDED, server.doorbell)
             timings.put(("start", size, room, start, sender.poll().name))
             timings.put(("stamps", size, room, {"gather_start": start, **sender.stamps}, ""))
             staging.give(kv)
@@ -154,7 +158,7 @@ def decode_main(sizes, shape: KVShape, repeats: int, config, port, timings):
         for _ in range(repeats):
             room += 1
             receiver = client.receiver(room, "127.0.0.1", port, pages)
-            wait(lambda r=receiver: r.poll() in (TransferState.SUCCESS, TransferState.FAILED))
+            wait(lambda r=receiver: r.poll() in ENDED, client.doorbell)
             commit_start = time.monotonic()
             receiver.commit(stager)
             synchronize(device)
