@@ -24,6 +24,7 @@ Sockets get the dead-peer options (`transport.dead_peer_socket_options`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import re
 import ssl
@@ -198,13 +199,8 @@ class Http1Response:
     async def aread(self) -> bytes:
         if self._framing != "length" or self._stream is not None or self._connection is None:
             return b"".join([chunk async for chunk in self.stream])
-        try:
+        with self._reading():
             body = await self._connection.reader.readexactly(self._length)
-        except _BROKEN as e:
-            raise self._broken(e) from None
-        except BaseException:
-            self._drop()
-            raise
         self._finish()
         return body
 
@@ -231,20 +227,28 @@ class Http1Response:
             self._connection.close()
             self._connection = None
 
-    def _broken(self, error: BaseException) -> httpx.HTTPError:
-        """The connection broke (or the worker closed it) while the body was read."""
-        self._drop()
-        if isinstance(error, OSError):
-            return httpx.ReadError(f"{type(error).__name__}: {error}")
-        return httpx.RemoteProtocolError(
-            "the worker closed the connection before its answer was complete"
-        )
+    @contextlib.contextmanager
+    def _reading(self):
+        """Around a read of the body: a broken connection (or one the worker closed) is an
+        httpx error; whatever ends the read early closes the connection."""
+        try:
+            yield
+        except _BROKEN as e:
+            self._drop()
+            if isinstance(e, OSError):
+                raise httpx.ReadError(f"{type(e).__name__}: {e}") from None
+            raise httpx.RemoteProtocolError(
+                "the worker closed the connection before its answer was complete"
+            ) from None
+        except BaseException:
+            self._drop()
+            raise
 
     async def _body(self) -> AsyncIterator[bytes]:
         if self._connection is None:
             return  # NOTE: read whole already, or closed
         reader = self._connection.reader
-        try:
+        with self._reading():
             if self._framing == "chunked":
                 chunks = Dechunker()
                 while not chunks.done:
@@ -269,11 +273,6 @@ class Http1Response:
             else:
                 while data := await reader.read(1 << 16):
                     yield data
-        except _BROKEN as e:
-            raise self._broken(e) from None
-        except BaseException:
-            self._drop()
-            raise
         self._finish()
 
 
