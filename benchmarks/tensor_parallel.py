@@ -12,7 +12,7 @@ second engine's decode all-reduces fall back to NCCL.
 
     python benchmarks/tensor_parallel.py --preset llama-3.1-8b --tp-sizes 1,2 \\
         --batch-sizes 1,64 --prefill-len 4096 --output $OUT/tensor_parallel.json
-    python benchmarks/tensor_parallel.py --model-path DIR --tp-sizes 1,2 --batch-sizes 1 \
+    python benchmarks/tensor_parallel.py --model-path DIR --tp-sizes 1,2 --batch-sizes 1 \\
         --two-batch-overlap both --output $OUT/tensor_parallel_tbo.json
     python benchmarks/tensor_parallel.py --model-path DIR --tp-sizes 1,2 --batch-sizes 1,2 \\
         --prompt-len 8 --new-tokens 8 --prefill-len 64 --runs 1 --warmup-runs 0   # CPU smoke
