@@ -14,6 +14,9 @@ prefill (`--transfer-piece-bytes 0`) and streamed while the prompt is computed (
         --chunk-sizes 2048 8192 --backend tcp
     NCCL_NVLS_ENABLE=0 python benchmarks/handoff_overlap.py --preset llama-3.1-8b \
         --prompt-len 8192 --chunk-sizes 2048 8192 --backend nccl --decode-device cuda:1
+    # both workers at TP 2 (prefill on cuda:0-1, decode on cuda:2-3): per-rank-pair links
+    NCCL_NVLS_ENABLE=0 python benchmarks/handoff_overlap.py --preset llama-3.1-8b \
+        --prompt-len 8192 --chunk-sizes 2048 --backend nccl --decode-device cuda:2 --tp-size 2
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from harness import add_model_arguments, device_name, model_directory, sync
 
 from pdserve import LLM, SamplingParams
 from pdserve.decode.handoff import DecodeHandoff
+from pdserve.disagg import rank_worker
 from pdserve.prefill.handoff import PrefillHandoff
 from pdserve.protocol.engine_messages import Bootstrap, GenerateRequest
 from pdserve.server.engine_process import EngineLoop
@@ -250,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         "--decode-device",
         help="run the decode worker in a process of its own on this device (nccl: cuda:1)",
     )
+    parser.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="both workers' TP size (nccl: decode from --decode-device on, e.g. cuda:2 for 2)",
+    )
     parser.add_argument("--kv-cache-gib", type=float, default=4.0)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -262,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_memory=int(args.kv_cache_gib * (1 << 30)),
         max_model_len=args.prompt_len + 64,
         disable_prefix_caching=True,  # every repeat computes the whole prompt again
+        tp_size=args.tp_size,
+        # NOTE: as the worker factories start them: each rank moves its own KV heads.
+        rank_worker_module=rank_worker.__name__,
     )
     rows = []
     room = 1

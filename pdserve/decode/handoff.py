@@ -65,8 +65,10 @@ class DecodeHandoff(DisaggHandoff):
             self.stager.page_bytes,
             self.metrics,
             device=receive_device,
+            tp_size=engine.config.tp_size,
         )
         self.client.start()
+        self.start_rank_links(self.client, "decode")
         self.doorbell = self.client.doorbell
         self.prealloc: OrderedDict[str, _Pending] = OrderedDict()
         self.transferring: dict[str, _Pending] = {}
@@ -126,6 +128,7 @@ class DecodeHandoff(DisaggHandoff):
     # ---- progress --------------------------------------------------------------------
 
     def poll(self) -> list[RequestOutput]:
+        self.send_rank_orders()
         outputs: list[RequestOutput] = []
         self._admit(outputs)
         arrived = []

@@ -4,18 +4,24 @@ label, and the one way a request is refused (a failure output, counted once)."""
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass
 
+from pdserve.disagg import rank_worker
 from pdserve.disagg.handoff_common import engine_transfer_layout
 from pdserve.engine.handoff import Handoff
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.rank_group import RankDiedError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import DisaggStats, FailRoom
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
+from pdserve.protocol.rank_messages import RankTransferStart
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.room_state import Tombstones
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,12 +36,48 @@ class DisaggHandoff(Handoff):
         super().__init__(engine)
         self.config = config
         self.metrics = TransferMetrics()
-        self.transfer = engine_transfer_layout(engine)
+        self.transfer = engine_transfer_layout(engine, config.backend != "tcp")
         self.failures: Counter[str] = Counter()  # by Failure.label, "stage/kind"
         self.rooms_in_use: set[int] = set()
         # Rooms that ended here lately: a refusal the front end reports for one afterwards
         # (the failure output it turned into an error) is not a second failure.
         self.ended = Tombstones(config.tombstone_ttl_s)
+        self._fanout = None  # the endpoint's orders for the other ranks (`start_rank_links`)
+
+    def start_rank_links(self, endpoint, side: str) -> None:
+        """A tensor-parallel worker over torch.distributed: every rank opens its own links
+        (`pdserve.disagg.rank_links`), reporting to the endpoint."""
+        if endpoint.fanout is None:
+            return
+        module = self.engine.config.rank_worker_module
+        if module != rank_worker.__name__:
+            raise ValueError(
+                f"the engine's other ranks run {module}, which has no KV links: build the engine "
+                f"with rank_worker_module={rank_worker.__name__!r} (the worker factories do)"
+            )
+        start = RankTransferStart(
+            side,
+            self.config.backend,
+            self.config.progress_timeout_s,
+            self.config.bootstrap_host,
+            endpoint.fanout.address,
+        )
+        for rank in range(1, endpoint.fanout.tp_size):
+            self.engine.ranks.send_to(rank, start)
+        self._fanout, self._endpoint = endpoint.fanout, endpoint
+
+    def send_rank_orders(self) -> None:
+        """Send the other ranks what the endpoint queued for them (in order with the passes;
+        the loop calls this before each step). A rank that died fails every room at once:
+        its part of each will never move (and the engine's next step ends the worker)."""
+        if self._fanout is None:
+            return
+        try:
+            for rank, msg in self._fanout.take():
+                self.engine.ranks.send_to(rank, msg)
+        except RankDiedError as e:
+            logger.error("KV links: %s", e)
+            self._endpoint.fail_all_rooms(FailureKind.INTERNAL, str(e))
 
     def refused(self, request_id: str, prompt_ids: list[int], failure: Failure) -> RequestOutput:
         """The output of a request that failed here (counted once, by its label)."""

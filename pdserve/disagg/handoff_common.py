@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.disagg.per_rank_kv import PerRankKV
 from pdserve.disagg.tensor_parallel_stager import TensorParallelStager
 from pdserve.engine.page_allocator import pages_needed
 from pdserve.protocol.metadata_spec import MetadataSpec
@@ -21,7 +22,9 @@ class EngineTransferLayout:
 
     layout: KVLayout
     metadata: MetadataSpec
-    stager: KVStager  # a TensorParallelStager for a tensor-parallel worker
+    # Per-rank-pair links (nccl, gloo): a PerRankKV. tcp: a KVStager, or a
+    # TensorParallelStager for a tensor-parallel worker (its KV goes through rank 0).
+    stager: KVStager | PerRankKV
 
     def transfer_pages(self, engine, pages: list[int], num_prompt_tokens: int) -> list[int]:
         """The pages that hold the KV a handoff moves for this prompt."""
@@ -33,8 +36,9 @@ class EngineTransferLayout:
         return pages[:count]
 
 
-def engine_transfer_layout(engine) -> EngineTransferLayout:
-    """The engine's layout, metadata record and pools, speculative settings included."""
+def engine_transfer_layout(engine, per_rank_links: bool) -> EngineTransferLayout:
+    """The engine's layout, metadata record and pools, speculative settings included;
+    `per_rank_links`: each rank moves its own KV heads (the torch.distributed backends)."""
     pool = engine.kv_pool
     spec, metadata, draft_pools = SpecLayout(), MetadataSpec(), []
     if engine.speculator is not None:
@@ -54,7 +58,9 @@ def engine_transfer_layout(engine) -> EngineTransferLayout:
             draft_num_layers=sum(p.num_layers for p in draft_pools),
             draft_fingerprint=model_fingerprint(draft_config) if draft_config else "",
         )
-    if engine.ranks is not None:
+    if per_rank_links:
+        stager = PerRankKV(pool, draft_pools, engine.ranks, engine.model_config.num_kv_heads)
+    elif engine.ranks is not None:
         # NOTE: the wire carries every KV head, as a TP 1 worker's pages hold them, so that
         # workers at any TP sizes pair (`TensorParallelStager`).
         stager = TensorParallelStager(engine.ranks, pool, draft_pools)

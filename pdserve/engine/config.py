@@ -16,6 +16,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
+# What a tensor-parallel worker's other ranks may run (rank 0 names it; nothing else).
+RANK_WORKER_MODULES = ("pdserve.engine.rank_worker", "pdserve.disagg.rank_worker")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -102,6 +105,9 @@ class EngineConfig:
     )
     two_batch_min_tokens: int = 2048
     cpu_kv_cache_cap: int = 1 << 30
+    # The module a tensor-parallel worker's other ranks run (`python -m ...`): a disaggregated
+    # role's adds its ranks' KV links (`pdserve.disagg.rank_worker`).
+    rank_worker_module: str = "pdserve.engine.rank_worker"
     speculative: SpecSettings | None = None
 
     def __post_init__(self) -> None:
@@ -130,6 +136,11 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.rank_worker_module not in RANK_WORKER_MODULES:
+            raise ValueError(
+                f"rank_worker_module must be one of {RANK_WORKER_MODULES}, "
+                f"got {self.rank_worker_module!r}"
+            )
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(
                 f"--node-rank must be in [0, --nnodes={self.nnodes}), got {self.node_rank}"

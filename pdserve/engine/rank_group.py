@@ -319,6 +319,18 @@ class RankGroup:
         self.check_alive()
         self._send(RankScatterKV(pages))
 
+    def send_to(self, rank: int, msg) -> None:
+        """One message for rank `rank` alone (a handoff's own KV move), in order with the
+        passes."""
+        self.check_alive()
+        try:
+            self.channels[rank - 1].send(msg)
+        except zmq.Again:
+            self.check_alive()
+            raise RankDiedError(
+                f"tensor-parallel rank {rank} took no message for {SEND_TIMEOUT_MS} ms"
+            ) from None
+
     def _send(self, msg) -> None:
         for rank, channel in enumerate(self.channels, start=1):
             try:
@@ -366,7 +378,7 @@ def spawn_rank(
     command = [
         sys.executable,
         "-m",
-        "pdserve.engine.rank_worker",
+        config.rank_worker_module,
         "--rank",
         str(rank),
         "--size",

@@ -21,8 +21,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -86,9 +87,23 @@ class MirroredRequest:
     status: RequestStatus = RequestStatus.RUNNING
 
 
+class RankExtension(Protocol):
+    """More messages a rank follows (a disaggregated role's KV links): built once the rank is
+    ready, it handles the `messages` types on the rank's loop, in order with the passes."""
+
+    messages: tuple[type, ...]
+
+    def handle(self, msg) -> None: ...
+
+
 class RankWorker:
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, tp: TensorParallel, inbox: Channel
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        tp: TensorParallel,
+        inbox: Channel,
+        extension: Callable[[RankWorker], RankExtension] | None = None,
     ):
         self.config = config
         self.tp = tp
@@ -149,6 +164,7 @@ class RankWorker:
         )
         self.requests: dict[str, MirroredRequest] = {}
         self.output: ForwardOutput | None = None
+        self.extension = extension(self) if extension is not None else None
         logger.info(
             "rank %d ready on %s: %d KV pages of %d KV heads",
             tp.rank,
@@ -170,6 +186,8 @@ class RankWorker:
                 self.runner.move_kv(msg.src, msg.dst)
             elif isinstance(msg, RankGatherKV | RankScatterKV):
                 self._move_pages(msg)
+            elif self.extension is not None and isinstance(msg, self.extension.messages):
+                self.extension.handle(msg)
             else:
                 raise RankProtocolError(f"unexpected {type(msg).__name__} after start-up")
 
@@ -283,7 +301,12 @@ def watch_rank0(host: str, port: int, size: int, rank: int) -> None:
             os._exit(0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(
+    argv: list[str] | None = None,
+    extension: Callable[[RankWorker], RankExtension] | None = None,
+    extra_messages: tuple[type, ...] = (),
+) -> int:
+    """`extension` and the message types it follows (`extra_messages`): see `RankExtension`."""
     parser = argparse.ArgumentParser(prog="python -m pdserve.engine.rank_worker")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--size", type=int, required=True)
@@ -306,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         is_master=False,
         timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
     )
-    inbox = Channel(zmq.Context(), zmq.PULL, accepts=RANK_MESSAGES)
+    inbox = Channel(zmq.Context(), zmq.PULL, accepts=RANK_MESSAGES + extra_messages)
     inbox.connect(store.get(f"{STORE_PREFIX}/steps/{args.rank}").decode())
     store.set(f"{STORE_PREFIX}/joined/{args.rank}", "1")
     model_config = ModelConfig.from_pretrained(config.model_path)
@@ -323,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         target=watch_rank0, args=(host, int(port), args.size, args.rank), daemon=True
     ).start()
     try:
-        RankWorker(config, model_config, tp, inbox).run()
+        RankWorker(config, model_config, tp, inbox, extension).run()
     except Exception:
         logger.exception("rank %d failed", args.rank)
         return 1

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.disagg.handoff_base import DisaggHandoff, PendingRequest, refusal_message
+from pdserve.disagg.per_rank_kv import PerRankKV
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.page_allocator import pages_needed
@@ -73,8 +74,10 @@ class PrefillHandoff(DisaggHandoff):
             max_room_pages=pages_needed(
                 engine.kv_tokens_for_transfer(engine.max_model_len), engine.config.page_size
             ),
+            tp_size=engine.config.tp_size,
         )
         self.bootstrap_port = self.server.start()
+        self.start_rank_links(self.server, "prefill")
         self.doorbell = self.server.doorbell
         self.bootstrapping: dict[str, _Pending] = {}
         self.prefilling: dict[str, _Pending] = {}
@@ -132,6 +135,7 @@ class PrefillHandoff(DisaggHandoff):
 
     def poll(self) -> list[RequestOutput]:
         """Move rooms along: start prefills whose reservation arrived, finish sent rooms."""
+        self.send_rank_orders()
         outputs = []
         for pending in list(self.bootstrapping.values()):
             state = pending.sender.poll()
@@ -217,23 +221,39 @@ class PrefillHandoff(DisaggHandoff):
             if count <= 0 or count * bytes_per_page < piece_bytes:
                 continue
             span = PageSpan(pending.pages_sent, count)
-            pending.sender.send_piece(self._piece(request.pages, span))
+            pending.sender.send_piece(self._piece(pending.sender, request.pages, span))
             pending.pages_sent += count
 
-    def _piece(self, pages: list[int], span: PageSpan) -> OutgoingPiece:
-        """Gather the span's pages into a buffer to send, with the event that orders the send
-        after the gather (and the copy to host memory, when sent from there)."""
+    def _piece(self, sender: SenderRoom, pages: list[int], span: PageSpan) -> OutgoingPiece:
+        """Gather the span's pages into buffers to send, with the event that orders the sends
+        after the gather (and the copy to host memory, when sent from there). Per-rank-pair
+        links: rank 0's parts, the other ranks told to send theirs."""
         stager = self.transfer.stager
-        data = stager.gather(span.page_lists(pages, pages, len(stager.pools)))
-        if data.device.type != "cuda":
-            return OutgoingPiece(span, data)
-        if self.send_device.type != "cuda":
-            staged = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=True)
-            staged.copy_(data, non_blocking=True)
-            data = staged
+        page_ids = span.page_lists(pages, pages, len(stager.pools))
+        if isinstance(stager, PerRankKV):
+            sends, remote = stager.gather_piece(sender.peer.links, page_ids)
+            sends = [(dst, self._staged(data)) for dst, data in sends]
+            nbytes = span.nbytes(stager.page_bytes)
+            return OutgoingPiece(span, None, self._ready(), sends, remote, nbytes)
+        data = self._staged(stager.gather(page_ids))
+        return OutgoingPiece(span, data, self._ready())
+
+    def _staged(self, data: torch.Tensor) -> torch.Tensor:
+        """Gathered bytes where they are sent from: a GPU's copied to pinned host memory
+        without blocking (tcp, gloo)."""
+        if data.device.type != "cuda" or self.send_device.type == "cuda":
+            return data
+        staged = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=True)
+        staged.copy_(data, non_blocking=True)
+        return staged
+
+    def _ready(self) -> torch.cuda.Event | None:
+        """An event after the gathers (and copies) queued so far; None on the CPU."""
+        if self.engine.device.type != "cuda":
+            return None
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.engine.device))
-        return OutgoingPiece(span, data, ready)
+        return ready
 
     def _send(self, pending: _Pending, output: RequestOutput, passed: list) -> None:
         del self.prefilling[pending.request_id]
@@ -253,7 +273,7 @@ class PrefillHandoff(DisaggHandoff):
             0,
             len(pages) if len(self.transfer.stager.pools) > 1 else 0,
         )
-        pending.sender.send_piece(self._piece(pages, rest))
+        pending.sender.send_piece(self._piece(pending.sender, pages, rest))
         top = output.top_logprobs[0] if output.top_logprobs else None
         seed = request.draft_state
         record = MetadataRecord(

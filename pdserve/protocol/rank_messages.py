@@ -110,6 +110,106 @@ class RankScatterKV:
     pages: list[int]
 
 
+# ---- per-rank-pair KV links (a disaggregated worker over nccl or gloo) --------------------
+# Rank 0 keeps the control plane (rooms, ledgers, deadlines, metadata); each rank moves its
+# own KV heads over links of its own to the peer worker's ranks (`pdserve.transfer.head_slices`
+# says which). These go to one rank each, in order with the passes; none is a collective.
+
+
+@message("rank_transfer_start")
+class RankTransferStart:
+    """Open this rank's side of the links: `side` ("prefill" or "decode"), the torch.distributed
+    `backend` and deadline, the address gloo listens on (empty: gloo's choice), and where to
+    report (`RankTransferReport`, a ZMQ PULL socket on rank 0)."""
+
+    side: str
+    backend: str
+    timeout_s: float
+    local_host: str
+    reports: str
+
+
+@message("rank_link_connect")
+class RankLinkConnect:
+    """Join the pair group `pair` (at the decode worker's store) with rank `peer_rank` of the
+    peer worker that rank 0 knows as `link`."""
+
+    link: int
+    peer_rank: int
+    store: str
+    pair: str
+
+
+@message("rank_link_forget")
+class RankLinkForget:
+    """The peer worker `link` was dropped: close every link to its ranks."""
+
+    link: int
+
+
+@message("rank_send_slices")
+class RankSendSlices:
+    """Prefill: gather this rank's heads [first_heads[i], + num_heads[i]) (the model's head
+    numbers) of these target pages and send them to decode rank `dsts[i]` of peer `link`."""
+
+    link: int
+    pages: list[int]
+    dsts: list[int]
+    first_heads: list[int]
+    num_heads: list[int]
+
+
+@message("rank_receive_slices")
+class RankReceiveSlices:
+    """Decode: post receives for piece `index` of `room` (`scratch`: a room that ended; what
+    lands is dropped) from prefill ranks `srcs[i]` of peer `link`, `nbytes[i]` each, holding
+    heads [first_heads[i], + num_heads[i])."""
+
+    room: int
+    index: int
+    scratch: bool
+    link: int
+    srcs: list[int]
+    nbytes: list[int]
+    first_heads: list[int]
+    num_heads: list[int]
+
+
+@message("rank_commit_slices")
+class RankCommitSlices:
+    """Decode: write what landed for these pieces of `room` into their target pages
+    (`pages` flat, `page_counts` per piece), then let the buffers go; each piece has `parts`
+    parts on this rank."""
+
+    room: int
+    indices: list[int]
+    pages: list[int]
+    page_counts: list[int]
+    parts: int
+
+
+@message("rank_drop_slices")
+class RankDropSlices:
+    """Decode: `room` ended without a commit: drop what landed for it, and what lands later."""
+
+    room: int
+
+
+@message("rank_transfer_report")
+class RankTransferReport:
+    """A rank -> rank 0: a transfer ended (`kind` "sent" or "landed", for piece `index` of
+    `room` on decode), or a link could not be made ("link"); `error` None on success."""
+
+    kind: str
+    rank: int
+    link: int
+    peer_rank: int
+    room: int
+    index: int
+    nbytes: int
+    error: str | None
+
+
 @message("rank_stop")
 class RankStop:
     reason: str

@@ -60,6 +60,9 @@ class HelloReply:
     instance: int
     nonce: bytes
     proof: bytes
+    # Prefill's tensor-parallel size: with a torch.distributed backend each of its ranks sends
+    # its KV heads to the decode ranks that hold them (`pdserve.transfer.head_slices`).
+    tp_size: int = 1
 
 
 @message("not_registered")
@@ -82,6 +85,7 @@ class Register:
     # torch.distributed backends: decode's store (host:port) and this pair's group name.
     store_address: str = ""
     pair_name: str = ""
+    tp_size: int = 1  # decode's tensor-parallel size (see `HelloReply.tp_size`)
 
 
 @message("register_ack")

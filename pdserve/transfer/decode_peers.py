@@ -36,6 +36,7 @@ from pdserve.protocol.transfer_messages import (
 )
 from pdserve.transfer import peer_auth
 from pdserve.transfer.endpoint import Peer
+from pdserve.transfer.handshake import tp_mismatch
 from pdserve.transfer.outbox import Outbox
 from pdserve.transfer.wire_limits import max_prefill_frame_bytes
 
@@ -165,7 +166,12 @@ class PrefillPeers:
                 if room.instance is not None and room.instance != msg.instance:
                     message = f"prefill worker at {peer.key} restarted; the room was lost"
                     self.fail_room(room, FailureKind.PEER_LOST, message, notify=False)
-        peer.instance = msg.instance
+        if self.config.backend != "tcp":
+            problem = tp_mismatch(self.layout.num_kv_heads, msg.tp_size, "prefill")
+            if problem is not None:
+                self.drop_peer(peer, FailureKind.HANDSHAKE, f"handshake failed: {problem}")
+                return
+        peer.instance, peer.tp_size = msg.instance, msg.tp_size
         proof = peer_auth.decode_proof(self.config.auth_token, msg.nonce, peer.nonce)
         peer.nonce = b""
         register = Register(self.decode_id, self.layout, proof, backend=self.config.backend)

@@ -33,6 +33,7 @@ from pdserve.transfer.endpoint import Endpoint
 from pdserve.transfer.metadata import MetadataMismatch, MetadataRecord
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.peer_allow import zmq_endpoint
+from pdserve.transfer.rank_fanout import RankFanout
 from pdserve.transfer.receiver_room import ReceiverRoom
 from pdserve.transfer.tcp_plane import TcpPlane
 
@@ -50,9 +51,12 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         page_bytes: list[int],
         metrics: TransferMetrics | None = None,
         device: torch.device | None = None,
+        tp_size: int = 1,
     ):
-        """page_bytes: bytes per page of the target pool (and the draft pool if any).
-        device: where received KV is staged (the GPU for nccl; CPU for tcp and gloo)."""
+        """page_bytes: bytes per page of the target pool with every KV head (and the draft
+        pool if any). device: where received KV is staged (the GPU for nccl; CPU for tcp and
+        gloo). tp_size: this worker's tensor-parallel size; over torch.distributed each rank
+        receives its own KV heads (`head_slices`, `rank_fanout`)."""
         super().__init__(config, decode_id, metrics)
         self.layout = layout
         self.metadata_spec = metadata_spec
@@ -62,12 +66,19 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         self.device = device or torch.device("cpu")
         self.buffers = BufferPool(self.device)
         self._by_socket: dict[zmq.Socket, object] = {}
+        self.tp_size = tp_size
+        self.fanout = None
         if config.backend == "tcp":
             self.plane = TcpPlane(self)
         else:
-            self.plane = DistReceivePlane(self, self.device)
+            if tp_size > 1:
+                host = config.bootstrap_host
+                self.fanout = RankFanout(tp_size, self.context, host, self.doorbell)
+            self.plane = DistReceivePlane(self, self.device, self.fanout)
 
     def start(self) -> None:
+        if self.fanout is not None:
+            self.io.poller.register(self.fanout.reports.socket, zmq.POLLIN)
         self.io.start(self._on_socket, self.tick, tick_s=0.05)
 
     def stop(self) -> None:
@@ -125,6 +136,9 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         self.deliver(peer, self._transfer_request(receiver))
 
     def _on_socket(self, socket: zmq.Socket) -> None:
+        if self.fanout is not None and socket is self.fanout.reports.socket:
+            self.plane.on_reports()
+            return
         peer = self._by_socket.get(socket)
         while peer is not None and self.peers.get(peer.key) is peer:
             try:

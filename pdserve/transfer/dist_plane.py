@@ -2,14 +2,22 @@
 control messages stay on the ZMQ connection (docs/architecture.md §5).
 
 Point-to-point operations on a pair are matched in posting order, and the control connection
-fixes that order: the sender announces each piece (`KVPiece`) and posts its send at once, in
-the same step on its IO thread; the receiver posts the matching receive when the announcement
-arrives (NCCL holds the send until then), so no round trip precedes a send and any number of
-pieces and rooms are in flight on a pair. Every announced piece gets its receive, into scratch
+fixes that order: the sender announces each piece (`KVPiece`) and posts its sends at once, in
+the same step on its IO thread; the receiver posts the matching receives when the announcement
+arrives (NCCL holds a send until then), so no round trip precedes a send and any number of
+pieces and rooms are in flight on a pair. Every announced piece gets its receives, into scratch
 if the room is gone (bounded by what we reserved), so a later piece never lands in an earlier
 one's buffer. A send or receive that misses its deadline, or fails, tears the link down and
 drops the peer with its rooms. The metadata record and `RoomDone` follow the last piece's
 announcement without waiting for its bytes: the room completes when everything has landed.
+
+Each rank of one worker has its own link to each rank of the peer it exchanges KV heads with
+(`head_slices`), so a piece travels as one part per such pair; between two workers without
+tensor parallelism that is one link and one transfer per piece. Rank 0 posts its own parts;
+the other ranks post theirs when rank 0 tells them (`rank_fanout`): on a prefill worker right
+after gathering them, in order with the passes, so the piece must then be announced even if its
+room ended meanwhile; on a decode worker when the announcement arrives. They report each
+part's end back, and a piece has landed when all its parts have.
 
 The interface is `tcp_plane`'s.
 """
@@ -18,16 +26,27 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import uuid
 from typing import TYPE_CHECKING
 
 import torch
+import zmq
 
 from pdserve.protocol.failures import FailureKind
+from pdserve.protocol.rank_messages import (
+    RankDropSlices,
+    RankLinkConnect,
+    RankLinkForget,
+    RankReceiveSlices,
+    RankTransferReport,
+)
 from pdserve.protocol.transfer_messages import KVPiece, Register
 from pdserve.transfer.dist_links import DistLinks
-from pdserve.transfer.kv_piece import OutgoingPiece
+from pdserve.transfer.head_slices import PeerLinks, head_slices, link_parts
+from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
+from pdserve.transfer.rank_fanout import RankFanout
 
 if TYPE_CHECKING:
     from pdserve.transfer.endpoint import Endpoint, Peer
@@ -46,9 +65,35 @@ def _links(endpoint: Endpoint, device: torch.device) -> DistLinks:
 
 
 class _DistPlane:
-    def __init__(self, endpoint: Endpoint, device: torch.device):
+    def __init__(self, endpoint: Endpoint, device: torch.device, fanout: RankFanout | None):
         self.endpoint = endpoint
         self.links = _links(endpoint, device)
+        self.fanout = fanout
+        self.tp_size = fanout.tp_size if fanout is not None else 1
+        self._link_ids = itertools.count()
+        self._peers: dict[int, Peer] = {}  # by links id
+        # KV bytes moved, by (our rank, the peer's rank): which links carried the KV.
+        self.bytes_by_link: collections.Counter[tuple[int, int]] = collections.Counter()
+
+    def _connect(self, peer: Peer, store: str, pair: str, prefill_tp: int, decode_tp: int):
+        """Make every link of ours to the peer's ranks: rank 0's here, the other ranks' by
+        telling them."""
+        slices = head_slices(self.endpoint.layout.num_kv_heads, prefill_tp, decode_tp)
+        peer.links = PeerLinks(next(self._link_ids), tuple(slices))
+        self._peers[peer.links.id] = peer
+        ours, theirs = ("src", "dst") if self.endpoint.side == "prefill" else ("dst", "src")
+        for piece_slice in slices:
+            rank, peer_rank = getattr(piece_slice, ours), getattr(piece_slice, theirs)
+            name = peer.links.pair_name(pair, piece_slice.src, piece_slice.dst)
+            if rank == 0:
+                self.links.connect((peer.key, peer_rank), store, name, self._link_failed(peer))
+            else:
+                self.fanout.post(rank, RankLinkConnect(peer.links.id, peer_rank, store, name))
+
+    def _our_ranks(self, peer: Peer) -> set[tuple[int, int]]:
+        """(our rank, the peer's rank) of every link to the peer."""
+        prefill = self.endpoint.side == "prefill"
+        return {(s.src, s.dst) if prefill else (s.dst, s.src) for s in peer.links.slices}
 
     def _link_failed(self, peer: Peer):
         def on_link(error: str | None) -> None:
@@ -61,107 +106,211 @@ class _DistPlane:
         self.endpoint.io.call(lambda: self.endpoint.drop_peer(peer, FailureKind.TRANSFER, error))
 
     def forget(self, peer: Peer) -> None:
-        self.links.forget(peer.key)
+        if peer.links is None:
+            return
+        self._peers.pop(peer.links.id, None)
+        ranks = self._our_ranks(peer)
+        for rank, peer_rank in ranks:
+            if rank == 0:
+                self.links.forget((peer.key, peer_rank))
+        for rank in sorted({rank for rank, _ in ranks} - {0}):
+            self.fanout.post(rank, RankLinkForget(peer.links.id))
+
+    def on_reports(self) -> None:
+        """Drain what the other ranks reported (IO thread)."""
+        while (report := self._next_report()) is not None:
+            peer = self._peers.get(report.link)
+            if peer is None or self.endpoint.peers.get(peer.key) is not peer:
+                continue  # a peer dropped meanwhile
+            if report.error is not None:
+                error = f"rank {report.rank}'s {self.links.backend} link failed: {report.error}"
+                self.endpoint.drop_peer(peer, FailureKind.TRANSFER, error)
+                continue
+            self._reported(peer, report)
+
+    def _next_report(self) -> RankTransferReport | None:
+        try:
+            return self.fanout.reports.receive(zmq.NOBLOCK).msg
+        except zmq.Again:
+            return None
+
+    def _reported(self, peer: Peer, report: RankTransferReport) -> None:
+        raise NotImplementedError
 
     def tick(self, now: float) -> None:
         pass
 
     def close(self) -> None:
         self.links.close()
+        if self.fanout is not None:
+            self.fanout.close()
 
 
 class DistSendPlane(_DistPlane):
-    """The prefill side: announces each piece and posts its send."""
+    """The prefill side: announces each piece and posts its sends."""
 
-    def __init__(self, endpoint: Endpoint, device: torch.device):
-        super().__init__(endpoint, device)
+    def __init__(self, endpoint: Endpoint, device: torch.device, fanout: RankFanout | None = None):
+        super().__init__(endpoint, device, fanout)
         self.pending_sends = 0  # sends posted and not completed
 
     def send_piece(self, room, piece: OutgoingPiece, index: int) -> bool:
-        """Announce and post one piece (IO thread); False if the peer could not take it."""
-        span, nbytes = piece.span, piece.data.numel()
+        """Announce one piece and post rank 0's parts (IO thread); False if the peer could
+        not take it."""
+        span = piece.span
         announcement = KVPiece(
-            room.room, index, span.first, span.count, span.draft_first, span.draft_count, nbytes
+            room.room,
+            index,
+            span.first,
+            span.count,
+            span.draft_first,
+            span.draft_count,
+            piece.nbytes,
         )
         peer = room.peer
         if not self.endpoint.send(peer, announcement):
             return False
-        self.pending_sends += 1
-        self.links.send(
-            peer.key,
-            piece.data,
-            piece.ready,
-            lambda error: self.endpoint.io.call(lambda: self._sent(peer, nbytes, error)),
-        )
+        self.pending_sends += piece.remote
+        sends = piece.sends if piece.data is None else [(0, piece.data)]
+        for dst, data in sends:
+            self.pending_sends += 1
+            nbytes = data.numel()
+            self.links.send(
+                (peer.key, dst),
+                data,
+                piece.ready,
+                lambda error, d=dst, n=nbytes: self.endpoint.io.call(
+                    lambda: self._sent(peer, d, n, error)
+                ),
+            )
         return True
 
-    def _sent(self, peer: Peer, nbytes: int, error: str | None) -> None:
+    def _sent(self, peer: Peer, dst: int, nbytes: int, error: str | None) -> None:
         self.pending_sends -= 1
         if error is not None:
             self.endpoint.drop_peer(peer, FailureKind.TRANSFER, error)
             return
         self.endpoint.metrics.bytes_sent += nbytes
+        self.bytes_by_link[0, dst] += nbytes
+
+    def _reported(self, peer: Peer, report: RankTransferReport) -> None:
+        if report.kind == "sent":
+            self.pending_sends -= 1
+            self.endpoint.metrics.bytes_sent += report.nbytes
+            self.bytes_by_link[report.rank, report.peer_rank] += report.nbytes
 
     def handle(self, peer: Peer, msg, payload) -> bool:
         return False
 
     def registered(self, peer: Peer, msg: Register) -> None:
-        self.links.connect(peer.key, msg.store_address, msg.pair_name, self._link_failed(peer))
+        self._connect(peer, msg.store_address, msg.pair_name, self.tp_size, msg.tp_size)
 
 
 class DistReceivePlane(_DistPlane):
-    """The decode side: serves the pairs' store, posts a receive per announced piece."""
+    """The decode side: serves the pairs' store, posts the receives of each announced piece."""
 
-    def __init__(self, endpoint: Endpoint, device: torch.device):
-        super().__init__(endpoint, device)
+    def __init__(self, endpoint: Endpoint, device: torch.device, fanout: RankFanout | None = None):
+        super().__init__(endpoint, device, fanout)
         self._ended: collections.OrderedDict[int, int] = collections.OrderedDict()
+        page_bytes = endpoint.page_bytes
+        self.head_page_bytes = page_bytes[0] // endpoint.layout.num_kv_heads
+        self.draft_page_bytes = page_bytes[1] if len(page_bytes) > 1 else 0
 
     def registration(self, peer: Peer, register: Register) -> Register:
         """Our store and a new pair group for this peer."""
         endpoint = self.endpoint
         store = self.links.serve_store(endpoint.config.bootstrap_host)
         pair = f"pair/{endpoint.worker_id}/{uuid.uuid4().hex[:12]}"
-        self.links.connect(peer.key, store, pair, self._link_failed(peer))
-        return dataclasses.replace(register, store_address=store, pair_name=pair)
+        self._connect(peer, store, pair, peer.tp_size, self.tp_size)
+        return dataclasses.replace(
+            register, store_address=store, pair_name=pair, tp_size=self.tp_size
+        )
 
     def room_ended(self, room) -> None:
-        """Remember an ended room's reservation: pieces already on their way still need a
-        receive, of at most that size."""
+        """Remember an ended room's reservation: pieces already on their way still need their
+        receives, of at most that size. The other ranks drop its parts unless it committed."""
         self._ended[room.room] = room.expected_bytes
         while len(self._ended) > _ENDED_ROOMS_KEPT:
             self._ended.popitem(last=False)
+        if room.has_remote_parts and room.failure is not None and room.peer is not None:
+            for rank in sorted({rank for rank, _ in self._our_ranks(room.peer)} - {0}):
+                self.fanout.post(rank, RankDropSlices(room.room))
 
     def handle(self, peer: Peer, msg, payload) -> bool:
-        """Post the piece's receive: into the room's buffer, or into scratch for a room we no
-        longer want (the pair's order must hold)."""
+        """Post the piece's receives: into the room's buffers, or into scratch for a room we
+        no longer want (each link's order must hold)."""
         if not isinstance(msg, KVPiece):
             return False
         endpoint = self.endpoint
+        parts = link_parts(list(peer.links.slices), self.draft_page_bytes > 0)
+        span = PageSpan(msg.first_page, msg.num_pages, msg.first_draft_page, msg.num_draft_pages)
         room = endpoint.room_of(peer, msg.room)
-        buffer = None
+        buffers = None
         if room is not None:
-            taken = room.on_piece(msg, posting=True, writer=self.links.stream)
+            sizes = self._sizes(parts, span)
+            taken = room.on_parts(msg, parts, sizes, writer=self.links.stream)
             if isinstance(taken, str):
                 endpoint.fail_room(room, FailureKind.TRANSFER, taken, notify=True)
                 room = None
             else:
-                buffer = taken
-        if buffer is None:
+                buffers = taken
+        if buffers is None:
             # NOTE: bounds before allocating: what we reserved for that room, else for any.
             limit = self._ended.get(msg.room, self._scratch_limit())
-            if not 0 < msg.nbytes <= limit:
+            counts_ok = min(span.first, span.count, span.draft_first, span.draft_count) >= 0
+            page_bytes = endpoint.page_bytes
+            if not (
+                counts_ok and 0 < msg.nbytes <= limit and msg.nbytes == span.nbytes(page_bytes)
+            ):
                 logger.error("%s announced %d bytes for room %d", peer, msg.nbytes, msg.room)
                 endpoint.drop_peer(peer, FailureKind.TRANSFER, "announced an oversize transfer")
                 return True
-            buffer = endpoint.buffers.take(msg.nbytes, writer=self.links.stream)
-
-        def done(error: str | None) -> None:
-            endpoint.io.call(lambda: self._received(peer, room, msg.index, buffer, error))
-
-        self.links.receive(peer.key, buffer, done)
+            sizes = self._sizes(parts, span)
+            buffers = {
+                part.src: endpoint.buffers.take(size, writer=self.links.stream)
+                for part, size in zip(parts, sizes, strict=True)
+                if part.dst == 0
+            }
+        for src, buffer in buffers.items():
+            self.links.receive(
+                (peer.key, src), buffer, self._landing(peer, room, msg.index, src, buffer)
+            )
+        self._post_remote(peer, msg, parts, span, scratch=room is None)
         return True
 
-    def _received(self, peer: Peer, room, index: int, buffer: torch.Tensor, error) -> None:
+    def _sizes(self, parts, span: PageSpan) -> list[int]:
+        return [
+            part.nbytes(self.head_page_bytes, self.draft_page_bytes, span.count, span.draft_count)
+            for part in parts
+        ]
+
+    def _post_remote(self, peer: Peer, msg: KVPiece, parts, span: PageSpan, scratch: bool):
+        by_rank: dict[int, list] = {}
+        for part in parts:
+            if part.dst != 0:
+                by_rank.setdefault(part.dst, []).append(part)
+        for rank, ours in by_rank.items():
+            sizes = self._sizes(ours, span)
+            self.fanout.post(
+                rank,
+                RankReceiveSlices(
+                    msg.room,
+                    msg.index,
+                    scratch,
+                    peer.links.id,
+                    [part.src for part in ours],
+                    sizes,
+                    [part.first_head for part in ours],
+                    [part.num_heads for part in ours],
+                ),
+            )
+
+    def _landing(self, peer: Peer, room, index: int, src: int, buffer: torch.Tensor):
+        def done(error: str | None) -> None:
+            self.endpoint.io.call(lambda: self._received(peer, room, index, src, buffer, error))
+
+        return done
+
+    def _received(self, peer: Peer, room, index: int, src: int, buffer: torch.Tensor, error):
         endpoint = self.endpoint
         if error is not None:
             # NOTE: the link was torn down, so nothing can still write into the buffer.
@@ -169,11 +318,22 @@ class DistReceivePlane(_DistPlane):
             endpoint.drop_peer(peer, FailureKind.TRANSFER, error)
             return
         endpoint.metrics.bytes_received += buffer.numel()
+        self.bytes_by_link[0, src] += buffer.numel()
         if room is None or room.done:
             endpoint.buffers.give(buffer)  # scratch, or a room that ended meanwhile
             return
-        room.on_landed(index, buffer.numel())
+        room.on_part_landed(index, src, 0)
         endpoint.room_landed(room)
+
+    def _reported(self, peer: Peer, report: RankTransferReport) -> None:
+        if report.kind != "landed":
+            return
+        self.endpoint.metrics.bytes_received += report.nbytes
+        self.bytes_by_link[report.rank, report.peer_rank] += report.nbytes
+        room = self.endpoint.room_of(peer, report.room)
+        if room is not None:
+            room.on_part_landed(report.index, report.peer_rank, report.rank)
+            self.endpoint.room_landed(room)
 
     def _scratch_limit(self) -> int:
         return max((room.expected_bytes for room in self.endpoint.rooms.values()), default=0)

@@ -49,6 +49,8 @@ class Peer:
     last_seen: float = field(default_factory=time.monotonic)
     last_heartbeat: float = 0.0
     rooms: set[int] = field(default_factory=set)
+    tp_size: int = 1  # the peer worker's tensor-parallel size, from its handshake
+    links: Any = None  # its torch.distributed links (`head_slices.PeerLinks`) once made
 
     def __str__(self) -> str:
         """Its worker id, else its address (decode side) or "(unregistered)" (prefill side)."""
@@ -79,6 +81,18 @@ class Endpoint:
         self.bad_messages = RateLimitedLog(logger)
         self.peer_log = RateLimitedLog(logger)
         self.idle_ttl_s = max(60.0, 12 * config.peer_timeout_s)
+
+    def fail_all_rooms(self, kind: FailureKind, message: str) -> None:
+        """Fail every live room and tell its peer (from any thread; runs on the IO thread)."""
+
+        def fail() -> None:
+            with self.lock:
+                rooms = list(self.rooms.values())
+            for room in rooms:
+                if not room.done:
+                    self.fail_room(room, kind, message, notify=True)
+
+        self.io.call(fail)
 
     def release(self, room: int) -> None:
         """Forget a finished room (its tombstone stays for late messages)."""

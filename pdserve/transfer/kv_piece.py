@@ -9,13 +9,19 @@ was covered by an earlier piece, its size is what those pages hold), and the roo
 when its pieces cover every page once and have all landed. Leading target pages the receiver
 already holds (from its prefix cache) are not sent: a piece may not cover them. Pieces may
 arrive in any order and interleaved with other rooms' pieces.
+
+Over torch.distributed a piece travels in parts, one per pair of ranks of the two workers
+(`head_slices`): rank 0 receives its own parts into buffers the ledger holds, the other ranks
+receive theirs and report when they landed; a piece has landed when every part has.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from pdserve.transfer.head_slices import LinkPart
 
 
 @dataclass(frozen=True)
@@ -45,21 +51,39 @@ class PageSpan:
 @dataclass
 class OutgoingPiece:
     """A gathered piece on its way out. `ready` is recorded on the producing CUDA stream
-    after `data` was written (None: written already, e.g. on the CPU); the data plane orders
-    the send after it."""
+    after its bytes were written (None: written already, e.g. on the CPU); the data plane
+    orders the sends after it.
 
-    span: PageSpan
-    data: torch.Tensor
+    `data`: the piece whole (tcp). Per-rank-pair links instead: `sends`, rank 0's parts by
+    the decode rank they go to; `remote`, how many parts the other ranks posted already (the
+    piece must then be announced, so that the peer posts their receives); `nbytes`, the
+    piece's bytes as one rank with every head holds them (what the ledgers count)."""
+
+    span: PageSpan | None
+    data: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
+    sends: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    remote: int = 0
+    nbytes: int = -1
+
+    def __post_init__(self) -> None:
+        if self.nbytes < 0:
+            self.nbytes = self.data.numel()
 
 
 @dataclass
 class _Incoming:
     span: PageSpan
-    buffer: torch.Tensor | None  # None once given back
-    received: int = 0  # bytes landed (tcp: chunk by chunk; torch.distributed: all at once)
-    # A posted receive may still write the buffer: whoever posted it gives it back.
-    in_flight: bool = False
+    # Rank 0's buffers, by the prefill rank they come from (tcp: one, from 0); a buffer is
+    # gone once given back.
+    buffers: dict[int, torch.Tensor]
+    nbytes: int
+    waiting: set[tuple[int, int]]  # parts (prefill rank, decode rank) not landed yet
+    parts: list[LinkPart] | None = None  # torch.distributed: the piece's parts
+    received: int = 0  # bytes landed (tcp, chunk by chunk)
+    # Prefill ranks whose receive into `buffers` is posted and not done: whoever posted it
+    # gives that buffer back.
+    in_flight: set[int] = field(default_factory=set)
 
 
 class PieceLedger:
@@ -119,51 +143,100 @@ class PieceLedger:
     ) -> None:
         """Record a piece `check` accepted, with the buffer its bytes land in (`in_flight`: a
         receive into it is posted; `landed` ends that)."""
+        waiting = {(0, 0)}
+        self._add(index, _Incoming(span, {0: buffer}, buffer.numel(), waiting))
+        if in_flight:
+            self.pieces[index].in_flight.add(0)
+
+    def add_parts(
+        self,
+        index: int,
+        span: PageSpan,
+        parts: list[LinkPart],
+        buffers: dict[int, torch.Tensor],
+    ) -> None:
+        """Record a piece `check` accepted that travels in `parts`, rank 0's landing in
+        `buffers` (by prefill rank; receives into them are posted: `part_landed` ends each)."""
+        nbytes = span.nbytes(self.page_bytes)
+        waiting = {(part.src, part.dst) for part in parts}
+        self._add(index, _Incoming(span, dict(buffers), nbytes, waiting, parts, 0, set(buffers)))
+
+    def _add(self, index: int, piece: _Incoming) -> None:
+        span = piece.span
         for covered, first, count in (
             (self._covered[0], span.first, span.count),
             (self._covered[1], span.draft_first, span.draft_count),
         ):
             covered[first : first + count] = b"\x01" * count
-        self.pieces[index] = _Incoming(span, buffer, in_flight=in_flight)
-        self.announced_bytes += buffer.numel()
+        self.pieces[index] = piece
+        self.announced_bytes += piece.nbytes
 
     def chunk_target(self, index: int, offset: int, nbytes: int) -> torch.Tensor | str:
         """Where a tcp chunk of piece `index` goes (its slice of the piece's buffer), or what
         is wrong with it: chunks of a piece come in order and fill it exactly."""
         piece = self.pieces.get(index)
-        if piece is None or piece.buffer is None:
+        buffer = None if piece is None or piece.parts else piece.buffers.get(0)
+        if buffer is None:
             return f"KV chunk for piece {index}, which was not announced"
-        size = piece.buffer.numel()
+        size = buffer.numel()
         if offset != piece.received or nbytes <= 0 or offset + nbytes > size:
             return (
                 f"bad KV chunk for piece {index} (offset {offset}, {nbytes} bytes; expected "
                 f"offset {piece.received} of {size})"
             )
-        return piece.buffer[offset : offset + nbytes]
+        return buffer[offset : offset + nbytes]
 
     def landed(self, index: int, nbytes: int) -> None:
-        """`nbytes` more of piece `index` arrived."""
+        """`nbytes` more of piece `index` arrived (tcp)."""
         piece = self.pieces[index]
         piece.received += nbytes
-        piece.in_flight = False
+        piece.in_flight.clear()
         self.landed_bytes += nbytes
+        if piece.received == piece.nbytes:
+            piece.waiting.clear()
+
+    def part_landed(self, index: int, src: int, dst: int) -> bool:
+        """Part (src, dst) of piece `index` landed (torch.distributed); False if the piece
+        has no such part waiting (nothing changes)."""
+        piece = self.pieces.get(index)
+        if piece is None or (src, dst) not in piece.waiting:
+            return False
+        piece.waiting.discard((src, dst))
+        if dst == 0:
+            piece.in_flight.discard(src)
+        if not piece.waiting:
+            piece.received = piece.nbytes
+            self.landed_bytes += piece.nbytes
+        return True
+
+    @property
+    def has_remote_parts(self) -> bool:
+        """Parts of some piece went to ranks other than 0."""
+        return any(p.parts and any(part.dst for part in p.parts) for p in self.pieces.values())
 
     @property
     def complete(self) -> bool:
         """Every page covered once, and every byte landed."""
         return self.announced_bytes == self.expected_bytes == self.landed_bytes
 
-    def scatter(self, stager, pages: list[int], draft_pages: list[int]) -> None:
-        """Write every piece into its pages (the room is complete)."""
+    def scatter(self, stager, room: int, pages: list[int], draft_pages: list[int]) -> None:
+        """Write every piece into its pages (the room is complete): whole pieces through
+        `stager.scatter`, pieces in parts through `stager.commit_parts` (every rank's)."""
         num_pools = len(stager.pools)
-        for piece in self.pieces.values():
-            stager.scatter(piece.span.page_lists(pages, draft_pages, num_pools), piece.buffer)
+        in_parts = []
+        for index, piece in self.pieces.items():
+            lists = piece.span.page_lists(pages, draft_pages, num_pools)
+            if piece.parts is None:
+                stager.scatter(lists, piece.buffers[0])
+            else:
+                in_parts.append((index, lists, piece.buffers, piece.parts))
+        if in_parts:
+            stager.commit_parts(room, in_parts)
 
     def buffers(self) -> list[torch.Tensor]:
         """Take every buffer held and not in flight (to give back)."""
         taken = []
         for piece in self.pieces.values():
-            if piece.buffer is not None and not piece.in_flight:
-                taken.append(piece.buffer)
-                piece.buffer = None
+            for src in [s for s in piece.buffers if s not in piece.in_flight]:
+                taken.append(piece.buffers.pop(src))
         return taken

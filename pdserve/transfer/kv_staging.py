@@ -63,6 +63,15 @@ class KVStager:
         for pool, ids, part in self._parts(page_ids, buffer):
             _rows(pool).index_copy_(1, self._index(pool, ids), part)
 
+    def commit_parts(self, room: int, pieces: list) -> None:
+        """Pieces that came over torch.distributed links (`kv_piece.PieceLedger.scatter`):
+        between workers without tensor parallelism, each is one part, from prefill rank 0 to
+        decode rank 0, laid out as `gather` lays out a piece."""
+        for _, page_ids, buffers, parts in pieces:
+            if [(part.src, part.dst) for part in parts] != [(0, 0)] or parts[0].first_head:
+                raise StagingError(f"room {room}: a piece in parts from several ranks")
+            self.scatter(page_ids, buffers[0])
+
     def _parts(self, page_ids: list[list[int]], flat: torch.Tensor):
         offset = 0
         for pool, ids, size in zip(self.pools, page_ids, self.page_bytes, strict=True):

@@ -28,7 +28,7 @@ from pdserve.protocol.transfer_messages import (
 )
 from pdserve.transfer import peer_auth
 from pdserve.transfer.endpoint import Peer
-from pdserve.transfer.handshake import layout_mismatches
+from pdserve.transfer.handshake import layout_mismatches, tp_mismatch
 from pdserve.transfer.outbox import Outbox
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,8 @@ class DecodePeers:
         peer = DecodePeer(identity, outbox, decode_nonce=msg.nonce, prefill_nonce=nonce)
         self.peers[identity] = peer
         proof = peer_auth.prefill_proof(self.config.auth_token, msg.nonce, nonce)
-        self._reply(identity, HelloReply(self.prefill_id, self.instance, nonce, proof))
+        reply = HelloReply(self.prefill_id, self.instance, nonce, proof, tp_size=self.tp_size)
+        self._reply(identity, reply)
 
     def _make_room_for_a_peer(self) -> bool:
         """At the peer limit, forget the oldest connection that has not registered."""
@@ -112,6 +113,8 @@ class DecodePeers:
             reason = f"transfer backend: prefill {self.config.backend!r} != decode {msg.backend!r}"
         else:
             reason = "; ".join(layout_mismatches(self.layout, msg.layout)) or None
+            if reason is None and self.config.backend != "tcp":
+                reason = tp_mismatch(self.layout.num_kv_heads, msg.tp_size, "decode")
         if reason is not None:
             self.bad_messages.warning("rejected decode peer %s: %s", msg.decode_id, reason)
             self._reply(peer.key, RegisterRejected(reason))
@@ -121,6 +124,6 @@ class DecodePeers:
             else:
                 del self.peers[peer.key]
             return
-        peer.name, peer.registered = msg.decode_id, True
+        peer.name, peer.registered, peer.tp_size = msg.decode_id, True, msg.tp_size
         self._reply(peer.key, RegisterAck(self.prefill_id, self.instance))
         self.plane.registered(peer, msg)

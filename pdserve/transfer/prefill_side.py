@@ -40,6 +40,7 @@ from pdserve.transfer.endpoint import Endpoint, Peer
 from pdserve.transfer.kv_piece import OutgoingPiece
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.prefill_peers import DecodePeers
+from pdserve.transfer.rank_fanout import RankFanout
 from pdserve.transfer.room_state import RoomState
 from pdserve.transfer.sender_room import SenderRoom
 from pdserve.transfer.staged_sends import StagedSends
@@ -66,11 +67,14 @@ class PrefillTransferServer(DecodePeers, Endpoint):
         device: torch.device | None = None,
         max_room_pages: int = DEFAULT_MAX_ROOM_PAGES,
         source_device: torch.device | None = None,
+        tp_size: int = 1,
     ):
         """device: where KV pieces live when sent (the GPU for nccl; CPU for tcp and gloo).
         max_room_pages: the most pages one room can need (bounds a transfer request).
         source_device: where the KV is computed; a GPU's pieces sent from the CPU are copied
-        without blocking, and sent once their `ready` event completed."""
+        without blocking, and sent once their `ready` event completed.
+        tp_size: this worker's tensor-parallel size; over torch.distributed each rank sends
+        its own KV heads (`head_slices`, `rank_fanout`)."""
         super().__init__(config, prefill_id, metrics)
         self.layout = layout
         self.metadata_spec = metadata_spec
@@ -79,10 +83,15 @@ class PrefillTransferServer(DecodePeers, Endpoint):
         self.instance = secrets.randbits(63)
         self.max_room_pages = max_room_pages
         self.port: int | None = None
+        self.tp_size = tp_size
+        self.fanout = None
         if config.backend == "tcp":
             self.plane = TcpPlane(self)
         else:
-            self.plane = DistSendPlane(self, device or torch.device("cpu"))
+            if tp_size > 1:
+                host = config.bootstrap_host
+                self.fanout = RankFanout(tp_size, self.context, host, self.doorbell)
+            self.plane = DistSendPlane(self, device or torch.device("cpu"), self.fanout)
         staged = (device or torch.device("cpu")).type == "cpu" and (
             source_device is not None and source_device.type == "cuda"
         )
@@ -102,6 +111,8 @@ class PrefillTransferServer(DecodePeers, Endpoint):
             self.channel.bind(f"tcp://{host}:{port}")
             self.port = port
         self.io.poller.register(self.channel.socket, zmq.POLLIN)
+        if self.fanout is not None:
+            self.io.poller.register(self.fanout.reports.socket, zmq.POLLIN)
         self.io.start(self._on_socket, self.tick, tick_s=0.05)
         return self.port
 
@@ -149,6 +160,9 @@ class PrefillTransferServer(DecodePeers, Endpoint):
         return self.channel.frames(msg, *payload, to=peer.key)
 
     def _on_socket(self, socket: zmq.Socket) -> None:
+        if self.fanout is not None and socket is self.fanout.reports.socket:
+            self.plane.on_reports()
+            return
         while True:
             try:
                 received = self.channel.receive(zmq.NOBLOCK)
@@ -237,17 +251,21 @@ class PrefillTransferServer(DecodePeers, Endpoint):
         )
 
     def send_piece(self, room: SenderRoom, piece: OutgoingPiece) -> None:
-        if room.done:
-            return
-        index = room.begin_piece()
+        index = "the room ended" if room.done else room.begin_piece()
         if isinstance(index, str):
-            self.fail_room(room, FailureKind.INTERNAL, index, notify=True)
+            if not room.done:
+                self.fail_room(room, FailureKind.INTERNAL, index, notify=True)
+            if piece.remote and room.peer is not None:
+                # NOTE: the other ranks posted their parts already: decode must post the
+                # matching receives (into scratch), or each link's order breaks.
+                room.pieces_sent += 1
+                self.plane.send_piece(room, piece, room.pieces_sent - 1)
             return
         if piece.span is None:
             piece.span = room.whole()
         if self.plane.send_piece(room, piece, index):
             self.metrics.pieces_sent += 1
-            room.bytes_sent += piece.data.numel()
+            room.bytes_sent += piece.nbytes
             room.stamps.setdefault("first_piece_sent", time.monotonic())
 
     def finish_room(self, room: SenderRoom, header, payload: bytes) -> None:

@@ -13,6 +13,7 @@ import torch
 from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.transfer_messages import KVPiece
 from pdserve.transfer.buffer_pool import BufferPool
+from pdserve.transfer.head_slices import LinkPart
 from pdserve.transfer.kv_piece import PageSpan, PieceLedger
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metadata import MetadataRecord
@@ -73,7 +74,7 @@ class ReceiverRoom(Room):
         if self._state.state is not TransferState.SUCCESS or not self._pieces.complete:
             raise RuntimeError(f"room {self.room} cannot commit in {self._state.state.name}")
         self.stamps["commit_start"] = time.monotonic()
-        self._pieces.scatter(stager, self.page_ids, self.draft_page_ids)
+        self._pieces.scatter(stager, self.room, self.page_ids, self.draft_page_ids)
         for buffer in self._pieces.buffers():
             self._buffers.give(buffer)
         self.stamps["commit_queued"] = time.monotonic()
@@ -112,6 +113,27 @@ class ReceiverRoom(Room):
         self._progress()
         return buffer
 
+    def on_parts(
+        self, msg: KVPiece, parts: list[LinkPart], sizes: list[int], writer=None
+    ) -> dict[int, torch.Tensor] | str:
+        """A piece was announced that travels in `parts` (per-rank-pair links; `sizes` their
+        bytes): rank 0's buffers by prefill rank (receives into them are about to be posted
+        on the CUDA stream `writer`), or what is wrong with it. NOTE: checked against our own
+        reservation before a byte is allocated."""
+        span = PageSpan(msg.first_page, msg.num_pages, msg.first_draft_page, msg.num_draft_pages)
+        problem = self._pieces.check(msg.index, span, msg.nbytes)
+        if problem is not None:
+            return problem
+        buffers = {
+            part.src: self._buffers.take(size, writer=writer)
+            for part, size in zip(parts, sizes, strict=True)
+            if part.dst == 0
+        }
+        self._pieces.add_parts(msg.index, span, parts, buffers)
+        self.stamps.setdefault("first_piece", time.monotonic())
+        self._progress()
+        return buffers
+
     def on_chunk(self, piece: int, offset: int, nbytes: int, data: memoryview | None) -> str | None:
         """Copy a KV chunk (tcp) into its piece; what is wrong with it, if anything."""
         size = len(data) if data is not None else -1
@@ -126,11 +148,17 @@ class ReceiverRoom(Room):
         self._progress()
         return None
 
-    def on_landed(self, piece: int, nbytes: int) -> None:
-        """A posted receive of piece `piece` completed (torch.distributed)."""
-        self._pieces.landed(piece, nbytes)
-        self.stamps["last_landed"] = time.monotonic()
-        self._progress()
+    def on_part_landed(self, piece: int, src: int, dst: int) -> None:
+        """Part (src, dst) of piece `piece` landed (torch.distributed): here, or on rank
+        `dst`, which reported it."""
+        if self._pieces.part_landed(piece, src, dst):
+            self.stamps["last_landed"] = time.monotonic()
+            self._progress()
+
+    @property
+    def has_remote_parts(self) -> bool:
+        """Ranks other than 0 received parts of this room (they hold them until told)."""
+        return self._pieces.has_remote_parts
 
     def on_metadata(self, record: MetadataRecord) -> None:
         self.metadata = record

@@ -54,11 +54,12 @@ class SenderRoom(Room):
         """Send one piece of the room's KV (flat uint8 from `KVStager.gather`: on the CPU for
         tcp and gloo, on the GPU for nccl). Pieces go out in the order given."""
         wanted = "cpu" if self._server.config.backend in ("tcp", "gloo") else "cuda"
-        data = piece.data
-        if data.dtype != torch.uint8 or data.device.type != wanted or not data.is_contiguous():
-            raise ValueError(
-                f"a KV piece must be a contiguous uint8 buffer on {wanted} (see KVStager.gather)"
-            )
+        buffers = [piece.data] if piece.data is not None else [data for _, data in piece.sends]
+        for data in buffers:
+            if data.dtype != torch.uint8 or data.device.type != wanted or not data.is_contiguous():
+                raise ValueError(
+                    f"a KV piece must be contiguous uint8 buffers on {wanted} (see KVStager.gather)"
+                )
         self.stamps.setdefault("first_piece_called", time.monotonic())
         self._server.submit(self, lambda: self._server.send_piece(self, piece), piece.ready)
 

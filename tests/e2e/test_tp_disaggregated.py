@@ -1,6 +1,7 @@
 """Tensor-parallel prefill and decode workers of different sizes behind the router (real
-processes on loopback, gloo between each worker's ranks): a prefill worker at TP 2 hands its
-KV to a decode worker at TP 1 and the answer is colocated TP 1's, token for token. A prefill
+processes on loopback, gloo between each worker's ranks and for the KV): a prefill worker at
+TP 2 hands its KV to a decode worker at TP 1, each prefill rank its own KV heads over its own
+link, and the answer is colocated TP 1's, token for token. A prefill
 rank killed mid-prefill fails the request within the deadline, every page is freed on both
 workers, and the prefill worker's restarted engine (ranks and all) serves again."""
 
@@ -38,6 +39,7 @@ def test_prefill_tp2_to_decode_tp1_and_a_dead_prefill_rank(tiny_model_dirs):
         expected = [o.token_ids for o in llm.generate(list(PROMPTS), greedy)]
     cluster = start_cluster(
         model,
+        backend="gloo",
         worker_args=FAST_FAILURE,
         prefill_args=("--tp-size", "2", "--chunked-prefill-size", "1"),
         router_args=("--request-timeout", "60"),

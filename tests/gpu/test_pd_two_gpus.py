@@ -140,23 +140,29 @@ def test_seeded_fanout_with_logprobs_equals_colocated(two_gpus, stream):
 
 
 @pytest.mark.parametrize(
-    ("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["prefill-tp2", "decode-tp2"]
+    ("prefill_tp", "decode_tp"),
+    [(2, 1), (1, 2), (2, 2)],
+    ids=["prefill-tp2", "decode-tp2", "both-tp2"],
 )
 def test_nccl_handoff_across_tp_sizes_equals_colocated(prefill_tp, decode_tp, tiny_model_dirs):
-    """A TP 2 worker on cuda:0 + cuda:1 and a TP 1 worker on cuda:1, either way round: the
-    pair's NCCL group joins the TP 1 worker and the TP 2 worker's rank 0 (cuda:0); the KV of
-    both ranks travels through it."""
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
+    """A TP 2 worker and a TP 1 or TP 2 worker on GPUs of their own, either way round: each
+    prefill rank sends its KV heads to the decode ranks that hold them over NCCL links of
+    their own (two processes on one GPU cannot share an NCCL group, so the workers need
+    `prefill_tp + decode_tp` GPUs: run on nvidia-h100-x4)."""
+    if torch.cuda.device_count() < prefill_tp + decode_tp:
+        pytest.skip(f"needs {prefill_tp + decode_tp} GPUs (run on nvidia-h100-x4)")
     model = tiny_model_dirs("qwen3")
-    placement = {2: ("--device", "cuda:0", "--tp-size", "2"), 1: ("--device", "cuda:1")}
+
+    def placement(first: int, size: int) -> tuple[str, ...]:
+        return ("--device", f"cuda:{first}", "--tp-size", str(size))
+
     colocated = LocalServer(["serve", "--model-path", model, "--device", "cuda:0", *ENGINE])
     pending = begin_cluster(
         model,
         backend="nccl",
         worker_args=ENGINE,
-        prefill_args=placement[prefill_tp],
-        decode_args=placement[decode_tp],
+        prefill_args=placement(0, prefill_tp),
+        decode_args=placement(prefill_tp, decode_tp),
     )
     cluster = None
     try:

@@ -8,17 +8,20 @@ rank that died fails the room, names the rank, and leaves no page held on either
 from __future__ import annotations
 
 import signal
+from collections import Counter
 
 import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.decode.handoff import DecodeHandoff
+from pdserve.disagg import rank_worker
 from pdserve.disagg.tensor_parallel_stager import TensorParallelStager
 from pdserve.engine.tiny_model import make_tiny_model
 from pdserve.prefill.handoff import PrefillHandoff
 from pdserve.protocol.spec_settings import SpecSettings
 from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.head_slices import head_slices
 from pdserve.transfer.kv_staging import StagingError
 from tests.conftest import random_prompts
 from tests.unit.test_handoffs import boot, drive, finished, generate, tokens
@@ -78,8 +81,10 @@ def run_rooms(prefill, decode, prompts, deadline_s=90.0) -> dict:
 
 
 def pair(model, prefill_tp, decode_tp, backend, piece_bytes=None, **options):
-    """A prefill and a decode handoff over engines at these TP sizes."""
+    """A prefill and a decode handoff over engines at these TP sizes (their other ranks with
+    KV links of their own, as the worker factories start them)."""
     config = transfer_config(backend, piece_bytes)
+    options = {"rank_worker_module": rank_worker.__name__, **options}
     prefill = PrefillHandoff(LLM(model, tp_size=prefill_tp, **OPTIONS, **options).engine, config)
     decode = DecodeHandoff(LLM(model, tp_size=decode_tp, **OPTIONS, **options).engine, config)
     return prefill, decode
@@ -94,13 +99,18 @@ def close(*handoffs) -> None:
 @pytest.mark.parametrize(
     ("backend", "prefill_tp", "decode_tp", "kv_heads", "piece_bytes"),
     [
+        # tcp: the KV goes through each worker's rank 0.
         ("tcp", 2, 1, 4, None),
-        ("tcp", 1, 2, 4, None),
-        ("gloo", 2, 2, 4, None),
         # TP 4 over 2 KV heads: each head on two prefill ranks, sent once.
         ("tcp", 4, 2, 2, None),
-        # A piece after every chunk: gathers between prefill steps, while ranks compute.
-        ("tcp", 2, 1, 4, 1),
+        # gloo: each rank sends or receives its own heads over links of its own.
+        ("gloo", 2, 1, 4, None),
+        ("gloo", 1, 2, 4, None),
+        ("gloo", 2, 2, 4, None),
+        # 2 KV heads: replicated on decode's 4 ranks, each from one of prefill's 2.
+        ("gloo", 2, 4, 2, None),
+        # A piece after every chunk: every rank gathers between prefill steps.
+        ("gloo", 2, 1, 4, 1),
     ],
 )
 def test_pd_across_tp_sizes_equals_colocated_tp1(
@@ -120,6 +130,14 @@ def test_pd_across_tp_sizes_equals_colocated_tp1(
             assert outputs[f"d{i}"][-1].failure is None
         if piece_bytes:
             assert prefill.metrics.pieces_sent > len(prompts)  # the long prompts streamed
+        if backend == "gloo":
+            # Every pair of ranks in the plan moved KV over its own link, and no other did.
+            plan = {(s.src, s.dst) for s in head_slices(kv_heads, prefill_tp, decode_tp)}
+            sent = prefill.server.plane.bytes_by_link
+            received = decode.client.plane.bytes_by_link
+            assert set(sent) == plan and all(sent.values())
+            assert {(src, dst) for dst, src in received} == plan
+            assert sent == Counter({(src, dst): n for (dst, src), n in received.items()})
         assert prefill.engine.kv_pages_in_use == 0
         assert decode.engine.kv_pages_in_use == 0
     finally:
@@ -180,9 +198,10 @@ def test_speculative_state_travels_across_tp_sizes(
         close(prefill, decode)
 
 
-def test_a_dead_decode_rank_fails_the_room_and_frees_both_sides(models):
+@pytest.mark.parametrize("backend", ["tcp", "gloo"])
+def test_a_dead_decode_rank_fails_the_room_and_frees_both_sides(backend, models):
     model = models(4)
-    prefill, decode = pair(model, 1, 2, "tcp")
+    prefill, decode = pair(model, 1, 2, backend)
     try:
         rank = decode.engine.ranks.processes[0]
         rank.send_signal(signal.SIGKILL)
