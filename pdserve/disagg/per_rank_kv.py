@@ -85,13 +85,13 @@ class PerRankKV:
     ) -> None:
         """Write a complete room's pieces into their pages: rank 0's parts (`buffers`, by
         prefill rank) here, the other ranks' by telling them."""
-        orders: dict[int, tuple[list[int], list[list[int]], int]] = {}
+        orders: dict[int, tuple[list[int], list[list[int]]]] = {}  # rank -> pieces, pages
         for index, page_ids, buffers, parts in pieces:
             pages, draft = page_ids[0], page_ids[1] if len(page_ids) > 1 else []
             page_index(self.pool, pages)
             for part in parts:
                 if part.dst != 0:
-                    indices, page_lists, _ = orders.setdefault(part.dst, ([], [], 0))
+                    indices, page_lists = orders.setdefault(part.dst, ([], []))
                     if not indices or indices[-1] != index:
                         indices.append(index)
                         page_lists.append(pages)
@@ -109,6 +109,6 @@ class PerRankKV:
         per_piece = {}
         for part in pieces[0][3]:
             per_piece[part.dst] = per_piece.get(part.dst, 0) + 1
-        for rank, (indices, page_lists, _) in orders.items():
+        for rank, (indices, page_lists) in orders.items():
             flat, counts = flatten(page_lists)
             self.ranks.send_to(rank, RankCommitSlices(room, indices, flat, counts, per_piece[rank]))

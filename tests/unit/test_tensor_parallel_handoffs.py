@@ -167,10 +167,16 @@ def test_scatter_then_gather_gives_back_every_head(size, kv_heads, models):
 
 
 @pytest.mark.parametrize(
-    ("algorithm", "prefill_tp", "decode_tp"), [("STANDALONE", 2, 1), ("EAGLE3", 1, 2)]
+    ("algorithm", "prefill_tp", "decode_tp", "backend"),
+    [
+        ("STANDALONE", 2, 1, "tcp"),
+        ("EAGLE3", 1, 2, "tcp"),
+        # The draft's KV rides with the rank 0s' part of each piece.
+        ("STANDALONE", 2, 2, "gloo"),
+    ],
 )
 def test_speculative_state_travels_across_tp_sizes(
-    algorithm, prefill_tp, decode_tp, spec_drafts, tiny_model_dirs
+    algorithm, prefill_tp, decode_tp, backend, spec_drafts, tiny_model_dirs
 ):
     """Drafts run on rank 0 alone: their KV travels after the target's heads (every head),
     EAGLE-3's hidden state in the metadata record, and decode at another TP size drafts from
@@ -185,7 +191,7 @@ def test_speculative_state_travels_across_tp_sizes(
         eagle_topk=1,
         num_draft_tokens=4,
     )
-    prefill, decode = pair(model, prefill_tp, decode_tp, "tcp", speculative=settings)
+    prefill, decode = pair(model, prefill_tp, decode_tp, backend, speculative=settings)
     try:
         assert len(prefill.transfer.stager.pools) == 2  # target and draft KV move
         outputs = run_rooms(prefill, decode, prompts)
