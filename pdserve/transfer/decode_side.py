@@ -28,7 +28,7 @@ from pdserve.protocol.transfer_messages import (
 from pdserve.transfer.buffer_pool import BufferPool
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.decode_peers import PrefillPeers
-from pdserve.transfer.dist_plane import DistReceivePlane
+from pdserve.transfer.dist_receive_plane import DistReceivePlane
 from pdserve.transfer.endpoint import Endpoint
 from pdserve.transfer.metadata import MetadataMismatch, MetadataRecord
 from pdserve.transfer.metrics import TransferMetrics
