@@ -66,6 +66,7 @@ class DecodeHandoff(DisaggHandoff):
             self.metrics,
             device=receive_device,
             tp_size=engine.config.tp_size,
+            ranks_host=self.ranks_host(),
         )
         self.client.start()
         self.start_rank_links(self.client, "decode")

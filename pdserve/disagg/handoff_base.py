@@ -44,6 +44,11 @@ class DisaggHandoff(Handoff):
         self.ended = Tombstones(config.tombstone_ttl_s)
         self._fanout = None  # the endpoint's orders for the other ranks (`start_rank_links`)
 
+    def ranks_host(self) -> str:
+        """Where this worker's other ranks reach rank 0: loopback, unless they span nodes
+        (then this node's reachable address; such a worker belongs on a private network)."""
+        return "127.0.0.1" if self.engine.config.nnodes == 1 else self.config.bootstrap_host
+
     def start_rank_links(self, endpoint, side: str) -> None:
         """A tensor-parallel worker over torch.distributed: every rank opens its own links
         (`pdserve.disagg.rank_links`), reporting to the endpoint."""

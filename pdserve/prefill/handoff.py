@@ -75,6 +75,7 @@ class PrefillHandoff(DisaggHandoff):
                 engine.kv_tokens_for_transfer(engine.max_model_len), engine.config.page_size
             ),
             tp_size=engine.config.tp_size,
+            ranks_host=self.ranks_host(),
         )
         self.bootstrap_port = self.server.start()
         self.start_rank_links(self.server, "prefill")

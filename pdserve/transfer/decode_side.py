@@ -52,11 +52,13 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         metrics: TransferMetrics | None = None,
         device: torch.device | None = None,
         tp_size: int = 1,
+        ranks_host: str = "127.0.0.1",
     ):
         """page_bytes: bytes per page of the target pool with every KV head (and the draft
         pool if any). device: where received KV is staged (the GPU for nccl; CPU for tcp and
         gloo). tp_size: this worker's tensor-parallel size; over torch.distributed each rank
-        receives its own KV heads (`head_slices`, `rank_fanout`)."""
+        receives its own KV heads (`head_slices`, `rank_fanout`), reporting to rank 0 at
+        `ranks_host` (loopback unless the worker's ranks span nodes)."""
         super().__init__(config, decode_id, metrics)
         self.layout = layout
         self.metadata_spec = metadata_spec
@@ -72,8 +74,7 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
             self.plane = TcpPlane(self)
         else:
             if tp_size > 1:
-                host = config.bootstrap_host
-                self.fanout = RankFanout(tp_size, self.context, host, self.doorbell)
+                self.fanout = RankFanout(tp_size, self.context, ranks_host, self.doorbell)
             self.plane = DistReceivePlane(self, self.device, self.fanout)
 
     def start(self) -> None:

@@ -68,13 +68,15 @@ class PrefillTransferServer(DecodePeers, Endpoint):
         max_room_pages: int = DEFAULT_MAX_ROOM_PAGES,
         source_device: torch.device | None = None,
         tp_size: int = 1,
+        ranks_host: str = "127.0.0.1",
     ):
         """device: where KV pieces live when sent (the GPU for nccl; CPU for tcp and gloo).
         max_room_pages: the most pages one room can need (bounds a transfer request).
         source_device: where the KV is computed; a GPU's pieces sent from the CPU are copied
         without blocking, and sent once their `ready` event completed.
         tp_size: this worker's tensor-parallel size; over torch.distributed each rank sends
-        its own KV heads (`head_slices`, `rank_fanout`)."""
+        its own KV heads (`head_slices`, `rank_fanout`), reporting to rank 0 at `ranks_host`
+        (loopback unless the worker's ranks span nodes)."""
         super().__init__(config, prefill_id, metrics)
         self.layout = layout
         self.metadata_spec = metadata_spec
@@ -89,8 +91,7 @@ class PrefillTransferServer(DecodePeers, Endpoint):
             self.plane = TcpPlane(self)
         else:
             if tp_size > 1:
-                host = config.bootstrap_host
-                self.fanout = RankFanout(tp_size, self.context, host, self.doorbell)
+                self.fanout = RankFanout(tp_size, self.context, ranks_host, self.doorbell)
             self.plane = DistSendPlane(self, device or torch.device("cpu"), self.fanout)
         staged = (device or torch.device("cpu")).type == "cpu" and (
             source_device is not None and source_device.type == "cuda"
