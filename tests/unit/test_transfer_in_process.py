@@ -13,6 +13,7 @@ from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.protocol.transfer_messages import KVChunk, KVPiece, RoomDone, TransferRequest
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.decode_side import DecodeTransferClient
+from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.prefill_side import PrefillTransferServer
 from pdserve.transfer.room_state import TransferState
@@ -158,6 +159,38 @@ def test_gloo_receive_posted_for_an_aborted_room_keeps_the_pair_in_order():
         later = Case(room=12, prefill_pages=(19, 0, 4))
         _, receiver12 = pair.transfer(later)
         receiver12.commit(stager)
+        source = pools(later, 20, seed=later.room)[0]
+        assert torch.equal(source.storage[:, :, [19, 0, 4]], target[0].storage[:, :, [0, 7, 3]])
+    finally:
+        client.stop()
+        server.stop()
+
+
+def test_a_piece_other_ranks_sent_is_announced_even_after_its_room_failed():
+    """With per-rank-pair links the other ranks post their parts of a piece before rank 0's
+    IO thread sees it: if the room failed meanwhile, the piece must still be announced (and
+    rank 0's parts sent), so that decode posts every link's receives (into scratch) and the
+    next room's bytes land where they belong."""
+    import dataclasses
+
+    pair = start_pair(dataclasses.replace(CONFIG, backend="gloo"))
+    server, client, target, stager = pair.server, pair.client, pair.target, pair.stager
+    try:
+        pair.transfer(Case(room=20))  # the link is up
+        sent_before = server.metrics.bytes_sent
+        sender = server.sender(21)
+        client.receiver(21, "127.0.0.1", server.port, [1, 2, 3])
+        wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, "the request", 10)
+        kv = KVStager(pools(Case(room=21), 20, seed=21)).gather([[5, 2, 9]])
+        # As `PerRankKV.gather_piece` makes it when another rank sent a part already.
+        piece = OutgoingPiece(PageSpan(0, 3), sends=[(0, kv)], remote=1, nbytes=kv.numel())
+        sender.abort(FailureKind.INTERNAL, "prefill failed")  # runs first on the IO thread
+        sender.send_piece(piece)
+        wait_until(lambda: sender.poll() is TransferState.FAILED, "the failure", 10)
+        wait_until(lambda: server.metrics.bytes_sent == sent_before + kv.numel(), "the send", 10)
+        later = Case(room=22, prefill_pages=(19, 0, 4))
+        _, receiver22 = pair.transfer(later)
+        receiver22.commit(stager)
         source = pools(later, 20, seed=later.room)[0]
         assert torch.equal(source.storage[:, :, [19, 0, 4]], target[0].storage[:, :, [0, 7, 3]])
     finally:
