@@ -1,4 +1,5 @@
-"""A tensor-parallel worker's rank 0 staging a handoff's KV: `KVStager`'s interface over the
+"""A tensor-parallel worker's rank 0 staging a handoff's KV over tcp (nccl and gloo move each
+rank's heads on links of its own: `per_rank_kv`): `KVStager`'s interface over the
 pages of every rank, in the layout of one rank with every KV head
 (`pdserve.engine.tensor_parallel_kv` says why and how), so that the transfer layer, the
 prefill and decode handoffs and the peer at any TP size see a TP 1 worker's pages."""

@@ -1,5 +1,6 @@
-"""A tensor-parallel worker's KV pages as a handoff moves them: in the layout of one rank that
-holds every KV head, whatever the worker's TP size.
+"""A tensor-parallel worker's KV pages as a handoff over tcp moves them: in the layout of one
+rank that holds every KV head, whatever the worker's TP size. (Over nccl and gloo each rank
+moves its own heads instead: `pdserve.disagg.per_rank_kv`.)
 
 Each rank's pool holds its KV heads of every page (`tensor_parallel.py`): `[2, layers, pages,
 page_size, kv_heads / size, head_dim]`, or one replicated head when the model has fewer KV
@@ -15,7 +16,7 @@ rank's):
   on every rank).
 
 NOTE: the KV crosses the group once more on each side (through rank 0's GPU), and a pair's KV
-travels over rank 0's link alone; per-rank-pair links would skip both.
+travels over rank 0's connection alone; with tcp the host copies cost more than both.
 
 Rank 0 announces each gather and scatter to the other ranks first (`RankGatherKV`,
 `RankScatterKV`, in order with the passes), as it announces forward passes; a failure inside
