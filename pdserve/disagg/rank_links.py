@@ -124,17 +124,27 @@ class RankLinks:
 
     def _start(self, msg: RankTransferStart) -> None:
         """(Again, for a new handoff over the same engine: the old links and parts go.)"""
-        if self.links is not None:
-            self.links.close()
-            self._drop(lambda key: True)
-            self._peer_ranks.clear()
-            self._reports.close()
+        self.close()
         device = self.pool.device if msg.backend == "nccl" else torch.device("cpu")
         self.links = DistLinks(msg.backend, msg.side, msg.timeout_s, device, msg.local_host)
         self.timeout_s = msg.timeout_s
         self._buffers = BufferPool(device)
-        self._reports = Channel(zmq.Context(), zmq.PUSH, send_timeout_ms=REPORT_TIMEOUT_MS)
+        self._context = zmq.Context()
+        self._reports = Channel(self._context, zmq.PUSH, send_timeout_ms=REPORT_TIMEOUT_MS)
         self._reports.connect(msg.reports)
+
+    def close(self) -> None:
+        """Close every link (transfers in flight fail) and the report socket; what landed
+        is dropped."""
+        if self.links is None:
+            return
+        self.links.close()
+        self._drop(lambda key: True)
+        self._peer_ranks.clear()
+        with self._report_lock:
+            self._reports.close()
+        self._context.term()
+        self.links = None
 
     def _connect(self, msg: RankLinkConnect) -> None:
         self._peer_ranks.setdefault(msg.link, set()).add(msg.peer_rank)
