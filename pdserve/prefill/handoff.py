@@ -232,6 +232,7 @@ class PrefillHandoff(DisaggHandoff):
         stager = self.transfer.stager
         page_ids = span.page_lists(pages, pages, len(stager.pools))
         if isinstance(stager, PerRankKV):
+            self.send_rank_orders()  # NOTE: the ranks' links to this peer are asked for first
             sends, remote = stager.gather_piece(sender.peer.links, page_ids)
             sends = [(dst, self._staged(data)) for dst, data in sends]
             nbytes = span.nbytes(stager.page_bytes)
