@@ -101,6 +101,28 @@ class LaunchPlan:
             raise ValueError(
                 f"a worker at TP {largest} needs {largest} GPUs; --gpus names {len(gpus)}"
             )
+        if self.transfer.backend == "nccl":
+            self._check_nccl_gpus()
+
+    def _check_nccl_gpus(self) -> None:
+        """Over nccl each prefill rank is linked to decode ranks by an NCCL group of two,
+        which cannot join two processes on one GPU: no prefill worker may share a GPU with a
+        decode worker."""
+        fix = "give --gpus enough GPUs for every worker's ranks, or --transfer-backend tcp"
+        if not self.launch.gpus:
+            raise ValueError(
+                f"--transfer-backend nccl needs --gpus (else all workers share GPUs): {fix}"
+            )
+        num_prefill = self.launch.num_prefill
+        for k in range(num_prefill):
+            for j in range(num_prefill, len(self.worker_tp_sizes)):
+                shared = sorted(set(self.worker_gpus(k)) & set(self.worker_gpus(j)))
+                if shared:
+                    raise ValueError(
+                        f"--transfer-backend nccl cannot link two processes on one GPU: prefill "
+                        f"worker {k} and decode worker {j - num_prefill} would share GPU "
+                        f"{','.join(shared)}; {fix}"
+                    )
 
     def tp_size(self, kind: str) -> int:
         """A prefill or decode worker's TP size: its role's flag, else --tp-size."""

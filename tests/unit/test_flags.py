@@ -363,6 +363,24 @@ def test_launch_gives_each_tensor_parallel_worker_its_own_run_of_gpus(monkeypatc
         _launch_plan(["--gpus", "0,1", "--tp-size", "4"], monkeypatch)
 
 
+def test_launch_over_nccl_refuses_prefill_and_decode_on_one_gpu(monkeypatch):
+    nccl = ["--transfer-backend", "nccl"]
+    plan = _launch_plan([*nccl, "--gpus", "0,1,2", "--prefill-tp-size", "2"], monkeypatch)
+    assert [plan.worker_gpus(k) for k in range(2)] == [("0", "1"), ("2",)]
+    with pytest.raises(ValueError, match="prefill worker 0 and decode worker 0 would share GPU 0"):
+        _launch_plan([*nccl, "--gpus", "0,1", "--prefill-tp-size", "2"], monkeypatch)
+    with pytest.raises(ValueError, match="nccl needs --gpus"):
+        _launch_plan(nccl, monkeypatch)
+    four = _launch_plan(
+        [*nccl, "--gpus", "0,1,2,3", "--num-prefill", "2", "--num-decode", "2"], monkeypatch
+    )
+    assert [four.worker_gpus(k) for k in range(4)] == [("0",), ("1",), ("2",), ("3",)]
+    with pytest.raises(ValueError, match="prefill worker 0 and decode worker 1 would share GPU 0"):
+        _launch_plan(
+            [*nccl, "--gpus", "0,1,2", "--num-prefill", "2", "--num-decode", "2"], monkeypatch
+        )
+
+
 def test_launch_runs_prefill_and_decode_at_their_own_tp_sizes(monkeypatch):
     argv = ["--gpus", "0,1,2,3,4,5", "--prefill-tp-size", "4", "--decode-tp-size", "2"]
     plan = _launch_plan(argv, monkeypatch)
