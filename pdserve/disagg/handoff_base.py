@@ -42,7 +42,8 @@ class DisaggHandoff(Handoff):
         # Rooms that ended here lately: a refusal the front end reports for one afterwards
         # (the failure output it turned into an error) is not a second failure.
         self.ended = Tombstones(config.tombstone_ttl_s)
-        self._fanout = None  # the endpoint's orders for the other ranks (`start_rank_links`)
+        # The endpoint whose orders for the other ranks this sends (`start_rank_links`).
+        self._fanout, self._endpoint = None, None
 
     def ranks_host(self) -> str:
         """Where this worker's other ranks reach rank 0: loopback, unless they span nodes
