@@ -6,7 +6,10 @@ buffers are kept and handed out again instead of allocated per request. Thread-s
 
 On a GPU, a buffer given back may still be read by work queued on the giver's stream (a
 commit's scatter); `give` records an event there, and `take` makes the stream that will
-write the buffer next wait for it.
+write the buffer next wait for it. A new buffer is allocated on the stream that writes it
+first: the caching allocator hands a block freed by work still queued on a stream (a forward
+pass's temporaries) only to that same stream, so a transfer writing on its own stream never
+lands in memory a pass is still using.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ class BufferPool:
         with self._lock:
             fitting = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if not fitting:
-                return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                return self._new(nbytes, writer)
             # NOTE: by index, not list.remove: == on tensors compares elements.
             index = min(fitting, key=lambda i: self._free[i].numel())
             base = self._free.pop(index)
@@ -39,14 +42,24 @@ class BufferPool:
             (writer or torch.cuda.current_stream(self.device)).wait_event(last_use)
         return base[:nbytes]
 
+    def _new(self, nbytes: int, writer: torch.cuda.Stream | None) -> torch.Tensor:
+        if self.device.type != "cuda" or writer is None:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        with torch.cuda.stream(writer):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
     def give(self, buffer: torch.Tensor) -> None:
         """Return a buffer from `take`; the caller must not touch it afterwards (work it
         queued on its current stream may still read it)."""
         base = buffer if buffer._base is None else buffer._base
         last_use = None
         if base.device.type == "cuda":
+            giver = torch.cuda.current_stream(base.device)
             last_use = torch.cuda.Event()
-            last_use.record(torch.cuda.current_stream(base.device))
+            last_use.record(giver)
+            # NOTE: if the buffer is later dropped from the cache, its block is not handed out
+            # again before the giver's work on it is done.
+            base.record_stream(giver)
         with self._lock:
             self._free.append(base)
             if last_use is not None:
