@@ -134,6 +134,17 @@ def test_prefill_abort_reaches_decode_at_once(pair):
     assert sender.poll() is TransferState.FAILED
 
 
+def assert_the_next_room_lands_in_its_pages(pair: Pair, room: int) -> None:
+    """After a disturbed room, the next one's bytes land in its own pages: the link's order
+    held."""
+    later = Case(room=room, prefill_pages=(19, 0, 4))
+    _, receiver = pair.transfer(later)
+    receiver.commit(pair.stager)
+    source = pools(later, 20, seed=later.room)[0]
+    target = pair.target[0].storage
+    assert torch.equal(source.storage[:, :, [19, 0, 4]], target[:, :, [0, 7, 3]])
+
+
 def test_gloo_receive_posted_for_an_aborted_room_keeps_the_pair_in_order():
     """Decode aborts a room after prefill announced its bytes: decode still posts a receive
     (into scratch) so prefill's announced buffer is sent and released, and the next room's
@@ -142,7 +153,7 @@ def test_gloo_receive_posted_for_an_aborted_room_keeps_the_pair_in_order():
     import threading
 
     pair = start_pair(dataclasses.replace(CONFIG, backend="gloo"))
-    server, client, target, stager = pair.server, pair.client, pair.target, pair.stager
+    server, client = pair.server, pair.client
     try:
         pair.transfer(Case(room=10))  # the link is up
         sender = server.sender(11)
@@ -156,11 +167,7 @@ def test_gloo_receive_posted_for_an_aborted_room_keeps_the_pair_in_order():
         held.set()
         wait_until(lambda: sender.poll() is TransferState.FAILED, "prefill to learn of it", 10)
         wait_until(lambda: server.pending_sends == 0, "the announced buffer to be sent", 10)
-        later = Case(room=12, prefill_pages=(19, 0, 4))
-        _, receiver12 = pair.transfer(later)
-        receiver12.commit(stager)
-        source = pools(later, 20, seed=later.room)[0]
-        assert torch.equal(source.storage[:, :, [19, 0, 4]], target[0].storage[:, :, [0, 7, 3]])
+        assert_the_next_room_lands_in_its_pages(pair, room=12)
     finally:
         client.stop()
         server.stop()
@@ -174,7 +181,7 @@ def test_a_piece_other_ranks_sent_is_announced_even_after_its_room_failed():
     import dataclasses
 
     pair = start_pair(dataclasses.replace(CONFIG, backend="gloo"))
-    server, client, target, stager = pair.server, pair.client, pair.target, pair.stager
+    server, client = pair.server, pair.client
     try:
         pair.transfer(Case(room=20))  # the link is up
         sent_before = server.metrics.bytes_sent
@@ -188,11 +195,7 @@ def test_a_piece_other_ranks_sent_is_announced_even_after_its_room_failed():
         sender.send_piece(piece)
         wait_until(lambda: sender.poll() is TransferState.FAILED, "the failure", 10)
         wait_until(lambda: server.metrics.bytes_sent == sent_before + kv.numel(), "the send", 10)
-        later = Case(room=22, prefill_pages=(19, 0, 4))
-        _, receiver22 = pair.transfer(later)
-        receiver22.commit(stager)
-        source = pools(later, 20, seed=later.room)[0]
-        assert torch.equal(source.storage[:, :, [19, 0, 4]], target[0].storage[:, :, [0, 7, 3]])
+        assert_the_next_room_lands_in_its_pages(pair, room=22)
     finally:
         client.stop()
         server.stop()
