@@ -12,6 +12,7 @@ import pytest
 import torch
 import zmq
 
+from pdserve.disagg import rank_links as rank_links_module
 from pdserve.disagg.rank_links import RankLinkError, RankLinks
 from pdserve.engine.kv_pool import KVPool
 from pdserve.protocol.channel import Channel
@@ -123,4 +124,19 @@ def test_a_commit_before_its_part_landed_is_refused(ranks):
         decode.handle(RankCommitSlices(4, [0], [3], [1], 1))
     send(prefill, [0])  # what lands now is given back, not written
     assert report().kind == "sent"
+    assert not decode.pool.storage.any()
+
+
+def test_a_landed_part_no_commit_claims_is_dropped_after_its_deadlines(ranks, monkeypatch):
+    """A room that succeeded and then ended without its commit (aborted in between) leaves
+    its parts on the ranks: they go once they are older than `UNCLAIMED_DEADLINES` link
+    deadlines (none here), at the rank's next order."""
+    prefill, decode, report = ranks
+    monkeypatch.setattr(rank_links_module, "UNCLAIMED_DEADLINES", 0)
+    receive(decode, room=6, pages=1)
+    send(prefill, [0])
+    assert sorted(report().kind for _ in range(2)) == ["landed", "sent"]
+    decode.handle(RankDropSlices(99))  # any order: another room's
+    with pytest.raises(RankLinkError, match="0 parts here"):
+        decode.handle(RankCommitSlices(6, [0], [3], [1], 1))
     assert not decode.pool.storage.any()
