@@ -69,7 +69,7 @@ class DecodeHandoff(DisaggHandoff):
             ranks_host=self.ranks_host(),
         )
         self.client.start()
-        self.start_rank_links(self.client, "decode")
+        self.start_rank_links(self.client)
         self.doorbell = self.client.doorbell
         self.prealloc: OrderedDict[str, _Pending] = OrderedDict()
         self.transferring: dict[str, _Pending] = {}

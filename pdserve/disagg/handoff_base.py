@@ -50,7 +50,7 @@ class DisaggHandoff(Handoff):
         (then this node's reachable address; such a worker belongs on a private network)."""
         return "127.0.0.1" if self.engine.config.nnodes == 1 else self.config.bootstrap_host
 
-    def start_rank_links(self, endpoint, side: str) -> None:
+    def start_rank_links(self, endpoint) -> None:
         """A tensor-parallel worker over torch.distributed: every rank opens its own links
         (`pdserve.disagg.rank_links`), reporting to the endpoint."""
         if endpoint.fanout is None:
@@ -62,7 +62,7 @@ class DisaggHandoff(Handoff):
                 f"with rank_worker_module={rank_worker.__name__!r} (the worker factories do)"
             )
         start = RankTransferStart(
-            side,
+            endpoint.side,
             self.config.backend,
             self.config.progress_timeout_s,
             self.config.bootstrap_host,

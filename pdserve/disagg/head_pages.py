@@ -23,14 +23,24 @@ def _local(pool: KVPool, held: range, first: int, count: int) -> int:
 
 
 def gather_head_pages(
-    pool: KVPool, held: range, pages: list[int], first: int, count: int
+    pool: KVPool,
+    held: range,
+    pages: list[int],
+    first: int,
+    count: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Heads [first, first + count) of `pages` as one flat uint8 buffer on the pool's device."""
+    """Heads [first, first + count) of `pages` as one flat uint8 buffer on the pool's device
+    (into `out`, `head_page_bytes(pool) * count * len(pages)` bytes, if given)."""
     local = _local(pool, held, first, count)
     if count == pool.num_kv_heads:
-        return KVStager([pool]).gather([pages])
+        return KVStager([pool]).gather([pages], out=out)
     heads = pool.storage.narrow(4, local, count)
-    return heads.index_select(2, page_index(pool, pages)).view(-1).view(torch.uint8)
+    if out is None:
+        return heads.index_select(2, page_index(pool, pages)).view(-1).view(torch.uint8)
+    shape = (2, pool.num_layers, len(pages), pool.page_size, count, pool.head_dim)
+    torch.index_select(heads, 2, page_index(pool, pages), out=out.view(pool.dtype).view(shape))
+    return out
 
 
 def scatter_head_pages(

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.disagg.head_pages import gather_head_pages, head_page_bytes, scatter_head_pages
-from pdserve.engine.tensor_parallel_kv import page_index
+from pdserve.engine.tensor_parallel_kv import check_pages
 from pdserve.protocol.rank_messages import RankCommitSlices, RankSendSlices, flatten
 from pdserve.transfer.head_slices import LinkPart, PeerLinks, kv_heads_of, link_parts
 from pdserve.transfer.kv_staging import KVStager
@@ -51,7 +51,7 @@ class PerRankKV:
         """Gather a piece for the peer `links` leads to: rank 0's parts, by the decode rank
         each goes to, and how many parts the other ranks were told to send."""
         pages, draft = page_ids[0], page_ids[1] if len(page_ids) > 1 else []
-        page_index(self.pool, pages)  # NOTE: refused before any rank is told to move them
+        check_pages(self.pool, pages)  # NOTE: refused before any rank is told to move them
         parts = link_parts(list(links.slices), self.drafts is not None)
         remote = [part for part in parts if part.src != 0]
         for rank in sorted({part.src for part in remote}):
@@ -67,12 +67,15 @@ class PerRankKV:
                 ),
             )
         sends = []
-        for part in parts:
-            if part.src != 0:
-                continue
-            data = gather_head_pages(self.pool, self.held, pages, part.first_head, part.num_heads)
-            if part.draft and draft:
-                data = torch.cat([data, self.drafts.gather([draft])])
+        for part in (part for part in parts if part.src == 0):
+            head_bytes = self.head_page_bytes * part.num_heads * len(pages)
+            draft_bytes = self.drafts.nbytes([draft]) if part.draft and draft else 0
+            # NOTE: one buffer, the draft's pages right behind the heads (no concat copy).
+            data = torch.empty(head_bytes + draft_bytes, dtype=torch.uint8, device=self.device)
+            heads = data[:head_bytes]
+            gather_head_pages(self.pool, self.held, pages, part.first_head, part.num_heads, heads)
+            if draft_bytes:
+                self.drafts.gather([draft], out=data[head_bytes:])
             sends.append((part.dst, data))
         return sends, len(remote)
 
@@ -88,7 +91,7 @@ class PerRankKV:
         orders: dict[int, tuple[list[int], list[list[int]]]] = {}  # rank -> pieces, pages
         for index, page_ids, buffers, parts in pieces:
             pages, draft = page_ids[0], page_ids[1] if len(page_ids) > 1 else []
-            page_index(self.pool, pages)
+            check_pages(self.pool, pages)
             for part in parts:
                 if part.dst != 0:
                     indices, page_lists = orders.setdefault(part.dst, ([], []))

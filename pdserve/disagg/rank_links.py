@@ -89,6 +89,7 @@ class RankLinks:
         self.held = kv_heads_of(worker.tp.split.num_kv_heads, worker.tp.size, self.rank)
         self.links: DistLinks | None = None
         self.timeout_s = 0.0
+        self._context: zmq.Context | None = None
         self._reports: Channel | None = None
         self._report_lock = threading.Lock()
         self._peer_ranks: dict[int, set[int]] = {}  # link -> the peer's ranks linked

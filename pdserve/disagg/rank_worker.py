@@ -11,7 +11,7 @@ from pdserve.engine import rank_worker
 
 
 def main(argv: list[str] | None = None) -> int:
-    return rank_worker.main(argv, extension=RankLinks, extra_messages=RankLinks.messages)
+    return rank_worker.main(argv, extension=RankLinks)
 
 
 if __name__ == "__main__":

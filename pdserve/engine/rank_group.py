@@ -323,6 +323,13 @@ class RankGroup:
         """One message for rank `rank` alone (a handoff's own KV move), in order with the
         passes."""
         self.check_alive()
+        self._send_one(rank, msg)
+
+    def _send(self, msg) -> None:
+        for rank in range(1, len(self.channels) + 1):
+            self._send_one(rank, msg)
+
+    def _send_one(self, rank: int, msg) -> None:
         try:
             self.channels[rank - 1].send(msg)
         except zmq.Again:
@@ -330,16 +337,6 @@ class RankGroup:
             raise RankDiedError(
                 f"tensor-parallel rank {rank} took no message for {SEND_TIMEOUT_MS} ms"
             ) from None
-
-    def _send(self, msg) -> None:
-        for rank, channel in enumerate(self.channels, start=1):
-            try:
-                channel.send(msg)
-            except zmq.Again:
-                self.check_alive()
-                raise RankDiedError(
-                    f"tensor-parallel rank {rank} took no message for {SEND_TIMEOUT_MS} ms"
-                ) from None
 
     # ---- shutdown ---------------------------------------------------------------------
 

@@ -21,7 +21,6 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -88,10 +87,13 @@ class MirroredRequest:
 
 
 class RankExtension(Protocol):
-    """More messages a rank follows (a disaggregated role's KV links): built once the rank is
-    ready, it handles the `messages` types on the rank's loop, in order with the passes."""
+    """More messages a rank follows (a disaggregated role's KV links): built from the ready
+    rank (`RankExtension(worker)`), it handles the `messages` types on the rank's loop, in
+    order with the passes."""
 
     messages: tuple[type, ...]
+
+    def __init__(self, worker: RankWorker) -> None: ...
 
     def handle(self, msg) -> None: ...
 
@@ -103,7 +105,7 @@ class RankWorker:
         model_config: ModelConfig,
         tp: TensorParallel,
         inbox: Channel,
-        extension: Callable[[RankWorker], RankExtension] | None = None,
+        extension: type[RankExtension] | None = None,
     ):
         self.config = config
         self.tp = tp
@@ -301,12 +303,8 @@ def watch_rank0(host: str, port: int, size: int, rank: int) -> None:
             os._exit(0)
 
 
-def main(
-    argv: list[str] | None = None,
-    extension: Callable[[RankWorker], RankExtension] | None = None,
-    extra_messages: tuple[type, ...] = (),
-) -> int:
-    """`extension` and the message types it follows (`extra_messages`): see `RankExtension`."""
+def main(argv: list[str] | None = None, extension: type[RankExtension] | None = None) -> int:
+    """`extension`: more messages this rank follows (`RankExtension`)."""
     parser = argparse.ArgumentParser(prog="python -m pdserve.engine.rank_worker")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--size", type=int, required=True)
@@ -329,7 +327,8 @@ def main(
         is_master=False,
         timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
     )
-    inbox = Channel(zmq.Context(), zmq.PULL, accepts=RANK_MESSAGES + extra_messages)
+    extra = extension.messages if extension is not None else ()
+    inbox = Channel(zmq.Context(), zmq.PULL, accepts=RANK_MESSAGES + extra)
     inbox.connect(store.get(f"{STORE_PREFIX}/steps/{args.rank}").decode())
     store.set(f"{STORE_PREFIX}/joined/{args.rank}", "1")
     model_config = ModelConfig.from_pretrained(config.model_path)

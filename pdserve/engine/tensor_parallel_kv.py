@@ -56,9 +56,14 @@ class PageIdError(ValueError):
     against the reservation before this)."""
 
 
-def page_index(pool: KVPool, pages: list[int]) -> torch.Tensor:
+def check_pages(pool: KVPool, pages: list[int]) -> None:
+    """PageIdError unless every page id is in the pool (on the host: nothing is copied)."""
     if any(not 0 <= p < pool.num_pages for p in pages):
         raise PageIdError(f"page ids outside [0, {pool.num_pages}): {pages[:8]}")
+
+
+def page_index(pool: KVPool, pages: list[int]) -> torch.Tensor:
+    check_pages(pool, pages)
     return device_ints(pages, pool.device)
 
 

@@ -78,7 +78,7 @@ class PrefillHandoff(DisaggHandoff):
             ranks_host=self.ranks_host(),
         )
         self.bootstrap_port = self.server.start()
-        self.start_rank_links(self.server, "prefill")
+        self.start_rank_links(self.server)
         self.doorbell = self.server.doorbell
         self.bootstrapping: dict[str, _Pending] = {}
         self.prefilling: dict[str, _Pending] = {}

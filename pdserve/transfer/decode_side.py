@@ -33,7 +33,6 @@ from pdserve.transfer.endpoint import Endpoint
 from pdserve.transfer.metadata import MetadataMismatch, MetadataRecord
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.peer_allow import zmq_endpoint
-from pdserve.transfer.rank_fanout import RankFanout
 from pdserve.transfer.receiver_room import ReceiverRoom
 from pdserve.transfer.tcp_plane import TcpPlane
 
@@ -68,18 +67,13 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         self.device = device or torch.device("cpu")
         self.buffers = BufferPool(self.device)
         self._by_socket: dict[zmq.Socket, object] = {}
-        self.tp_size = tp_size
-        self.fanout = None
+        self.start_fanout(tp_size, ranks_host)
         if config.backend == "tcp":
             self.plane = TcpPlane(self)
         else:
-            if tp_size > 1:
-                self.fanout = RankFanout(tp_size, self.context, ranks_host, self.doorbell)
             self.plane = DistReceivePlane(self, self.device, self.fanout)
 
     def start(self) -> None:
-        if self.fanout is not None:
-            self.io.poller.register(self.fanout.reports.socket, zmq.POLLIN)
         self.io.start(self._on_socket, self.tick, tick_s=0.05)
 
     def stop(self) -> None:
@@ -137,8 +131,7 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         self.deliver(peer, self._transfer_request(receiver))
 
     def _on_socket(self, socket: zmq.Socket) -> None:
-        if self.fanout is not None and socket is self.fanout.reports.socket:
-            self.plane.on_reports()
+        if self.on_fanout(socket):
             return
         peer = self._by_socket.get(socket)
         while peer is not None and self.peers.get(peer.key) is peer:

@@ -31,6 +31,7 @@ from pdserve.transfer.doorbell import Doorbell
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.outbox import Outbox, PeerBlocked
+from pdserve.transfer.rank_fanout import RankFanout
 from pdserve.transfer.room_state import Tombstones
 
 logger = logging.getLogger(__name__)
@@ -78,9 +79,24 @@ class Endpoint:
         self.tombstones = Tombstones(config.tombstone_ttl_s)
         self.peers: dict[Any, Peer] = {}
         self.plane: Any = None
+        self.fanout: RankFanout | None = None
         self.bad_messages = RateLimitedLog(logger)
         self.peer_log = RateLimitedLog(logger)
         self.idle_ttl_s = max(60.0, 12 * config.peer_timeout_s)
+
+    def start_fanout(self, tp_size: int, ranks_host: str) -> None:
+        """A tensor-parallel worker over torch.distributed: where the orders for its other
+        ranks queue and their reports arrive (`rank_fanout`); none otherwise."""
+        if self.config.backend != "tcp" and tp_size > 1:
+            self.fanout = RankFanout(tp_size, self.context, ranks_host, self.doorbell)
+            self.io.poller.register(self.fanout.reports.socket, zmq.POLLIN)
+
+    def on_fanout(self, socket: zmq.Socket) -> bool:
+        """IO thread: the ranks' reports, if `socket` is theirs (True)."""
+        if self.fanout is None or socket is not self.fanout.reports.socket:
+            return False
+        self.plane.on_reports()
+        return True
 
     def fail_all_rooms(self, kind: FailureKind, message: str) -> None:
         """Fail every live room and tell its peer (from any thread; runs on the IO thread)."""

@@ -205,7 +205,6 @@ class PieceLedger:
         if dst == 0:
             piece.in_flight.discard(src)
         if not piece.waiting:
-            piece.received = piece.nbytes
             self.landed_bytes += piece.nbytes
         return True
 

@@ -40,7 +40,6 @@ from pdserve.transfer.endpoint import Endpoint, Peer
 from pdserve.transfer.kv_piece import OutgoingPiece
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.prefill_peers import DecodePeers
-from pdserve.transfer.rank_fanout import RankFanout
 from pdserve.transfer.room_state import RoomState
 from pdserve.transfer.sender_room import SenderRoom
 from pdserve.transfer.staged_sends import StagedSends
@@ -86,12 +85,10 @@ class PrefillTransferServer(DecodePeers, Endpoint):
         self.max_room_pages = max_room_pages
         self.port: int | None = None
         self.tp_size = tp_size
-        self.fanout = None
+        self.start_fanout(tp_size, ranks_host)
         if config.backend == "tcp":
             self.plane = TcpPlane(self)
         else:
-            if tp_size > 1:
-                self.fanout = RankFanout(tp_size, self.context, ranks_host, self.doorbell)
             self.plane = DistSendPlane(self, device or torch.device("cpu"), self.fanout)
         staged = (device or torch.device("cpu")).type == "cpu" and (
             source_device is not None and source_device.type == "cuda"
@@ -112,8 +109,6 @@ class PrefillTransferServer(DecodePeers, Endpoint):
             self.channel.bind(f"tcp://{host}:{port}")
             self.port = port
         self.io.poller.register(self.channel.socket, zmq.POLLIN)
-        if self.fanout is not None:
-            self.io.poller.register(self.fanout.reports.socket, zmq.POLLIN)
         self.io.start(self._on_socket, self.tick, tick_s=0.05)
         return self.port
 
@@ -161,8 +156,7 @@ class PrefillTransferServer(DecodePeers, Endpoint):
         return self.channel.frames(msg, *payload, to=peer.key)
 
     def _on_socket(self, socket: zmq.Socket) -> None:
-        if self.fanout is not None and socket is self.fanout.reports.socket:
-            self.plane.on_reports()
+        if self.on_fanout(socket):
             return
         while True:
             try:

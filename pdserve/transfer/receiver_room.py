@@ -96,19 +96,15 @@ class ReceiverRoom(Room):
         self.retried, self.instance = True, None
         return True
 
-    def on_piece(
-        self, msg: KVPiece, *, posting: bool, writer: torch.cuda.Stream | None = None
-    ) -> torch.Tensor | str:
-        """A piece was announced: the buffer its bytes go to, or what is wrong with it.
-        NOTE: every bound is checked against our own reservation before a byte is allocated.
-        `posting`: a receive into the buffer is about to be posted (torch.distributed), on
-        the CUDA stream `writer`."""
+    def on_piece(self, msg: KVPiece) -> torch.Tensor | str:
+        """A piece was announced (tcp): the buffer its chunks go to, or what is wrong with it.
+        NOTE: every bound is checked against our own reservation before a byte is allocated."""
         span = PageSpan(msg.first_page, msg.num_pages, msg.first_draft_page, msg.num_draft_pages)
         problem = self._pieces.check(msg.index, span, msg.nbytes)
         if problem is not None:
             return problem
-        buffer = self._buffers.take(msg.nbytes, writer=writer)
-        self._pieces.add(msg.index, span, buffer, in_flight=posting)
+        buffer = self._buffers.take(msg.nbytes)
+        self._pieces.add(msg.index, span, buffer)
         self.stamps.setdefault("first_piece", time.monotonic())
         self._progress()
         return buffer

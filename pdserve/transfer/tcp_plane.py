@@ -58,7 +58,7 @@ class TcpPlane:
         if room is None:
             return True  # late bytes for a finished or foreign room
         if isinstance(msg, KVPiece):
-            taken = room.on_piece(msg, posting=False)
+            taken = room.on_piece(msg)
             problem = taken if isinstance(taken, str) else None
         else:
             data = payload.buffer if payload is not None else None
