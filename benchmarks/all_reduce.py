@@ -1,7 +1,10 @@
 """What one tensor-parallel all-reduce costs between two GPUs, inside a CUDA graph as decode
 replays it: NCCL beside the one-shot all-reduce over symmetric memory
 (`pdserve.engine.symmetric_all_reduce`, which `TensorParallel.all_reduce` takes for what fits
-its buffer), for activations of `tokens x hidden` bf16.
+its buffer) and torch's own one-shot operator on the same buffer, for activations of
+`tokens x hidden` bf16; then each followed by the residual add and RMSNorm a layer runs
+after it, against pdserve's kernel that does all three in one
+(`TensorParallel.sum_and_norm`).
 
 A decode step of an L-layer model runs 2L + 1 of these (attention output, MLP output, the
 embedding), so at batch 1 the per-call latency times ~65 is what TP adds to every step.
@@ -58,7 +61,8 @@ def time_graph(body, calls: int, replays: int, runs: int) -> float:
 
 
 def rank_main(rank: int, port: int, args: argparse.Namespace, queue) -> None:
-    from pdserve.engine.symmetric_all_reduce import SymmetricAllReduce
+    from pdserve.engine.kernels.norm import rms_norm
+    from pdserve.engine.symmetric_all_reduce import FLAG_BYTES, SymmetricAllReduce
     from pdserve.engine.tensor_parallel import open_group
 
     torch.cuda.set_device(rank)
@@ -82,12 +86,51 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, queue) -> None:
             args.replays,
             args.runs,
         )
+        weight = torch.rand(args.hidden, dtype=torch.bfloat16, device=device, generator=generator)
+        residual = torch.randn_like(local)
+
+        def norm_after(total, residual=residual, weight=weight):
+            return rms_norm(total, weight, 1e-5, residual)
+
+        def nccl_then_norm(x=scratch):
+            group.allreduce([x]).wait()
+            return norm_after(x)
+
+        row["nccl_norm_us"] = time_graph(
+            nccl_then_norm,
+            args.calls,
+            args.replays,
+            args.runs,
+        )
         if small is not None and small.fits(local):
             got = small(local)
+            fused, stream = small.sum_and_norm(local, residual.clone(), weight, 1e-5)
+            want, want_stream = rms_norm(expect, weight, 1e-5, residual.clone())
             torch.cuda.synchronize()
             row["one_shot_max_error"] = float((got.float() - expect.float()).abs().max())
+            row["fused_equals_unfused"] = torch.equal(fused, want) and torch.equal(
+                stream, want_stream
+            )
             row["one_shot_us"] = time_graph(
                 lambda scratch=scratch: small(scratch), args.calls, args.replays, args.runs
+            )
+            mapped = small.buffer[FLAG_BYTES:].view(torch.bfloat16)[: local.numel()]
+            mapped = mapped.view(local.shape)
+
+            def torch_one_shot(x=scratch, mapped=mapped):
+                return torch.ops.symm_mem.one_shot_all_reduce_copy(mapped, x, "sum", small.name)
+
+            row["torch_one_shot_us"] = time_graph(
+                torch_one_shot, args.calls, args.replays, args.runs
+            )
+            row["one_shot_norm_us"] = time_graph(
+                lambda s=scratch: norm_after(small(s)), args.calls, args.replays, args.runs
+            )
+            row["fused_norm_us"] = time_graph(
+                lambda s=scratch, r=residual, w=weight: small.sum_and_norm(s, r, w, 1e-5),
+                args.calls,
+                args.replays,
+                args.runs,
             )
         rows.append(row)
         if rank == 0:
@@ -141,11 +184,19 @@ def main(argv: list[str] | None = None) -> int:
         "one_shot_available": answer["one_shot"],
         "results": rows,
     }
-    print("\n tokens     bytes   nccl us  one-shot us")
+    columns = [
+        "nccl_us",
+        "torch_one_shot_us",
+        "one_shot_us",
+        "nccl_norm_us",
+        "one_shot_norm_us",
+        "fused_norm_us",
+    ]
+    print("\n tokens     bytes " + " ".join(f"{c:>17}" for c in columns))
     nan = float("nan")
     for row in rows:
-        one_shot = row.get("one_shot_us", nan)
-        print(f"{row['tokens']:7d} {row['bytes']:9d} {row['nccl_us']:9.1f} {one_shot:12.1f}")
+        figures = " ".join(f"{row.get(c, nan):17.1f}" for c in columns)
+        print(f"{row['tokens']:7d} {row['bytes']:9d} {figures}")
     if args.output:
         args.output.write_text(json.dumps(report, indent=2))
     return 0

@@ -146,6 +146,16 @@ class TensorParallel:
         self.group.allreduce([x]).wait()
         return x
 
+    def sum_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm):
+        """`norm.normed(sum of x over the ranks, residual)`: one kernel (the one-shot
+        all-reduce with the residual add and the RMSNorm in it) where `x` fits the one-shot
+        path and the norm is a fused one (the same numerics), else the all-reduce and then
+        the norm. `norm`: an `RMSNorm` (`models/layers.py`)."""
+        small = self.small
+        if residual is not None and norm.fused and small is not None and small.fits(x):
+            return small.sum_and_norm(x, residual, norm.weight, norm.eps)
+        return norm.normed(self.all_reduce(x), residual)
+
     def all_reduce_async(self, x: torch.Tensor) -> PendingSum:
         """Start summing `x` over the ranks; `wait()` gives the sum. Under NCCL the sum runs
         on NCCL's stream, so what the caller launches meanwhile (the other half of a pass
@@ -233,5 +243,7 @@ def join_group(
     group = open_group(store, rank, split.size, device, timeout_s)
     small = None
     if custom_all_reduce:
-        small = SymmetricAllReduce.open(group, store, rank, split.size, device, dtype)
+        small = SymmetricAllReduce.open(
+            group, store, rank, split.size, device, dtype, timeout_s=timeout_s
+        )
     return TensorParallel(split, rank, group, device, small)

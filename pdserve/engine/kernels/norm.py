@@ -87,11 +87,12 @@ def rms_norm(
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
-            num_warps=_num_warps(block),
+            num_warps=row_num_warps(block),
         )
     return out if residual is None else (out, residual)
 
 
-def _num_warps(block: int) -> int:
-    """Enough warps that each thread holds a few elements of the row."""
+def row_num_warps(block: int) -> int:
+    """Enough warps that each thread holds a few elements of a row of `block` (the kernels
+    that norm a row use the same, so that they sum its squares in the same order)."""
     return min(max(block // 512, 1), 16)

@@ -21,10 +21,10 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.layers import (
     Attention,
     GatedMLP,
-    RMSNorm,
     RotaryEmbedding,
     VocabParallelEmbedding,
     rope_inverse_frequencies,
+    stream_norm,
 )
 from pdserve.engine.tensor_parallel import PendingSum, TensorParallel
 
@@ -68,7 +68,9 @@ class MicroBatch:
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks over a residual stream carried beside the hidden
     state, so that each residual add fuses into the norm after it: a layer takes and returns
-    `(h, residual)`, the stream's value being `h + residual`."""
+    `(h, residual)`, the stream's value being `h + residual`. Under tensor parallelism the
+    `h` a block writes is this rank's partial sum, which the norm after it sums (with the
+    add and the norm, `SummedRMSNorm`); the embedding sums its own."""
 
     def __init__(
         self,
@@ -80,8 +82,8 @@ class DecoderLayer(nn.Module):
     ):
         super().__init__()
         self.tp = tp
-        fused = backend.fused_elementwise
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        fused, hidden, eps = backend.fused_elementwise, config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = stream_norm(hidden, eps, fused, tp if layer else None)
         self.self_attn = Attention(
             layer=layer,
             hidden_size=config.hidden_size,
@@ -95,8 +97,8 @@ class DecoderLayer(nn.Module):
             backend=backend,
             tp=tp,
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, fused, tp)
+        self.post_attention_layernorm = stream_norm(hidden, eps, fused, tp)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, fused, tp)
 
     def forward(
         self,
@@ -116,10 +118,12 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
-    def _input_norm(self, h, residual):
+    def _input_norm(self, h, residual, summed: bool = False):
+        """`summed`: `h` is summed already (the norm only norms)."""
+        norm = self.input_layernorm.normed if summed else self.input_layernorm
         if residual is None:
-            return self.input_layernorm(h), h
-        return self.input_layernorm(h, residual)
+            return norm(h), h
+        return norm(h, residual)
 
     def forward_two_batches(self, halves: Sequence[MicroBatch], kv_pool: KVPool) -> None:
         """Both halves through this layer (tensor parallelism), each block's all-reduce left
@@ -127,12 +131,12 @@ class DecoderLayer(nn.Module):
         the second while the first's sum runs, the first's MLP while the second's sum runs,
         and so on into the next layer. Leaves each half's output pending."""
         for half in halves:
-            h, half.residual = self._input_norm(half.hidden(), half.residual)
-            partial = self.self_attn(h, half.ctx.positions, kv_pool, half.ctx, reduce=False)
+            h, half.residual = self._input_norm(half.hidden(), half.residual, summed=True)
+            partial = self.self_attn(h, half.ctx.positions, kv_pool, half.ctx)
             half.pending = self.tp.all_reduce_async(partial)
         for half in halves:
-            h, half.residual = self.post_attention_layernorm(half.hidden(), half.residual)
-            half.pending = self.tp.all_reduce_async(self.mlp(h, reduce=False))
+            h, half.residual = self.post_attention_layernorm.normed(half.hidden(), half.residual)
+            half.pending = self.tp.all_reduce_async(self.mlp(h))
 
 
 class DecoderModel(nn.Module):
@@ -156,7 +160,9 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(i, config, self.rotary, backend, tp) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.fused_elementwise)
+        self.norm = stream_norm(
+            config.hidden_size, config.rms_norm_eps, backend.fused_elementwise, tp
+        )
 
     def forward(self, input_ids, positions, kv_pool, ctx, capture: tuple[int, ...] = ()):
         """Normed final hidden states, and the outputs of the `capture` layers (in the order
@@ -166,7 +172,7 @@ class DecoderModel(nn.Module):
         for index, layer in enumerate(self.layers):
             h, residual = layer(h, residual, positions, kv_pool, ctx)
             if index in capture:
-                captured[index] = h + residual
+                captured[index] = self.norm.stream(h, residual)
         h, _ = self.norm(h, residual)
         return h, [captured[i] for i in capture]
 
@@ -188,7 +194,7 @@ class DecoderModel(nn.Module):
             layer.forward_two_batches(halves, kv_pool)
             if index in capture:
                 captured[index] = torch.cat([half.stream() for half in halves])
-        h = torch.cat([self.norm(half.hidden(), half.residual)[0] for half in halves])
+        h = torch.cat([self.norm.normed(half.hidden(), half.residual)[0] for half in halves])
         return h, [captured[i] for i in capture]
 
 

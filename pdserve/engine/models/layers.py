@@ -6,9 +6,11 @@ Q/K/V and gate/up projections are fused into one matmul each; the weight loader 
 fused weights from the checkpoint's separate tensors.
 
 Tensor parallelism is a choice of layers, not branches in the model (`tensor_parallel.py`):
-given a `TensorParallel`, attention builds its rank's heads, the MLP its rank's slice, and
-the projections back into the residual stream are `RowParallelLinear` (an all-reduce after
-the matmul); without one, every layer is the plain single-device module.
+given a `TensorParallel`, attention builds its rank's heads, the MLP its rank's slice, the
+projections back into the residual stream are `RowParallelLinear` (this rank's partial sum),
+and the norms that read the stream after them are `SummedRMSNorm` (the all-reduce, then the
+residual add and the norm: one kernel where the one-shot all-reduce takes the tensor);
+without one, every layer is the plain single-device module.
 """
 
 from __future__ import annotations
@@ -43,12 +45,23 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.normed(x, residual)
+
+    def normed(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The norm of `x` (+ `residual`, then returned as well), `x` taken as it is."""
         if self.fused:
             return self._fused(x, residual)
         if residual is not None:
             x = x + residual
             return self._norm(x), x
         return self._norm(x)
+
+    def stream(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The residual stream's value that this norm would read from `(x, residual)` (a new
+        tensor; neither is changed)."""
+        return x + residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -64,6 +77,28 @@ class RMSNorm(nn.Module):
         # NOTE: a view, so that the in-place update reaches the caller's residual.
         out, _ = self._rms_norm(rows, self.weight, self.eps, residual.view(-1, shape[-1]))
         return out.view(shape), residual
+
+
+class SummedRMSNorm(RMSNorm):
+    """The norm after a row-parallel projection (tensor parallelism): its input is this
+    rank's partial sum, which it sums over the ranks first (`TensorParallel.sum_and_norm`:
+    with the residual add and the norm in the same kernel where it can)."""
+
+    def __init__(self, dim: int, eps: float, fused: bool, tp: TensorParallel):
+        super().__init__(dim, eps, fused)
+        self.tp = tp
+
+    def forward(self, x, residual=None):
+        return self.tp.sum_and_norm(x, residual, self)
+
+    def stream(self, x, residual):
+        # NOTE: a clone, since NCCL sums in place and `x` is summed again by its next norm.
+        return self.tp.all_reduce(x.clone()) + residual
+
+
+def stream_norm(dim: int, eps: float, fused: bool, tp: TensorParallel | None) -> RMSNorm:
+    """A norm of the residual stream after row-parallel writes: summing under `tp`."""
+    return RMSNorm(dim, eps, fused) if tp is None else SummedRMSNorm(dim, eps, fused, tp)
 
 
 def rope_inverse_frequencies(
@@ -118,25 +153,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class RowParallelLinear(nn.Linear):
     """A projection whose input is split over the ranks (their heads, their MLP slice): each
-    multiplies its slice, then the partial sums are added up on every rank."""
+    multiplies its slice, giving this rank's partial sum of the output. Whoever reads it next
+    adds the partial sums up (`SummedRMSNorm`), so that the all-reduce can fuse with what
+    follows it."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel):
+    def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(x))
-
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum: the all-reduce is left to the caller."""
-        return super().forward(x)
 
 
 def output_projection(in_features: int, out_features: int, tp: TensorParallel | None):
-    """The projection back into the residual stream: row-parallel under tensor parallelism."""
+    """The projection back into the residual stream: row-parallel under tensor parallelism
+    (its output unsummed)."""
     if tp is None:
         return nn.Linear(in_features, out_features, bias=False)
-    return RowParallelLinear(in_features, out_features, tp)
+    return RowParallelLinear(in_features, out_features)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -199,10 +229,8 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         kv_pool: KVPool,
         ctx: AttentionContext,
-        *,
-        reduce: bool = True,
     ) -> torch.Tensor:
-        """`reduce` False (tensor parallelism only): this rank's partial sum, unreduced."""
+        """The output (under tensor parallelism, this rank's partial sum of it)."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -221,8 +249,7 @@ class Attention(nn.Module):
             scale=self.scale,
             sliding_window=self.sliding_window,
         )
-        project = self.o_proj if reduce else self.o_proj.partial
-        return project(out.reshape(-1, self.q_size))
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class GatedMLP(nn.Module):
@@ -248,12 +275,11 @@ class GatedMLP(nn.Module):
 
             self._silu_and_mul = silu_and_mul
 
-    def forward(self, x: torch.Tensor, *, reduce: bool = True) -> torch.Tensor:
-        """`reduce` False (tensor parallelism only): this rank's partial sum, unreduced."""
-        project = self.down_proj if reduce else self.down_proj.partial
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The output (under tensor parallelism, this rank's partial sum of it)."""
         gate_up = self.gate_up_proj(x)
         if self.fused:
             rows = self._silu_and_mul(gate_up.reshape(-1, gate_up.shape[-1]))
-            return project(rows.view(*gate_up.shape[:-1], self.intermediate_size))
+            return self.down_proj(rows.view(*gate_up.shape[:-1], self.intermediate_size))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return project(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up)
