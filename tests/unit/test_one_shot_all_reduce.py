@@ -1,5 +1,5 @@
-"""The one-shot all-reduce kernel (`kernels/one_shot_all_reduce.py`) between two processes on
-the CPU, under Triton's interpreter: each rank's buffer is shared memory both processes map,
+"""The one-shot all-reduce kernel (`kernels/one_shot_all_reduce.py`) between two and four
+processes on the CPU, under Triton's interpreter: each rank's buffer is shared memory both processes map,
 so the ranks signal each other through the flags as two GPUs do. Each rank checks its sums,
 and its fused residual-add + RMSNorm, against the unfused kernels."""
 
@@ -15,7 +15,6 @@ pytest.importorskip("triton")
 if torch.cuda.is_available():
     pytest.skip("the interpreter's CPU case; tests/gpu runs the kernel", allow_module_level=True)
 
-SIZE = 2
 HIDDEN = 48
 # Row counts of consecutive calls: repeats reuse both slots of a row; 3 after 1 starts rows
 # 1-2 at their first call while row 0 is at its second.
@@ -31,13 +30,14 @@ def _inputs(rank: int, call: int, rows: int, dtype) -> torch.Tensor:
 def _rank(rank: int, buffers, dtype, results) -> None:
     from pdserve.engine.kernels.norm import rms_norm
 
-    reducer = SymmetricAllReduce("test", rank, SIZE, dtype, max_spins=10**7)
+    size = len(buffers)
+    reducer = SymmetricAllReduce("test", rank, size, dtype, max_spins=10**7)
     reducer.attach([b.data_ptr() for b in buffers], torch.device("cpu"))
     weight = torch.linspace(0.5, 1.5, HIDDEN).to(dtype)
     failures = []
     for call, rows in enumerate(ROWS):
-        parts = [_inputs(r, call, rows, dtype) for r in range(SIZE)]
-        expected = (parts[0].float() + parts[1].float()).to(dtype)
+        parts = [_inputs(r, call, rows, dtype) for r in range(size)]
+        expected = sum(part.float() for part in parts).to(dtype)
         if call % 2 == 0:
             got = reducer(parts[rank])
             if not torch.equal(got, expected):
@@ -53,12 +53,16 @@ def _rank(rank: int, buffers, dtype, results) -> None:
     results.put((rank, failures, reducer.counters[: max(ROWS)].tolist()))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_two_ranks_sum_and_norm_through_each_others_buffers(dtype):
-    buffers = [torch.zeros(BUFFER_BYTES, dtype=torch.uint8).share_memory_() for _ in range(SIZE)]
+@pytest.mark.parametrize(
+    ("size", "dtype"),
+    [(2, torch.float32), (2, torch.bfloat16), (4, torch.bfloat16)],
+    ids=["2-fp32", "2-bf16", "4-bf16"],
+)
+def test_ranks_sum_and_norm_through_each_others_buffers(size, dtype):
+    buffers = [torch.zeros(BUFFER_BYTES, dtype=torch.uint8).share_memory_() for _ in range(size)]
     context = mp.get_context("spawn")
     results = context.Queue()
-    procs = [context.Process(target=_rank, args=(r, buffers, dtype, results)) for r in range(SIZE)]
+    procs = [context.Process(target=_rank, args=(r, buffers, dtype, results)) for r in range(size)]
     for p in procs:
         p.start()
     try:
