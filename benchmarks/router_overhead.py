@@ -70,7 +70,9 @@ def start_mock(role: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
     return process, url
 
 
-def start_pdserve_router(prefill: str, decode: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
+def start_pdserve_router(
+    prefill: str, decode: str, log_dir: Path, processes: int = 1
+) -> tuple[subprocess.Popen, str]:
     """Its output (an access line per request) goes to a file, as sglang-router's does: not
     through a thread of this process (LocalServer's log copier), which would take the
     client's GIL turns once per request, for pdserve alone."""
@@ -78,6 +80,7 @@ def start_pdserve_router(prefill: str, decode: str, log_dir: Path) -> tuple[subp
     command = [sys.executable, "-m", "pdserve.cli", "--log-level", "info", "router"]
     command += ["--prefill", prefill, str(free_port()), "--decode", decode]
     command += ["--host", "127.0.0.1", "--port", str(port)]
+    command += ["--router-processes", str(processes)]
     log = open(log_dir / "pdserve_router.log", "w")  # noqa: SIM115 (closed with the process)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -347,6 +350,9 @@ def main() -> None:
         "--routers", nargs="+", default=["pdserve", "sglang"], choices=("pdserve", "sglang")
     )
     parser.add_argument(
+        "--router-processes", type=int, default=1, help="pdserve router's --router-processes"
+    )
+    parser.add_argument(
         "--delayed-acks",
         dest="quick_acks",
         action="store_false",
@@ -365,7 +371,9 @@ def main() -> None:
             processes += [prefill, decode]
             targets = {"direct": decode_url}
             if "pdserve" in args.routers:
-                server, targets["pdserve"] = start_pdserve_router(prefill_url, decode_url, log_dir)
+                server, targets["pdserve"] = start_pdserve_router(
+                    prefill_url, decode_url, log_dir, args.router_processes
+                )
                 processes.append(server)
             if "sglang" in args.routers:
                 router, targets["sglang"] = start_sglang_router(prefill_url, decode_url, log_dir)

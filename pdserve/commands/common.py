@@ -177,11 +177,18 @@ class StartupFailed(RuntimeError):
     """The app could not start (its engine did not come up); the message says why."""
 
 
-def serve_http(app, settings: HttpSettings, log_level: str, access_log: bool = True) -> int:
+def serve_http(
+    app,
+    settings: HttpSettings,
+    log_level: str,
+    access_log: bool = True,
+    sockets: list[socket.socket] | None = None,
+) -> int:
     """Serve `app` until SIGTERM/SIGINT. Its start-up (the engine process) runs before the
     socket is bound, and a failure there is one `error:` line (the traceback at debug
     level), exit code 1. access_log: uvicorn's line per request (the router writes its
-    own, richer one)."""
+    own, richer one). sockets: listening sockets to serve on instead of binding
+    `settings`' host and port."""
     import uvicorn
 
     if logging.getLevelName(log_level.upper()) > logging.DEBUG:
@@ -204,7 +211,7 @@ def serve_http(app, settings: HttpSettings, log_level: str, access_log: bool = T
             logger.debug("start-up failed", exc_info=True)
             raise StartupFailed(str(e)) from None
         try:
-            await uvicorn.Server(config).serve()
+            await uvicorn.Server(config).serve(sockets=sockets)
         finally:
             await lifespan.__aexit__(None, None, None)
 

@@ -126,14 +126,42 @@ def router_config_from_args(args: argparse.Namespace, api_key: str | None = None
 
 
 def configure(args: argparse.Namespace) -> Callable[[], int]:
-    from pdserve.router.app import build_router_app
-
     http = http_settings_from_args(args, port=ROUTER_PORT)
     config = router_config_from_args(args, http.api_key)
     check_port_free(http.host, http.port, "--port")
+    if config.router_processes > 1:
+        from pdserve.router.processes import bind_sockets
+
+        try:
+            sockets = bind_sockets(http.host, http.port, config.router_processes)
+        except OSError as e:
+            raise ValueError(f"--port {http.port} on {http.host}: {e.strerror}") from None
+        return functools.partial(_serve_processes, config, http, args.log_level, sockets)
+    app = _built(config)
+    return functools.partial(serve_http, app, http, args.log_level, access_log=False)
+
+
+def _built(config: RouterConfig):
+    from pdserve.router.app import build_router_app
+
     app = build_router_app(config)
     # NOTE: what start-up made (modules, the app, its schemas) leaves the collector's view, so
     # that a full collection no longer pauses every stream in flight for tens of ms (P99
     # time to first token at 32 streams: 40 -> 11 ms, benchmarks/RESULTS.md).
     gc.freeze()
-    return functools.partial(serve_http, app, http, args.log_level, access_log=False)
+    return app
+
+
+def _serve_processes(config: RouterConfig, http, log_level: str, sockets) -> int:
+    """A router process on each of `sockets` (one port), summing their metrics in a
+    directory of their own (removed at the end)."""
+    from pdserve.router.metrics import summed_across_processes
+    from pdserve.router.processes import Supervisor
+
+    one = config.per_process()
+    with summed_across_processes() as process_ended:
+
+        def serve(sock) -> int:
+            return serve_http(_built(one), http, log_level, access_log=False, sockets=[sock])
+
+        return Supervisor(sockets, serve, http.shutdown_timeout, process_ended).run()

@@ -101,7 +101,9 @@ def build_router_app(
         async with httpx.AsyncClient(timeout=timeout, transport=pooled) as client:
             checker = HealthChecker(config, pools, client, discovery)
             await checker.check_all()
-            health_task = asyncio.create_task(checker.run(), name="health-checks")
+            health_task = asyncio.create_task(
+                checker.run(after_round=lambda: metrics.refresh(pools)), name="health-checks"
+            )
             if config.colocated:
                 route = WorkerRoute(config, legs, answering)
             else:

@@ -7,12 +7,15 @@ Two modes: disaggregated (prefill and decode workers, found by URL or DNS) or co
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pdserve.protocol.flags import option
 from pdserve.protocol.strict_json import MAX_BODY_BYTES as DEFAULT_MAX_BODY_BYTES
 from pdserve.router.discovery import ServiceName
 from pdserve.router.policies import POLICIES
+
+MAX_ROUTER_PROCESSES = 64
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,11 @@ class RouterConfig:
     max_requests_per_worker: requests this router keeps in flight on one worker at most
     (0: no bound); beyond it on every worker of a role, 429.
     max_rooms_per_request: a request with several prompts or n > 1 takes a room per (prompt,
-    choice); more than this many is refused with 400."""
+    choice); more than this many is refused with 400.
+    router_processes: processes serving the port (`router/processes.py`), each routing on its
+    own: it counts only its own requests in flight (each keeps `max_requests_per_worker //
+    router_processes` at most, so that together they keep the bound), and cache_aware's
+    prefix index would see only its share of the requests, so that policy takes one process."""
 
     prefill: tuple[tuple[str, int | None], ...] = ()
     decode: tuple[str, ...] = ()
@@ -83,6 +90,12 @@ class RouterConfig:
         256,
         "a request with several prompts or n > 1 takes one prefill/decode room per (prompt, "
         "choice); requests asking for more get 400",
+    )
+    router_processes: int = option(
+        1,
+        "router processes serving the port, each routing the connections it accepts on its "
+        "own (round robin, health checks and in-flight counts per process; metrics summed)",
+        name="--router-processes",
     )
     cache_threshold: float = option(
         0.5,
@@ -137,6 +150,33 @@ class RouterConfig:
                 f"max_requests_per_worker must be >= 0 (0: no bound), got "
                 f"{self.max_requests_per_worker}"
             )
+        self._check_processes()
+
+    def _check_processes(self) -> None:
+        processes = self.router_processes
+        if not 1 <= processes <= MAX_ROUTER_PROCESSES:
+            raise ValueError(
+                f"--router-processes must be in [1, {MAX_ROUTER_PROCESSES}], got {processes}"
+            )
+        if processes == 1:
+            return
+        policies = {self.prefill_policy, self.decode_policy, self.policy}
+        if "cache_aware" in policies:
+            raise ValueError(
+                "the cache_aware policy keeps one prefix index per router process, which would "
+                f"see 1/{processes} of the requests: use --router-processes 1 with it"
+            )
+        if 0 < self.max_requests_per_worker < processes:
+            raise ValueError(
+                f"--max-requests-per-worker {self.max_requests_per_worker} is split among "
+                f"--router-processes {processes}: give at least one per process"
+            )
+
+    def per_process(self) -> RouterConfig:
+        """What one of `router_processes` processes enforces: its share of the in-flight
+        bound (together, at most the whole)."""
+        bound = self.max_requests_per_worker // self.router_processes
+        return dataclasses.replace(self, max_requests_per_worker=bound, router_processes=1)
 
     def _check_workers(self) -> None:
         disaggregated = {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import httpx
 
@@ -31,11 +32,12 @@ class HealthChecker:
         self.client = client
         self.discovery = discovery
 
-    async def run(self) -> None:
+    async def run(self, after_round: Callable[[], None] = lambda: None) -> None:
         """Checks every interval; the first round is the caller's (before serving)."""
         while True:
             await asyncio.sleep(self.config.health_check_interval_s)
             await self.check_all()
+            after_round()
 
     async def check_all(self) -> None:
         await self.discovery.refresh()  # NOTE: nothing to do without --*-service

@@ -1,15 +1,55 @@
 """The router's Prometheus metrics: requests by endpoint and outcome, retries, latencies,
-worker health and load. Torch-free."""
+worker health and load. Torch-free.
+
+Several router processes (`--router-processes`) sum theirs: each writes its values into a
+directory they share (prometheus_client's multiprocess mode), and `/metrics`, whichever
+process answers it, reads them all. Counters and histograms add up; a worker counts as in
+rotation while every live process has it in rotation, and its requests in flight are the sum
+over the live processes. Each process writes its worker gauges at every health-check round.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+    values,
+)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+@contextlib.contextmanager
+def summed_across_processes() -> Iterator[Callable[[int], None]]:
+    """Metrics of the router processes started within (forked: they inherit it) summed in a
+    directory of their own, removed at the end. Yields what to call with a process's pid when
+    it has ended."""
+    directory = tempfile.mkdtemp(prefix="pdserve-router-metrics-")
+    os.environ[MULTIPROCESS_DIR_ENV] = directory
+    # NOTE: prometheus_client picks how values are kept when it is imported.
+    values.ValueClass = values.get_value_class()
+    try:
+        yield lambda pid: multiprocess.mark_process_dead(pid, directory)
+    finally:
+        del os.environ[MULTIPROCESS_DIR_ENV]
+        values.ValueClass = values.get_value_class()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class RouterMetrics:
     def __init__(self) -> None:
+        self.summed = MULTIPROCESS_DIR_ENV in os.environ
         self._rendered: set[tuple[str, str]] = set()
         self._children: dict[tuple, Counter | Histogram] = {}
         self.registry = CollectorRegistry()
@@ -48,12 +88,14 @@ class RouterMetrics:
             "1 while the worker is in rotation",
             ["role", "url"],
             registry=r,
+            multiprocess_mode="livemin",
         )
         self.worker_in_flight = Gauge(
             "pdserve_router:worker_requests_in_flight",
             "Requests this router has in flight on the worker",
             ["role", "url"],
             registry=r,
+            multiprocess_mode="livesum",
         )
 
     def ended(self, endpoint: str, status: str, seconds: float) -> None:
@@ -75,7 +117,8 @@ class RouterMetrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def render(self, pools) -> bytes:
+    def refresh(self, pools) -> None:
+        """Set the worker gauges from the pools."""
         current = set()
         for pool in pools:
             for worker in pool.workers:
@@ -84,7 +127,16 @@ class RouterMetrics:
                 self.worker_healthy.labels(*labels).set(1 if worker.healthy else 0)
                 self.worker_in_flight.labels(*labels).set(worker.in_flight)
         for labels in self._rendered - current:  # NOTE: workers DNS discovery dropped
-            self.worker_healthy.remove(*labels)
-            self.worker_in_flight.remove(*labels)
+            # NOTE: zeroed first: summed across processes, a value once written stays.
+            for gauge in (self.worker_healthy, self.worker_in_flight):
+                gauge.labels(*labels).set(0)
+                gauge.remove(*labels)
         self._rendered = current
-        return generate_latest(self.registry)
+
+    def render(self, pools) -> bytes:
+        self.refresh(pools)
+        if not self.summed:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)

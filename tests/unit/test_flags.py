@@ -84,6 +84,7 @@ SAMPLES = {
             "max_body_bytes": 4096,
             "max_requests_per_worker": 4,
             "max_rooms_per_request": 8,
+            "router_processes": 2,
             "cache_threshold": 0.7,
             "balance_abs_threshold": 8,
             "balance_rel_threshold": 1.5,
