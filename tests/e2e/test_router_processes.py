@@ -6,62 +6,29 @@ process and removes the metrics directory. Torch-free."""
 from __future__ import annotations
 
 import glob
-import json
 import os
 import signal
 import tempfile
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 
 from pdserve.server.local_process import LocalServer
+from tests.unit.fake_workers import CompletingWorker
 from tests.waiting import wait_until
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 2}
 
 
-class _Worker(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def do_GET(self):
-        self._answer({} if self.path == "/health" else {"data": []})
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        with self.server.lock:
-            self.server.posts += 1
-        self._answer({"id": "cmpl", "object": "text_completion", "choices": [{"text": "ok"}]})
-
-    def _answer(self, body: dict):
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture(scope="module")
 def worker():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Worker)
-    server.daemon_threads = True
-    server.lock, server.posts = threading.Lock(), 0
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with CompletingWorker() as worker:
+        yield worker
 
 
 def _start(worker) -> LocalServer:
-    url = f"http://127.0.0.1:{worker.server_address[1]}"
     flags = ["--router-processes", "2", "--health-check-interval", "0.2"]
-    router = LocalServer(["router", "--worker-urls", url, *flags])
+    router = LocalServer(["router", "--worker-urls", worker.url, *flags])
 
     def serving() -> bool:
         assert router.process.poll() is None, "the router exited"

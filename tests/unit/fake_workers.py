@@ -94,24 +94,10 @@ async def _answer(body: dict) -> httpx.Response:
     return completion()
 
 
-class _DropsReusedConnections(BaseHTTPRequestHandler):
-    """Serves one request per connection and then drops the connection on the next POST,
-    unanswered, as a worker does that closed an idle keep-alive connection while the router
-    was sending on it. Answers like a prefill and a decode worker at once."""
+class _JsonWorker(BaseHTTPRequestHandler):
+    """A loopback HTTP/1.1 worker that answers JSON, quietly."""
 
     protocol_version = "HTTP/1.1"  # NOTE: keep-alive, so the router reuses connections
-
-    def do_GET(self):
-        self._answer(200, {"disaggregation_bootstrap_port": 8998})
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        if self.server.mode == "hang":
-            self.rfile.read(1)  # NOTE: returns when the router closes the connection
-        if getattr(self, "served", 0) or self.server.mode != "drop_reused":
-            self.close_connection = True
-            return
-        self._answer(200, {"text": "ok"})
 
     def _answer(self, status: int, body: dict) -> None:
         self.served = getattr(self, "served", 0) + 1
@@ -126,19 +112,47 @@ class _DropsReusedConnections(BaseHTTPRequestHandler):
         pass
 
 
-class KeepAliveDropper:
-    """`_DropsReusedConnections` on a loopback port. mode: `drop_reused` (the POST on a
-    reused connection), `drop_all` (every POST), `hang` (every POST stays unanswered until
-    the router closes its connection: a decode leg waiting for a transfer)."""
+class _DropsReusedConnections(_JsonWorker):
+    """Serves one request per connection and then drops the connection on the next POST,
+    unanswered, as a worker does that closed an idle keep-alive connection while the router
+    was sending on it. Answers like a prefill and a decode worker at once."""
 
-    def __init__(self, mode: str = "drop_reused"):
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _DropsReusedConnections)
-        self.server.mode = mode
+    def do_GET(self):
+        self._answer(200, {"disaggregation_bootstrap_port": 8998})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.server.mode == "hang":
+            self.rfile.read(1)  # NOTE: returns when the router closes the connection
+        if getattr(self, "served", 0) or self.server.mode != "drop_reused":
+            self.close_connection = True
+            return
+        self._answer(200, {"text": "ok"})
+
+
+class _Completes(_JsonWorker):
+    """A colocated worker: /health and model info answer 200, every POST a completion."""
+
+    def do_GET(self):
+        self._answer(200, {} if self.path == "/health" else {"data": []})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        with self.server.lock:
+            self.server.posts += 1
+        self._answer(200, {"id": "cmpl", "object": "text_completion", "choices": [{"text": "ok"}]})
+
+
+class _LoopbackServer:
+    """A handler class served on a loopback port by a thread, while in a `with` block."""
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler]):
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> KeepAliveDropper:
+    def __enter__(self):
         self.thread.start()
         return self
 
@@ -146,3 +160,25 @@ class KeepAliveDropper:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=5)
+
+
+class CompletingWorker(_LoopbackServer):
+    """`_Completes` on a loopback port, counting the POSTs it answered (`posts`)."""
+
+    def __init__(self):
+        super().__init__(_Completes)
+        self.server.lock, self.server.posts = threading.Lock(), 0
+
+    @property
+    def posts(self) -> int:
+        return self.server.posts
+
+
+class KeepAliveDropper(_LoopbackServer):
+    """`_DropsReusedConnections` on a loopback port. mode: `drop_reused` (the POST on a
+    reused connection), `drop_all` (every POST), `hang` (every POST stays unanswered until
+    the router closes its connection: a decode leg waiting for a transfer)."""
+
+    def __init__(self, mode: str = "drop_reused"):
+        super().__init__(_DropsReusedConnections)
+        self.server.mode = mode

@@ -1,7 +1,7 @@
 """The one-shot all-reduce kernel (`kernels/one_shot_all_reduce.py`) between two and four
-processes on the CPU, under Triton's interpreter: each rank's buffer is shared memory both processes map,
-so the ranks signal each other through the flags as two GPUs do. Each rank checks its sums,
-and its fused residual-add + RMSNorm, against the unfused kernels."""
+processes on the CPU, under Triton's interpreter: each rank's buffer is shared memory every
+process maps, so the ranks signal each other through the flags as GPUs do. Each rank checks
+its sums, and its fused residual-add + RMSNorm, against the unfused kernels."""
 
 from __future__ import annotations
 

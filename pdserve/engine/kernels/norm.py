@@ -35,16 +35,34 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    residual_row = residual_ptr + row * residual_row_stride + cols
+    out = add_and_norm(x, residual_row, weight_ptr, cols, mask, hidden, eps, dtype, HAS_RESIDUAL)
+    tl.store(out_ptr + row * out_row_stride + cols, out.to(dtype), mask=mask)
+
+
+@triton.jit
+def add_and_norm(
+    x,
+    residual_row,
+    weight_ptr,
+    cols,
+    mask,
+    hidden,
+    eps,
+    dtype: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    """The RMSNorm of a float32 row `x` (with `HAS_RESIDUAL`, of `x` + the row at
+    `residual_row`, which is updated to that sum), rounded step by step as the module
+    docstring says; float32 values of `dtype`."""
     if HAS_RESIDUAL:
-        residual_row = residual_ptr + row * residual_row_stride + cols
         residual = tl.load(residual_row, mask=mask, other=0.0).to(tl.float32)
         x = round_to(x + residual, dtype)
         tl.store(residual_row, x.to(dtype), mask=mask)
     mean_square = tl.sum(x * x, axis=0) / hidden
     normed = round_to(x * tl.rsqrt(mean_square + eps), dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    out = round_to(normed * weight, dtype)
-    tl.store(out_ptr + row * out_row_stride + cols, out.to(dtype), mask=mask)
+    return round_to(normed * weight, dtype)
 
 
 def rms_norm(

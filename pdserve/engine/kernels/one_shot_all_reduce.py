@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from pdserve.engine.kernels import INTERPRETING
+from pdserve.engine.kernels.norm import add_and_norm
 from pdserve.engine.kernels.rounding import round_to
 
 # NOTE: the interpreter runs no PTX; there a stuck wait just ends.
@@ -114,15 +115,7 @@ def one_shot_all_reduce_kernel(
     tl.store(counter_ptr + row, call)
     total = round_to(total, dtype)
 
-    out_row = out_ptr + row * out_row_stride + cols
     if ADD_NORM:
         residual_row = residual_ptr + row * residual_row_stride + cols
-        residual = tl.load(residual_row, mask=mask, other=0.0).to(tl.float32)
-        total = round_to(total + residual, dtype)
-        tl.store(residual_row, total.to(dtype), mask=mask)
-        mean_square = tl.sum(total * total, axis=0) / hidden
-        normed = round_to(total * tl.rsqrt(mean_square + eps), dtype)
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_row, round_to(normed * weight, dtype).to(dtype), mask=mask)
-    else:
-        tl.store(out_row, total.to(dtype), mask=mask)
+        total = add_and_norm(total, residual_row, weight_ptr, cols, mask, hidden, eps, dtype, True)
+    tl.store(out_ptr + row * out_row_stride + cols, total.to(dtype), mask=mask)
