@@ -10,10 +10,14 @@ A decode step of an L-layer model runs 2L + 1 of these (attention output, MLP ou
 embedding), so at batch 1 the per-call latency times ~65 is what TP adds to every step.
 
     python benchmarks/all_reduce.py --tokens 1 8 64 512 4096 --output $OUT/all_reduce.json
+    python benchmarks/all_reduce.py --tokens 4096 8192 --two-shot-mib 64   # prefill sizes
 
 Each figure: one graph of `--calls` all-reduces replayed `--replays` times, timed by CUDA
 events on rank 0, divided by the number of calls (median of `--runs`). The one-shot sums are
-checked against NCCL's before they are timed.
+checked against NCCL's before they are timed. With `--two-shot-mib`, sizes the one-shot does
+not take (prefill's) are also timed eagerly, as prefill runs them: NCCL, and torch's two-shot
+operator (reduce-scatter and all-gather through symmetric memory, the copy in included),
+whose sums are checked too: what a fused two-shot kernel for prefill would start from.
 """
 
 from __future__ import annotations
@@ -60,6 +64,56 @@ def time_graph(body, calls: int, replays: int, runs: int) -> float:
     return statistics.median(results)
 
 
+def time_eager(body, calls: int, runs: int) -> float:
+    """Microseconds per call of `body` run `calls` times in a row, eagerly (as prefill runs)."""
+    for _ in range(3):
+        body()
+    torch.cuda.synchronize()
+    results = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            body()
+        end.record()
+        end.synchronize()
+        results.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(results)
+
+
+def two_shot_buffer(small, mib: int, device) -> torch.Tensor | None:
+    """A second symmetric buffer of `mib` MiB in the one-shot's group, for torch's two-shot
+    operator (None without the one-shot's group)."""
+    if small is None or not mib:
+        return None
+    import torch.distributed._symmetric_memory as symm_mem
+
+    buffer = symm_mem.empty((mib << 20) // 2, dtype=torch.bfloat16, device=device)
+    symm_mem.rendezvous(buffer, small.name)
+    return buffer
+
+
+def time_prefill_sizes(row, local, expect, group, big, args) -> None:
+    """Eager timings of a prefill-sized all-reduce: NCCL, and torch's two-shot operator
+    (copy into the symmetric buffer included) where it fits `big`."""
+    scratch = torch.zeros_like(local)
+    row["nccl_eager_us"] = time_eager(
+        lambda: group.allreduce([scratch]).wait(), args.calls, args.runs
+    )
+    if big is None or local.numel() > big.numel():
+        return
+    mapped = big[: local.numel()].view(local.shape)
+
+    def two_shot(x=local):
+        mapped.copy_(x)
+        torch.ops.symm_mem.two_shot_all_reduce_(mapped, "sum", args.group_name)
+
+    two_shot()
+    torch.cuda.synchronize()
+    row["two_shot_max_error"] = float((mapped.float() - expect.float()).abs().max())
+    row["two_shot_eager_us"] = time_eager(two_shot, args.calls, args.runs)
+
+
 def rank_main(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     from pdserve.engine.kernels.norm import rms_norm
     from pdserve.engine.symmetric_all_reduce import FLAG_BYTES, SymmetricAllReduce
@@ -70,6 +124,8 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     store = dist.TCPStore("127.0.0.1", port, SIZE, rank == 0)
     group = open_group(store, rank, SIZE, device, timeout_s=120)
     small = SymmetricAllReduce.open(group, store, rank, SIZE, device, torch.bfloat16)
+    big = two_shot_buffer(small, args.two_shot_mib, device)
+    args.group_name = small.name if small is not None else ""
     generator = torch.Generator(device).manual_seed(rank)
     rows = []
     for tokens in args.tokens:
@@ -132,6 +188,8 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, queue) -> None:
                 args.replays,
                 args.runs,
             )
+        if args.two_shot_mib and not (small is not None and small.fits(local)):
+            time_prefill_sizes(row, local, expect, group, big, args)
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
@@ -146,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 128, 512, 4096])
     parser.add_argument("--hidden", type=int, default=4096, help="Llama-3.1-8B's")
+    parser.add_argument(
+        "--two-shot-mib",
+        type=int,
+        default=0,
+        help="also time what the one-shot does not take eagerly, NCCL beside torch's two-shot "
+        "operator over a symmetric buffer of this many MiB (0: not)",
+    )
     parser.add_argument("--calls", type=int, default=64)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--runs", type=int, default=5)
@@ -186,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     columns = [
         "nccl_us",
+        "nccl_eager_us",
+        "two_shot_eager_us",
         "torch_one_shot_us",
         "one_shot_us",
         "nccl_norm_us",
