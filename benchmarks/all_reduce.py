@@ -52,16 +52,7 @@ def time_graph(body, calls: int, replays: int, runs: int) -> float:
             body()
     graph.replay()
     torch.cuda.synchronize()
-    results = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        results.append(start.elapsed_time(end) * 1e3 / (replays * calls))
-    return statistics.median(results)
+    return _median_us(graph.replay, replays, runs) / calls
 
 
 def time_eager(body, calls: int, runs: int) -> float:
@@ -69,15 +60,21 @@ def time_eager(body, calls: int, runs: int) -> float:
     for _ in range(3):
         body()
     torch.cuda.synchronize()
+    return _median_us(body, calls, runs)
+
+
+def _median_us(body, repeats: int, runs: int) -> float:
+    """Median over `runs` of the microseconds one of `repeats` back-to-back `body()` calls
+    takes, timed by CUDA events."""
     results = []
     for _ in range(runs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(calls):
+        for _ in range(repeats):
             body()
         end.record()
         end.synchronize()
-        results.append(start.elapsed_time(end) * 1e3 / calls)
+        results.append(start.elapsed_time(end) * 1e3 / repeats)
     return statistics.median(results)
 
 

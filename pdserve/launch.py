@@ -32,9 +32,9 @@ import httpx
 from pdserve.engine.config import EngineConfig
 from pdserve.protocol.flags import option, secret_env, to_argv
 from pdserve.protocol.http_settings import WORKER_ONLY, HttpSettings
+from pdserve.protocol.restart_budget import RestartBudget
 from pdserve.router.config import RouterConfig
 from pdserve.server.local_process import LocalServer, ServerStartError, free_port
-from pdserve.server.restart_budget import RestartBudget
 from pdserve.transfer.config import TransferConfig
 
 RESTART_WINDOW_S = 600.0

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import triton
 
+from pdserve.engine.kernels.norm import row_num_warps
+from pdserve.engine.kernels.one_shot_all_reduce import one_shot_all_reduce_kernel
 from pdserve.engine.tensor_parallel import all_reduce_min
 
 logger = logging.getLogger(__name__)
@@ -208,9 +210,6 @@ class SymmetricAllReduce:
         return out.view(x.shape), residual
 
     def _launch(self, rows, out, residual, weight, eps) -> None:
-        from pdserve.engine.kernels.norm import row_num_warps
-        from pdserve.engine.kernels.one_shot_all_reduce import one_shot_all_reduce_kernel
-
         count, hidden = rows.shape
         block = triton.next_power_of_2(hidden)
         add_norm = residual is not None

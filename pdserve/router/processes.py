@@ -18,7 +18,6 @@ parent is gone (killed) stops by itself. Torch-free.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
@@ -27,6 +26,8 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+
+from pdserve.protocol.restart_budget import RestartBudget
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class Supervisor:
         self.kill_after_s = shutdown_timeout_s + KILL_AFTER_S
         self.on_exit = on_exit
         self.running: dict[int, tuple[int, float]] = {}  # pid -> (socket index, start time)
-        self.restarts: collections.deque[float] = collections.deque()
+        self.restarts = RestartBudget(RESTARTS_PER_MINUTE, 60.0)
         self.stop_signal: int | None = None
 
     def run(self) -> int:
@@ -105,7 +106,7 @@ class Supervisor:
                 if code > 0 and time.monotonic() - started < START_GRACE_S:
                     logger.error("router process %d failed to start (exit %d)", pid, code)
                     return 1
-                if not self._may_restart():
+                if not self.restarts.take(time.monotonic()):
                     logger.error(
                         "router process %d exited (%d); %d restarts in the last minute: stopping",
                         pid,
@@ -137,13 +138,6 @@ class Supervisor:
             finally:
                 os._exit(code)
         self.running[pid] = (index, time.monotonic())
-
-    def _may_restart(self) -> bool:
-        now = time.monotonic()
-        while self.restarts and now - self.restarts[0] > 60:
-            self.restarts.popleft()
-        self.restarts.append(now)
-        return len(self.restarts) <= RESTARTS_PER_MINUTE
 
     def _reap(self) -> list[tuple[int, int]]:
         ended = []

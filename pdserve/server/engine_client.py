@@ -42,8 +42,8 @@ from pdserve.protocol.engine_messages import (
     TokenOutput,
 )
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
+from pdserve.protocol.restart_budget import RestartBudget
 from pdserve.server.engine_process import run_engine_process
-from pdserve.server.restart_budget import RestartBudget
 from pdserve.server.role import WorkerRole
 
 logger = logging.getLogger(__name__)

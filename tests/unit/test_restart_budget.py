@@ -3,7 +3,7 @@ a budget per sliding time window."""
 
 from __future__ import annotations
 
-from pdserve.server.restart_budget import RestartBudget
+from pdserve.protocol.restart_budget import RestartBudget
 
 
 def test_restart_budget_allows_max_restarts_within_the_window():

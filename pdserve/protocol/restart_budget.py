@@ -1,7 +1,7 @@
 """How often a supervisor may restart what it supervises: at most `max_restarts` restarts
 within a sliding window, so a crash loop (a device gone bad, a broken model) ends instead of
-restarting forever. Used by a worker for its engine process and by `pdserve launch` for its
-children."""
+restarting forever. Used by a worker for its engine process, by `pdserve launch` for its
+children and by the router for its processes. Torch-free."""
 
 from __future__ import annotations
 
