@@ -6,12 +6,17 @@ gather of the request's pages into a staging buffer (prefill) to the end of the 
 other page ids (decode commit), with the protocol's control messages in between. Both ends are
 read from the host's monotonic clock, which the two processes share. Raw GiB/s is one
 contiguous buffer sent with the backend's own primitive between two processes (ZMQ, zero-copy,
-for tcp; torch.distributed send/recv on a pair group for gloo and nccl).
+for tcp; torch.distributed send/recv on a pair group for gloo and nccl). With `ipc` there is
+no gather and no scatter: the handoff runs from the start of prefill's write into decode's
+pages to decode's commit, and raw is nccl's (gloo's on CPU) between the same two devices;
+its steps include `copy_alone`, the copy kernel's own GPU time (CUDA events) as if it were a
+step since the start.
 
     python benchmarks/transfer.py --backend tcp --sizes-mib 16 128 512
     python benchmarks/transfer.py --backend gloo
     python benchmarks/transfer.py --backend nccl   # prefill on cuda:0, decode on cuda:1
     python benchmarks/transfer.py --backend nccl --protocol-only
+    python benchmarks/transfer.py --backend ipc    # prefill on cuda:0 writes into cuda:1
 
 `--protocol-only` measures what a handoff costs beyond its bytes: rooms of one 512-byte page
 (one layer, one KV head of 8), 40 of them one after another, each protocol step's median time
@@ -39,6 +44,7 @@ from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
 from pdserve.transfer.buffer_pool import BufferPool
 from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metadata import MetadataRecord
 from pdserve.transfer.room_state import TransferState
@@ -72,8 +78,9 @@ PROTOCOL_ROOMS, PROTOCOL_WARMUP = 40, 5
 
 
 def device_for(backend: str, rank: int) -> torch.device:
-    """Prefill (rank 0) on cuda:0 and decode (rank 1) on cuda:1 for nccl; CPU otherwise."""
-    if backend != "nccl":
+    """Prefill (rank 0) on cuda:0 and decode (rank 1) on cuda:1 for nccl, and for ipc where
+    there are GPUs; CPU otherwise."""
+    if backend != "nccl" and not (backend == "ipc" and torch.cuda.is_available()):
         return torch.device("cpu")
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
@@ -114,11 +121,18 @@ def prefill_main(sizes, shape: KVShape, repeats: int, config, port_queue, timing
     from pdserve.transfer.prefill_side import PrefillTransferServer
 
     device = device_for(config.backend, 0)
+    pool = make_pool(shape, 2 * max(sizes) + 1, device)
+    ipc = config.backend == "ipc"
     server = PrefillTransferServer(
-        config, shape.layout, MetadataSpec(), "bench-prefill", device=device
+        config,
+        shape.layout,
+        MetadataSpec(),
+        "bench-prefill",
+        device=device,
+        source_device=device,
+        pools=[pool.storage] if ipc else None,
     )
     port_queue.put(server.start())
-    pool = make_pool(shape, 2 * max(sizes) + 1, device)
     stager = KVStager([pool])
     staging = BufferPool(device)
     room = 0
@@ -129,17 +143,52 @@ def prefill_main(sizes, shape: KVShape, repeats: int, config, port_queue, timing
             sender = server.sender(room)
             wait(lambda s=sender: s.poll() is TransferState.WAITING_FOR_INPUT, server.doorbell)
             start = time.monotonic()
-            # NOTE: staging comes from a pool, as a prefill worker's would: fresh memory costs
-            # page faults on every request. Success means decode acked: the buffer is free.
-            kv = stager.gather([pages], out=staging.take(stager.nbytes([pages])))
-            synchronize(device)
-            sender.send(kv, MetadataRecord(first_token=1))
+            host_steps = {}
+            if ipc:  # written straight into decode's pages, as the prefill handoff does
+                kv = None
+                host_steps = write_into_decode(stager, sender, pages, device)
+                sender.finish(MetadataRecord(first_token=1))
+            else:
+                # NOTE: staging comes from a pool, as a prefill worker's would: fresh memory
+                # costs page faults on every request. Success means decode acked: it is free.
+                kv = stager.gather([pages], out=staging.take(stager.nbytes([pages])))
+                synchronize(device)
+                sender.send(kv, MetadataRecord(first_token=1))
             wait(lambda s=sender: s.poll() in ENDED, server.doorbell)
+            copy = host_steps.pop("copy_events", None)
+            if copy is not None:  # the copy's own GPU time, as a step since the start
+                host_steps["copy_alone"] = start + copy[0].elapsed_time(copy[1]) / 1e3
             timings.put(("start", size, room, start, sender.poll().name))
-            timings.put(("stamps", size, room, {"gather_start": start, **sender.stamps}, ""))
-            staging.give(kv)
+            stamps = {"gather_start": start, **host_steps, **sender.stamps}
+            timings.put(("stamps", size, room, stamps, ""))
+            if kv is not None:
+                staging.give(kv)
             server.release(room)
     server.stop()
+
+
+def write_into_decode(stager: KVStager, sender, pages: list[int], device) -> dict[str, float]:
+    """The `ipc` backend's piece: the room's pages written into decode's, then handed on with
+    the event the write completes at; when each host step ended (and, on a GPU, the CUDA
+    events around the copy: `copy_events`)."""
+    span = PageSpan(0, len(pages))
+    peer_pools, peer_pages = sender.destination(span)
+    steps = {"destination": time.monotonic()}
+    copy = None
+    if device.type == "cuda":
+        copy = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        copy[0].record()
+    stager.write([pages], peer_pools, peer_pages)
+    steps["write_queued"] = time.monotonic()
+    ready = None
+    if copy is not None:
+        copy[1].record()
+        steps["copy_events"] = copy
+        ready = torch.cuda.Event(interprocess=True)
+        ready.record()
+    nbytes = span.nbytes(stager.page_bytes)
+    sender.send_piece(OutgoingPiece(span, None, ready, nbytes=nbytes, targets=peer_pools))
+    return steps
 
 
 def decode_main(sizes, shape: KVShape, repeats: int, config, port, timings):
@@ -149,7 +198,13 @@ def decode_main(sizes, shape: KVShape, repeats: int, config, port, timings):
     pool = make_pool(shape, 2 * max(sizes) + 1, device)
     stager = KVStager([pool])
     client = DecodeTransferClient(
-        config, shape.layout, MetadataSpec(), "bench-decode", stager.page_bytes, device=device
+        config,
+        shape.layout,
+        MetadataSpec(),
+        "bench-decode",
+        stager.page_bytes,
+        device=device,
+        pools=[pool.storage] if config.backend == "ipc" else None,
     )
     client.start()
     room = 0
@@ -358,13 +413,14 @@ def protocol_steps(paged_rows) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="tcp", choices=["tcp", "gloo", "nccl"])
+    parser.add_argument("--backend", default="tcp", choices=["tcp", "gloo", "nccl", "ipc"])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 128, 512])
     parser.add_argument(
         "--protocol-only",
         action="store_true",
         help="one-page rooms of 512 bytes: the handoff's cost beyond its bytes, step by step",
     )
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="handoffs of each size")
     parser.add_argument("--output")
     args = parser.parse_args()
     report = {"backend": args.backend}
@@ -381,17 +437,22 @@ def main() -> None:
         raw_rows: list = []
         if args.backend == "tcp":
             raw_zmq(args.sizes_mib, raw_rows)
-        else:
-            raw_link(args.sizes_mib, args.backend, raw_rows)
+        else:  # ipc beside what nccl (gloo on CPU) moves between the same two devices
+            raw = args.backend
+            if raw == "ipc":
+                raw = "nccl" if torch.cuda.is_available() else "gloo"
+            report["raw_backend"] = raw
+            raw_link(args.sizes_mib, raw, raw_rows)
         pages = [size * MIB // LLAMA_8B.page_bytes for size in args.sizes_mib]
-        table = summarize(paged(pages, args.backend), raw_rows, args.sizes_mib, pages)
+        rows = paged(pages, args.backend, repeats=args.repeats)
+        table = summarize(rows, raw_rows, args.sizes_mib, pages)
         report |= {
             "kv_shape": LLAMA_8B.name,
             "page_size": LLAMA_8B.page_size,
-            "median_of": REPEATS,
+            "median_of": args.repeats,
             "results": table,
         }
-    if args.backend == "nccl":
+    if device_for(args.backend, 0).type == "cuda":
         report["devices"] = [torch.cuda.get_device_name(i) for i in range(2)]
     print(json.dumps(report, indent=2))
     if args.output:

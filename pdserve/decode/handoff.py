@@ -24,7 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.disagg.handoff_base import DisaggHandoff, PendingRequest, refusal_message
+from pdserve.disagg.handoff_base import (
+    DisaggHandoff,
+    PendingRequest,
+    ipc_pools,
+    refusal_message,
+)
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.prefix_cache import PromptPages
@@ -55,8 +60,9 @@ class DecodeHandoff(DisaggHandoff):
     def __init__(self, engine, config: TransferConfig):
         super().__init__(engine, config)
         self.stager = self.transfer.stager
-        # NOTE: tcp and gloo receive into host memory (commit copies to the pool's device).
-        receive_device = engine.device if config.backend == "nccl" else torch.device("cpu")
+        # NOTE: tcp and gloo receive into host memory (commit copies to the pool's device);
+        # ipc waits for prefill's writes on the pool's device.
+        receive_device = engine.device if config.backend in ("nccl", "ipc") else torch.device("cpu")
         self.client = DecodeTransferClient(
             config,
             self.transfer.layout,
@@ -67,12 +73,16 @@ class DecodeHandoff(DisaggHandoff):
             device=receive_device,
             tp_size=engine.config.tp_size,
             ranks_host=self.ranks_host(),
+            pools=ipc_pools(self.stager) if config.backend == "ipc" else None,
         )
         self.client.start()
         self.start_rank_links(self.client)
         self.doorbell = self.client.doorbell
         self.prealloc: OrderedDict[str, _Pending] = OrderedDict()
         self.transferring: dict[str, _Pending] = {}
+        # Reservations of rooms that ended while a prefill write into them may be in flight
+        # (`ipc`): freed once `ReceiverRoom.pages_settled`.
+        self.held_back: list[tuple[PromptPages, ReceiverRoom]] = []
 
     # ---- requests --------------------------------------------------------------------
 
@@ -124,12 +134,13 @@ class DecodeHandoff(DisaggHandoff):
 
     @property
     def busy(self) -> bool:
-        return bool(self.prealloc or self.transferring)
+        return bool(self.prealloc or self.transferring or self.held_back)
 
     # ---- progress --------------------------------------------------------------------
 
     def poll(self) -> list[RequestOutput]:
         self.send_rank_orders()
+        self._free_settled()
         outputs: list[RequestOutput] = []
         self._admit(outputs)
         arrived = []
@@ -255,12 +266,33 @@ class DecodeHandoff(DisaggHandoff):
 
     def _end(self, pending: _Pending) -> None:
         self.transferring.pop(pending.request_id, None)
+        receiver = pending.receiver
         if pending.reserved is not None:
-            self.engine.release_reserved(pending.reserved)
+            if receiver is None or receiver.pages_settled:
+                self.engine.release_reserved(pending.reserved)
+            else:
+                logger.warning(
+                    "room %d: its pages stay reserved until prefill's writes into them are over",
+                    pending.bootstrap.room,
+                )
+                self.held_back.append((pending.reserved, receiver))
             pending.reserved = None
         self.client.release(pending.bootstrap.room)
         self.rooms_in_use.discard(pending.bootstrap.room)
         self.ended.add(pending.bootstrap.room)
+
+    def _free_settled(self) -> None:
+        """Free the held-back reservations no prefill write can reach any more."""
+        if not self.held_back:
+            return
+        still = []
+        for reserved, receiver in self.held_back:
+            if receiver.pages_settled:
+                self.engine.release_reserved(reserved)
+                self.client.forget_unsettled(receiver.room)
+            else:
+                still.append((reserved, receiver))
+        self.held_back = still
 
     # ---- reporting -------------------------------------------------------------------
 

@@ -8,6 +8,8 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
+import torch
+
 from pdserve.disagg import rank_worker
 from pdserve.disagg.handoff_common import engine_transfer_layout
 from pdserve.engine.handoff import Handoff
@@ -18,6 +20,8 @@ from pdserve.protocol.engine_messages import DisaggStats, FailRoom
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.protocol.rank_messages import RankTransferStart
 from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.ipc_plane import TENSOR_PARALLEL
+from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.room_state import Tombstones
 
@@ -36,7 +40,7 @@ class DisaggHandoff(Handoff):
         super().__init__(engine)
         self.config = config
         self.metrics = TransferMetrics()
-        self.transfer = engine_transfer_layout(engine, config.backend != "tcp")
+        self.transfer = engine_transfer_layout(engine, config.over_dist)
         self.failures: Counter[str] = Counter()  # by Failure.label, "stage/kind"
         self.rooms_in_use: set[int] = set()
         # Rooms that ended here lately: a refusal the front end reports for one afterwards
@@ -107,6 +111,14 @@ class DisaggHandoff(Handoff):
             failures=dict(self.failures),
             malformed_messages=self.metrics.malformed_messages,
         )
+
+
+def ipc_pools(stager) -> list[torch.Tensor]:
+    """The pools the `ipc` backend shares or writes from: every pool's whole storage tensor
+    (a worker without tensor parallelism: the pairing of ranks is nccl's business)."""
+    if not isinstance(stager, KVStager):
+        raise ValueError(TENSOR_PARALLEL)
+    return [pool.storage for pool in stager.pools]
 
 
 def failed_output(request_id: str, prompt_ids: list[int], failure: Failure) -> RequestOutput:

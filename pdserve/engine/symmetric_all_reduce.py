@@ -123,6 +123,7 @@ class SymmetricAllReduce:
         named._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
         named._set_group_name(name)
         _register_process_group(name, named)
+        self._named_group = named  # NOTE: the registry does not keep it alive on its own
         global _process_mapped_before
         _process_mapped_before = True
         try:

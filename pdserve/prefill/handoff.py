@@ -28,7 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.disagg.handoff_base import DisaggHandoff, PendingRequest, refusal_message
+from pdserve.disagg.handoff_base import (
+    DisaggHandoff,
+    PendingRequest,
+    ipc_pools,
+    refusal_message,
+)
 from pdserve.disagg.per_rank_kv import PerRankKV
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.outputs import RequestOutput
@@ -38,6 +43,7 @@ from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
+from pdserve.transfer.kv_staging import StagingError
 from pdserve.transfer.metadata import MetadataRecord
 from pdserve.transfer.prefill_side import PrefillTransferServer, SenderRoom
 from pdserve.transfer.room_state import TransferState
@@ -63,6 +69,7 @@ class PrefillHandoff(DisaggHandoff):
         super().__init__(engine, config)
         # NOTE: tcp sends from host memory; nccl from the GPU; gloo (CPU stand-in) from host.
         self.send_device = engine.device if config.backend == "nccl" else torch.device("cpu")
+        self.ipc = config.backend == "ipc"
         self.server = PrefillTransferServer(
             config,
             self.transfer.layout,
@@ -76,6 +83,7 @@ class PrefillHandoff(DisaggHandoff):
             ),
             tp_size=engine.config.tp_size,
             ranks_host=self.ranks_host(),
+            pools=ipc_pools(self.transfer.stager) if self.ipc else None,
         )
         self.bootstrap_port = self.server.start()
         self.start_rank_links(self.server)
@@ -222,8 +230,27 @@ class PrefillHandoff(DisaggHandoff):
             if count <= 0 or count * bytes_per_page < piece_bytes:
                 continue
             span = PageSpan(pending.pages_sent, count)
-            pending.sender.send_piece(self._piece(pending.sender, request.pages, span))
+            self._send_piece(pending.sender, request.pages, span)
             pending.pages_sent += count
+
+    def _send_piece(self, sender: SenderRoom, pages: list[int], span: PageSpan) -> None:
+        """Send the span's pages: written into decode's pages (`ipc`), else gathered."""
+        if not self.ipc:
+            sender.send_piece(self._piece(sender, pages, span))
+            return
+        destination = sender.destination(span)
+        if destination is None:
+            return  # the room ended: it takes no more writes
+        peer_pools, peer_pages = destination
+        stager = self.transfer.stager
+        try:
+            stager.write(span.page_lists(pages, pages, len(stager.pools)), peer_pools, peer_pages)
+        except StagingError as e:
+            sender.write_failed(f"could not write the KV into decode's pages: {e}")
+            return
+        nbytes = span.nbytes(stager.page_bytes)
+        ready = self._ready(interprocess=True)
+        sender.send_piece(OutgoingPiece(span, None, ready, nbytes=nbytes, targets=peer_pools))
 
     def _piece(self, sender: SenderRoom, pages: list[int], span: PageSpan) -> OutgoingPiece:
         """Gather the span's pages into buffers to send, with the event that orders the sends
@@ -249,11 +276,12 @@ class PrefillHandoff(DisaggHandoff):
         staged.copy_(data, non_blocking=True)
         return staged
 
-    def _ready(self) -> torch.cuda.Event | None:
-        """An event after the gathers (and copies) queued so far; None on the CPU."""
+    def _ready(self, interprocess: bool = False) -> torch.cuda.Event | None:
+        """An event after the gathers (and copies) queued so far (`interprocess`: one another
+        process can wait for, `ipc`); None on the CPU."""
         if self.engine.device.type != "cuda":
             return None
-        ready = torch.cuda.Event()
+        ready = torch.cuda.Event(interprocess=interprocess)
         ready.record(torch.cuda.current_stream(self.engine.device))
         return ready
 
@@ -275,7 +303,7 @@ class PrefillHandoff(DisaggHandoff):
             0,
             len(pages) if len(self.transfer.stager.pools) > 1 else 0,
         )
-        pending.sender.send_piece(self._piece(pending.sender, pages, rest))
+        self._send_piece(pending.sender, pages, rest)
         top = output.top_logprobs[0] if output.top_logprobs else None
         seed = request.draft_state
         record = MetadataRecord(

@@ -11,6 +11,8 @@ decode worker notices a restarted prefill worker and registers again.
 
 from __future__ import annotations
 
+import dataclasses
+
 from pdserve.protocol.codec import message
 from pdserve.protocol.failures import Failure
 
@@ -63,6 +65,10 @@ class HelloReply:
     # Prefill's tensor-parallel size: with a torch.distributed backend each of its ranks sends
     # its KV heads to the decode ranks that hold them (`pdserve.transfer.head_slices`).
     tp_size: int = 1
+    # The `ipc` backend: this host and process (see `Register.host_id`), so that decode
+    # knows when no write of prefill's can land in its pages any more (the process is gone).
+    host_id: str = ""
+    pid: int = 0
 
 
 @message("not_registered")
@@ -86,6 +92,31 @@ class Register:
     store_address: str = ""
     pair_name: str = ""
     tp_size: int = 1  # decode's tensor-parallel size (see `HelloReply.tp_size`)
+    # The `ipc` backend: prefill writes KV straight into decode's pools, mapped through these
+    # handles; both workers must be on one host (`host_id`: boot id and PID namespace).
+    host_id: str = ""
+    pid: int = 0
+    pools: list[PoolHandle] = dataclasses.field(default_factory=list)
+
+
+@message("pool_handle")
+class PoolHandle:
+    """A KV pool another process on this host may map (the `ipc` backend): a CUDA IPC
+    handle of its allocation (`kind` "cuda"), or the name of its shared memory ("cpu", for
+    CPU workers); what the fields mean is torch's storage sharing's. `shape` is the pool's
+    `[2, layers, pages, page_size, kv_heads, head_dim]`."""
+
+    kind: str
+    shape: list[int]
+    dtype: str
+    handle: bytes
+    size: int
+    offset: int = 0
+    manager: bytes = b""  # cpu: torch's shared-memory manager
+    ref_counter: bytes = b""  # cuda: torch's IPC reference counter, and its offset
+    ref_counter_offset: int = 0
+    event: bytes = b""  # cuda: an event after the pool was allocated
+    event_sync: bool = False
 
 
 @message("register_ack")
@@ -110,6 +141,9 @@ class TransferRequest:
     num_pages: int
     num_draft_pages: int
     num_cached_pages: int = 0
+    # The `ipc` backend: decode's page ids (int32, little-endian), which prefill writes.
+    page_ids: bytes = b""
+    draft_page_ids: bytes = b""
 
 
 @message("kv_piece")
@@ -118,7 +152,10 @@ class KVPiece:
     [first_page, first_page + num_pages) and draft pages [first_draft_page, ...) of the room's
     page lists, pool by pool (see KVStager). Its bytes follow on the data plane: as `KVChunk`s
     (tcp), or as one send on the pair, posted in the order the pieces were announced
-    (torch.distributed). A room's pieces cover each of its pages once, in any order."""
+    (torch.distributed). A room's pieces cover each of its pages once, in any order.
+
+    With `ipc` no bytes follow: prefill wrote them into decode's pages; on a GPU, `event` is
+    a CUDA IPC event recorded after that write (decode's work on the pages waits for it)."""
 
     room: int
     index: int
@@ -127,6 +164,7 @@ class KVPiece:
     first_draft_page: int
     num_draft_pages: int
     nbytes: int
+    event: bytes = b""
 
 
 @message("kv_chunk")
@@ -168,6 +206,14 @@ class RoomDone:
 @message("room_ack")
 class RoomAck:
     """Decode -> prefill: the room arrived whole; prefill may free its pages."""
+
+    room: int
+
+
+@message("room_released")
+class RoomReleased:
+    """Prefill -> decode (the `ipc` backend): the room ended here, every write into decode's
+    pages for it has completed and none will start; decode may reuse its pages."""
 
     room: int
 

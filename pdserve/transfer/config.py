@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from pdserve.protocol.flags import option
 from pdserve.transfer.peer_allow import PeerAllowList, default_allow_list, parse_allow_list
 
-BACKENDS = ("tcp", "nccl", "gloo")
+BACKENDS = ("tcp", "nccl", "gloo", "ipc")
+# The backends that move KV over torch.distributed.
+DIST_BACKENDS = ("nccl", "gloo")
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 STREAMED_PIECE_BYTES = 64 << 20
 
@@ -32,7 +34,8 @@ class TransferConfig:
 
     backend: str = option(
         "tcp",
-        "tcp (ZMQ, anywhere), nccl (GPU to GPU), gloo (CPU stand-in for nccl)",
+        "tcp (ZMQ, anywhere), nccl (GPU to GPU), gloo (CPU stand-in for nccl), ipc (prefill "
+        "writes straight into decode's pages: one host, no tensor parallelism)",
         name="--transfer-backend",
         choices=BACKENDS,
     )
@@ -110,6 +113,11 @@ class TransferConfig:
             )
         if self.bootstrap_allow is not None:
             parse_allow_list(self.bootstrap_allow)
+
+    @property
+    def over_dist(self) -> bool:
+        """KV moves over torch.distributed (nccl, gloo)."""
+        return self.backend in DIST_BACKENDS
 
     def allow_list(self) -> PeerAllowList:
         """The prefill addresses a decode worker may contact."""

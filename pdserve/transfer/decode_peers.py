@@ -13,6 +13,7 @@ registration, silence, a full send queue) is closed and forgotten; nothing recon
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import zmq
@@ -32,12 +33,13 @@ from pdserve.protocol.transfer_messages import (
     RegisterAck,
     RegisterRejected,
     RoomDone,
+    RoomReleased,
     TransferRequest,
 )
 from pdserve.transfer import peer_auth
 from pdserve.transfer.endpoint import Peer
-from pdserve.transfer.handshake import tp_mismatch
 from pdserve.transfer.outbox import Outbox
+from pdserve.transfer.page_ids import pack_page_ids
 from pdserve.transfer.wire_limits import max_prefill_frame_bytes
 
 # What a prefill worker sends us.
@@ -52,6 +54,7 @@ FROM_PREFILL = (
     AbortRoom,
     Heartbeat,
     KVPiece,
+    RoomReleased,
 )
 
 
@@ -60,6 +63,7 @@ class PrefillPeer(Peer):
     channel: Channel | None = None
     nonce: bytes = b""  # our Hello's nonce while the handshake is under way
     instance: int | None = None  # the prefill process we registered with
+    pid: int = 0  # its process id (the `ipc` backend: see `shared_pools.process_gone`)
     waiting: list = field(default_factory=list)  # messages held until registered
 
 
@@ -119,14 +123,24 @@ class PrefillPeers:
             peer.waiting.append(msg)
             return
         if isinstance(msg, TransferRequest):
-            room = self.rooms.get(msg.room)
-            if room is not None:
-                room.sent_to(peer.instance)
+            with self.lock:
+                room = self.rooms.get(msg.room)
+                if self.config.backend == "ipc" and (room is None or room.done):
+                    return  # NOTE: its pages may be free already: nobody may write them now
+                if room is not None:
+                    room.sent_to(peer.instance, peer.pid)
         self.send(peer, msg)
 
     def _transfer_request(self, receiver) -> TransferRequest:
         num_pages, num_draft = len(receiver.page_ids), len(receiver.draft_page_ids)
-        return TransferRequest(receiver.room, num_pages, num_draft, receiver.num_cached_pages)
+        request = TransferRequest(receiver.room, num_pages, num_draft, receiver.num_cached_pages)
+        if self.config.backend == "ipc":  # prefill writes these pages itself
+            request = dataclasses.replace(
+                request,
+                page_ids=pack_page_ids(receiver.page_ids),
+                draft_page_ids=pack_page_ids(receiver.draft_page_ids),
+            )
+        return request
 
     def _tell_abort(self, address: str, room: int, kind: FailureKind, message: str) -> None:
         peer = self._peer(address)
@@ -166,12 +180,11 @@ class PrefillPeers:
                 if room.instance is not None and room.instance != msg.instance:
                     message = f"prefill worker at {peer.key} restarted; the room was lost"
                     self.fail_room(room, FailureKind.PEER_LOST, message, notify=False)
-        if self.config.backend != "tcp":
-            problem = tp_mismatch(self.layout.num_kv_heads, msg.tp_size, "prefill")
-            if problem is not None:
-                self.drop_peer(peer, FailureKind.HANDSHAKE, f"handshake failed: {problem}")
-                return
-        peer.instance, peer.tp_size = msg.instance, msg.tp_size
+        problem = self.plane.hello_problem(msg)
+        if problem is not None:
+            self.drop_peer(peer, FailureKind.HANDSHAKE, f"handshake failed: {problem}")
+            return
+        peer.instance, peer.tp_size, peer.pid = msg.instance, msg.tp_size, msg.pid
         proof = peer_auth.decode_proof(self.config.auth_token, msg.nonce, peer.nonce)
         peer.nonce = b""
         register = Register(self.decode_id, self.layout, proof, backend=self.config.backend)

@@ -30,10 +30,12 @@ from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.decode_peers import PrefillPeers
 from pdserve.transfer.dist_receive_plane import DistReceivePlane
 from pdserve.transfer.endpoint import Endpoint
+from pdserve.transfer.ipc_plane import IpcReceivePlane
 from pdserve.transfer.metadata import MetadataMismatch, MetadataRecord
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.peer_allow import zmq_endpoint
 from pdserve.transfer.receiver_room import ReceiverRoom
+from pdserve.transfer.room_state import TransferState
 from pdserve.transfer.tcp_plane import TcpPlane
 
 
@@ -52,12 +54,14 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         device: torch.device | None = None,
         tp_size: int = 1,
         ranks_host: str = "127.0.0.1",
+        pools: list[torch.Tensor] | None = None,
     ):
         """page_bytes: bytes per page of the target pool with every KV head (and the draft
         pool if any). device: where received KV is staged (the GPU for nccl; CPU for tcp and
         gloo). tp_size: this worker's tensor-parallel size; over torch.distributed each rank
         receives its own KV heads (`head_slices`, `rank_fanout`), reporting to rank 0 at
-        `ranks_host` (loopback unless the worker's ranks span nodes)."""
+        `ranks_host` (loopback unless the worker's ranks span nodes). pools: the `ipc`
+        backend: the pools' storage tensors (target, then draft), which prefill writes into."""
         super().__init__(config, decode_id, metrics)
         self.layout = layout
         self.metadata_spec = metadata_spec
@@ -68,8 +72,14 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         self.buffers = BufferPool(self.device)
         self._by_socket: dict[zmq.Socket, object] = {}
         self.start_fanout(tp_size, ranks_host)
+        # Rooms that ended with a write of prefill's possibly in flight (`ipc`), by id.
+        self.unsettled: dict[int, ReceiverRoom] = {}
         if config.backend == "tcp":
             self.plane = TcpPlane(self)
+        elif config.backend == "ipc":
+            if not pools:
+                raise ValueError("the ipc backend needs the KV pools prefill writes into")
+            self.plane = IpcReceivePlane(self, pools)
         else:
             self.plane = DistReceivePlane(self, self.device, self.fanout)
 
@@ -107,6 +117,20 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
             self.rooms[room] = receiver
         self.io.call(lambda: self._start_room(receiver, address))
         return receiver
+
+    def release(self, room: int) -> None:
+        """Forget a finished room; one whose pages a prefill write may still reach (`ipc`)
+        is kept until prefill says its writes are over (`room_released`)."""
+        with self.lock:
+            receiver = self.rooms.pop(room, None)
+            held = receiver is not None and receiver.writer_pid is not None
+            if held and not receiver.released and receiver.poll() is not TransferState.SUCCESS:
+                self.unsettled[room] = receiver
+
+    def forget_unsettled(self, room: int) -> None:
+        """The caller freed a room's pages: no write of prefill's can reach them any more."""
+        with self.lock:
+            self.unsettled.pop(room, None)
 
     def abort_room(self, room: int, host: str, port: int, kind: FailureKind, message: str) -> None:
         """Fail a room we never received into (we refused its request): tell its prefill
@@ -167,6 +191,16 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
                 self.fail_room(room, FailureKind.TRANSFER, problem, notify=True)
             else:
                 self.room_landed(room)
+
+    def room_released(self, peer, room_id: int) -> None:
+        """The prefill worker's writes for this room are over (`ipc`)."""
+        with self.lock:
+            room = self.rooms.get(room_id) or self.unsettled.get(room_id)
+            if room is None or room.peer is not peer:
+                return
+            room.released = True
+            self.unsettled.pop(room_id, None)
+        self.doorbell.ring()
 
     def room_landed(self, room: ReceiverRoom) -> None:
         """Bytes of `room` arrived: ack it if it is now complete."""

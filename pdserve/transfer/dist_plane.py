@@ -38,8 +38,9 @@ from pdserve.protocol.rank_messages import (
     RankLinkForget,
     RankTransferReport,
 )
-from pdserve.protocol.transfer_messages import KVPiece, Register
+from pdserve.protocol.transfer_messages import HelloReply, KVPiece, Register
 from pdserve.transfer.dist_links import DistLinks
+from pdserve.transfer.handshake import tp_mismatch
 from pdserve.transfer.head_slices import PeerLinks, head_slices
 from pdserve.transfer.kv_piece import OutgoingPiece
 from pdserve.transfer.rank_fanout import RankFanout
@@ -110,6 +111,17 @@ class DistPlane:
                 self.links.forget((peer.key, peer_rank))
         for rank in sorted({rank for rank, _ in ranks} - {0}):
             self.fanout.post(rank, RankLinkForget(peer.links.id))
+
+    def hello_reply(self, reply: HelloReply) -> HelloReply:
+        return reply
+
+    def hello_problem(self, msg: HelloReply) -> str | None:
+        """Decode: a prefill worker whose ranks cannot split our KV heads."""
+        return tp_mismatch(self.endpoint.layout.num_kv_heads, msg.tp_size, "prefill")
+
+    def register_problem(self, peer: Peer, msg: Register) -> str | None:
+        """Prefill: a decode worker whose ranks cannot split our KV heads."""
+        return tp_mismatch(self.endpoint.layout.num_kv_heads, msg.tp_size, "decode")
 
     def on_reports(self) -> None:
         """Drain what the other ranks reported (IO thread)."""

@@ -87,7 +87,7 @@ class Endpoint:
     def start_fanout(self, tp_size: int, ranks_host: str) -> None:
         """A tensor-parallel worker over torch.distributed: where the orders for its other
         ranks queue and their reports arrive (`rank_fanout`); none otherwise."""
-        if self.config.backend != "tcp" and tp_size > 1:
+        if self.config.over_dist and tp_size > 1:
             self.fanout = RankFanout(tp_size, self.context, ranks_host, self.doorbell)
             self.io.poller.register(self.fanout.reports.socket, zmq.POLLIN)
 

@@ -57,7 +57,10 @@ class OutgoingPiece:
     `data`: the piece whole (tcp). Per-rank-pair links instead: `sends`, rank 0's parts by
     the decode rank they go to; `remote`, how many parts the other ranks posted already (the
     piece must then be announced, so that the peer posts their receives); `nbytes`, the
-    piece's bytes as one rank with every head holds them (what the ledgers count)."""
+    piece's bytes as one rank with every head holds them (what the ledgers count).
+
+    Written into the peer's pages already (`ipc`): neither; `targets`, the peer's pools it
+    was written into, kept mapped until the write completed."""
 
     span: PageSpan | None
     data: torch.Tensor | None = None
@@ -65,6 +68,7 @@ class OutgoingPiece:
     sends: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     remote: int = 0
     nbytes: int = -1
+    targets: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.nbytes < 0:
@@ -84,6 +88,7 @@ class _Incoming:
     # Prefill ranks whose receive into `buffers` is posted and not done: whoever posted it
     # gives that buffer back.
     in_flight: set[int] = field(default_factory=set)
+    ready: torch.cuda.Event | None = None  # `ipc`: the sender's write event
 
 
 class PieceLedger:
@@ -161,6 +166,14 @@ class PieceLedger:
         waiting = {(part.src, part.dst) for part in parts}
         self._add(index, _Incoming(span, dict(buffers), nbytes, waiting, parts, 0, set(buffers)))
 
+    def add_written(self, index: int, span: PageSpan, ready=None) -> None:
+        """Record a piece `check` accepted whose bytes the sender wrote into our pages (`ipc`):
+        it has landed, once `ready` (a CUDA event; None: already) has completed, and the commit
+        has nothing to write for it but to order our work after `ready`."""
+        nbytes = span.nbytes(self.page_bytes)
+        self._add(index, _Incoming(span, {}, nbytes, set(), ready=ready))
+        self.landed_bytes += nbytes
+
     def _add(self, index: int, piece: _Incoming) -> None:
         span = piece.span
         for covered, first, count in (
@@ -225,6 +238,11 @@ class PieceLedger:
         in_parts = []
         for index, piece in self.pieces.items():
             lists = piece.span.page_lists(pages, draft_pages, num_pools)
+            if piece.parts is None and not piece.buffers:
+                # Written into the pages by the sender (`add_written`): our work waits for it.
+                if piece.ready is not None:
+                    torch.cuda.current_stream(stager.device).wait_event(piece.ready)
+                continue
             if piece.parts is None:
                 stager.scatter(lists, piece.buffers[0])
             else:

@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from pdserve.transfer.page_copy import copy_pages
+
 
 class PagedKV(Protocol):
     """What staging reads of a KV pool (the engine's KVPool is one): its storage is
@@ -53,7 +55,7 @@ class KVStager:
             raise StagingError(f"staging buffer must be {total} contiguous bytes")
         for pool, ids, part in self._parts(page_ids, out):
             index = self._index(pool, ids)
-            torch.index_select(_rows(pool), 1, index, out=part)
+            torch.index_select(_rows(pool.storage), 1, index, out=part)
         return out
 
     def scatter(self, page_ids: list[list[int]], buffer: torch.Tensor) -> None:
@@ -61,7 +63,40 @@ class KVStager:
         self._check_buffer(page_ids, buffer)
         buffer = buffer.to(self.device)
         for pool, ids, part in self._parts(page_ids, buffer):
-            _rows(pool).index_copy_(1, self._index(pool, ids), part)
+            _rows(pool.storage).index_copy_(1, self._index(pool, ids), part)
+
+    def write(
+        self, page_ids: list[list[int]], peer_pools: list[torch.Tensor], peer_ids: list[list[int]]
+    ) -> None:
+        """Copy these pages (one id list per pool) into another worker's pools mapped into
+        this process (`shared_pools`), at its page ids, on the current stream: on a GPU one
+        kernel per pool, peer to peer, with no staging buffer."""
+        self._check_counts(page_ids)
+        if len(peer_pools) != len(self.pools) or len(peer_ids) != len(page_ids):
+            raise StagingError(f"{len(peer_pools)} peer pools for {len(self.pools)} pools")
+        # NOTE: everything is checked before the first copy is queued: a write either runs
+        # whole or not at all.
+        copies = []
+        for pool, ids, peer_pool, peer in zip(
+            self.pools, page_ids, peer_pools, peer_ids, strict=True
+        ):
+            src, dst = _rows(pool.storage), _rows(peer_pool)
+            if len(ids) != len(peer) or src.shape[0] != dst.shape[0] or src.dtype != dst.dtype:
+                raise StagingError(
+                    f"{len(ids)} pages of {tuple(src.shape)} to write into {len(peer)} of "
+                    f"{tuple(dst.shape)}"
+                )
+            if ids and not (_within(ids, pool.num_pages) and _within(peer, dst.shape[1])):
+                raise StagingError(f"page ids outside the pools: {ids[:8]} -> {peer[:8]}")
+            if ids:
+                copies.append((src, dst, ids, peer))
+        for src, dst, ids, peer in copies:
+            # NOTE: both lists in one upload, without blocking (see `_index`).
+            index = torch.tensor([ids, peer], dtype=torch.int64).to(self.device, non_blocking=True)
+            if src.is_cuda:
+                copy_pages(src, dst, index[0], index[1])
+            else:
+                dst.index_copy_(1, index[1], src.index_select(1, index[0]))
 
     def commit_parts(self, room: int, pieces: list) -> None:
         """Pieces that came over torch.distributed links (`kv_piece.PieceLedger.scatter`):
@@ -76,7 +111,7 @@ class KVStager:
         offset = 0
         for pool, ids, size in zip(self.pools, page_ids, self.page_bytes, strict=True):
             nbytes = len(ids) * size
-            rows = _rows(pool)
+            rows = _rows(pool.storage)
             part = flat[offset : offset + nbytes].view(rows.dtype)
             yield pool, ids, part.view(rows.shape[0], len(ids), rows.shape[2])
             offset += nbytes
@@ -101,12 +136,15 @@ class KVStager:
             raise StagingError(f"{len(page_ids)} page lists for {len(self.pools)} pools")
 
 
-def _rows(pool: PagedKV) -> torch.Tensor:
-    """The pool as [2 * layers, pages, words]: one row per (K or V, layer) and page, in the
+def _within(ids: list[int], num_pages: int) -> bool:
+    return min(ids) >= 0 and max(ids) < num_pages
+
+
+def _rows(storage: torch.Tensor) -> torch.Tensor:
+    """A pool's storage as [2 * layers, pages, words]: one row per (K or V, layer) and page, in the
     widest integer word that divides a page's row. Same bytes as `storage` (so the same wire
     layout, [2, layers, pages, ...] order); copying 8-byte words instead of bf16 elements
     makes a CPU gather about 15x faster."""
-    storage = pool.storage
     rows = storage.view(storage.shape[0] * storage.shape[1], storage.shape[2], -1)
     row_bytes = rows.shape[2] * storage.element_size()
     return rows.view(torch.int64 if row_bytes % 8 == 0 else torch.uint8)

@@ -28,7 +28,7 @@ from pdserve.protocol.transfer_messages import (
 )
 from pdserve.transfer import peer_auth
 from pdserve.transfer.endpoint import Peer
-from pdserve.transfer.handshake import layout_mismatches, tp_mismatch
+from pdserve.transfer.handshake import layout_mismatches
 from pdserve.transfer.outbox import Outbox
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ class DecodePeer(Peer):
     decode_nonce: bytes = b""
     prefill_nonce: bytes = b""
     rejected: str | None = None  # proved the token, but its layout does not fit ours
+    pools: list | None = None  # the `ipc` backend: decode's pools, mapped into this process
 
 
 class DecodePeers:
@@ -89,7 +90,9 @@ class DecodePeers:
         peer = DecodePeer(identity, outbox, decode_nonce=msg.nonce, prefill_nonce=nonce)
         self.peers[identity] = peer
         proof = peer_auth.prefill_proof(self.config.auth_token, msg.nonce, nonce)
-        reply = HelloReply(self.prefill_id, self.instance, nonce, proof, tp_size=self.tp_size)
+        reply = self.plane.hello_reply(
+            HelloReply(self.prefill_id, self.instance, nonce, proof, tp_size=self.tp_size)
+        )
         self._reply(identity, reply)
 
     def _make_room_for_a_peer(self) -> bool:
@@ -113,8 +116,8 @@ class DecodePeers:
             reason = f"transfer backend: prefill {self.config.backend!r} != decode {msg.backend!r}"
         else:
             reason = "; ".join(layout_mismatches(self.layout, msg.layout)) or None
-            if reason is None and self.config.backend != "tcp":
-                reason = tp_mismatch(self.layout.num_kv_heads, msg.tp_size, "decode")
+            if reason is None:
+                reason = self.plane.register_problem(peer, msg)
         if reason is not None:
             self.bad_messages.warning("rejected decode peer %s: %s", msg.decode_id, reason)
             self._reply(peer.key, RegisterRejected(reason))

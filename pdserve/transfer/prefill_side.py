@@ -37,6 +37,8 @@ from pdserve.protocol.transfer_messages import (
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.dist_plane import DistSendPlane
 from pdserve.transfer.endpoint import Endpoint, Peer
+from pdserve.transfer.ipc_plane import IpcSendPlane
+from pdserve.transfer.ipc_writes import IpcWrites
 from pdserve.transfer.kv_piece import OutgoingPiece
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.prefill_peers import DecodePeers
@@ -44,7 +46,7 @@ from pdserve.transfer.room_state import RoomState
 from pdserve.transfer.sender_room import SenderRoom
 from pdserve.transfer.staged_sends import StagedSends
 from pdserve.transfer.tcp_plane import TcpPlane
-from pdserve.transfer.wire_limits import MAX_DECODE_MESSAGE_BYTES
+from pdserve.transfer.wire_limits import max_decode_message_bytes
 
 _FROM_DECODE = (Hello, Register, TransferRequest, AbortRoom, RoomAck, Heartbeat)
 # Pages of one room when the caller does not say (a 1M-token prompt in 16-token pages).
@@ -53,7 +55,7 @@ DEFAULT_MAX_ROOM_PAGES = 1 << 16
 __all__ = ["PrefillTransferServer", "SenderRoom"]
 
 
-class PrefillTransferServer(DecodePeers, Endpoint):
+class PrefillTransferServer(IpcWrites, DecodePeers, Endpoint):
     side, peer_side = "prefill", "decode"
 
     def __init__(
@@ -68,6 +70,7 @@ class PrefillTransferServer(DecodePeers, Endpoint):
         source_device: torch.device | None = None,
         tp_size: int = 1,
         ranks_host: str = "127.0.0.1",
+        pools: list[torch.Tensor] | None = None,
     ):
         """device: where KV pieces live when sent (the GPU for nccl; CPU for tcp and gloo).
         max_room_pages: the most pages one room can need (bounds a transfer request).
@@ -75,7 +78,9 @@ class PrefillTransferServer(DecodePeers, Endpoint):
         without blocking, and sent once their `ready` event completed.
         tp_size: this worker's tensor-parallel size; over torch.distributed each rank sends
         its own KV heads (`head_slices`, `rank_fanout`), reporting to rank 0 at `ranks_host`
-        (loopback unless the worker's ranks span nodes)."""
+        (loopback unless the worker's ranks span nodes).
+        pools: the `ipc` backend: this worker's pools' storage tensors (target, then draft),
+        which a decode worker's must match."""
         super().__init__(config, prefill_id, metrics)
         self.layout = layout
         self.metadata_spec = metadata_spec
@@ -86,21 +91,32 @@ class PrefillTransferServer(DecodePeers, Endpoint):
         self.port: int | None = None
         self.tp_size = tp_size
         self.start_fanout(tp_size, ranks_host)
+        # Rooms that ended with writes into decode's pages in flight (`ipc`), by id.
+        self.unreleased: dict[int, SenderRoom] = {}
+        on_gpu = source_device is not None and source_device.type == "cuda"
         if config.backend == "tcp":
             self.plane = TcpPlane(self)
+        elif config.backend == "ipc":
+            if not pools:
+                raise ValueError("the ipc backend needs the KV pools it writes from")
+            self.plane = IpcSendPlane(self, pools)
         else:
             self.plane = DistSendPlane(self, device or torch.device("cpu"), self.fanout)
-        staged = (device or torch.device("cpu")).type == "cpu" and (
-            source_device is not None and source_device.type == "cuda"
-        )
-        self._staged = StagedSends(self.io, config.progress_timeout_s) if staged else None
+        ipc = config.backend == "ipc"
+        staged = on_gpu and (ipc or (device or torch.device("cpu")).type == "cpu")
+        # NOTE: an ipc write's completion is on the handoff's critical path: polled closely.
+        poll_s = 20e-6 if ipc else 1e-3
+        self._staged = StagedSends(self.io, config.progress_timeout_s, poll_s) if staged else None
 
     # ---- life cycle ------------------------------------------------------------------
 
     def start(self) -> int:
         """Bind the bootstrap endpoint (port 0 picks a free one); return the port."""
         self.channel = Channel(
-            self.context, zmq.ROUTER, _FROM_DECODE, max_message_bytes=MAX_DECODE_MESSAGE_BYTES
+            self.context,
+            zmq.ROUTER,
+            _FROM_DECODE,
+            max_message_bytes=max_decode_message_bytes(self.config.backend, self.max_room_pages),
         )
         host, port = self.config.bootstrap_host, self.config.bootstrap_port
         if port == 0:
@@ -173,7 +189,7 @@ class PrefillTransferServer(DecodePeers, Endpoint):
         if isinstance(msg, TransferRequest):
             self._transfer_request(peer, msg)
         elif isinstance(msg, AbortRoom):
-            self._abort_from_peer(msg)
+            self._abort_from_peer(peer, msg)
         elif isinstance(msg, RoomAck):
             room = self.room_of(peer, msg.room)
             if room is not None and room.acked():
@@ -185,20 +201,23 @@ class PrefillTransferServer(DecodePeers, Endpoint):
         else:
             self.plane.handle(peer, msg, None)
 
-    def _abort_from_peer(self, msg: AbortRoom) -> None:
+    def _abort_from_peer(self, peer: Peer, msg: AbortRoom) -> None:
         kind, message = self.peer_failure(msg.failure)
         room = self.rooms.get(msg.room)
         if room is not None:
             self.fail_room(room, kind, message, notify=False)
-        elif msg.room not in self.tombstones:
+            return
+        if msg.room not in self.tombstones:
             # NOTE: the prefill leg may not have arrived yet; it fails when it does.
             self.tombstones.add(msg.room, Failure(kind, msg.failure.stage, message))
+        self._release_if_settled(peer, msg.room)
 
     def refuse_room(self, peer: Peer, room_id: int, kind: FailureKind, message: str) -> None:
         room = self._room(room_id)
         room.fail(kind, message)
         self.tombstones.add(room_id, room.failure)
         self._reply(peer.key, AbortRoom(room_id, room.failure))
+        self._release_if_settled(peer, room_id)
 
     def _transfer_request(self, peer: Peer, msg: TransferRequest) -> None:
         if msg.room in self.tombstones:
@@ -207,6 +226,7 @@ class PrefillTransferServer(DecodePeers, Endpoint):
             failure = self.tombstones.failure(msg.room)
             if failure is not None:
                 self.send(peer, AbortRoom(msg.room, failure))
+                self._release_if_settled(peer, msg.room)
             return
         # NOTE: checked before any room exists for it. Only a prompt longer than this worker's
         # max_model_len needs more pages: the request is at fault, as when the prefill leg's
@@ -226,10 +246,15 @@ class PrefillTransferServer(DecodePeers, Endpoint):
             )
             self.refuse_room(peer, msg.room, FailureKind.TRANSFER, message)
             return
+        destination = self._decode_pages(peer, msg)
+        if isinstance(destination, str):
+            self.refuse_room(peer, msg.room, FailureKind.TRANSFER, destination)
+            return
         room = self._room(msg.room)
         if room.peer is None and not room.done:  # else a duplicate, or a room that ended
             room.num_pages, room.num_draft_pages = msg.num_pages, msg.num_draft_pages
             room.num_cached_pages = msg.num_cached_pages
+            room.decode_pages, room.decode_draft_pages = destination
             self.attach(room, peer)
 
     def submit(self, room: SenderRoom, command, ready: torch.cuda.Event | None) -> None:

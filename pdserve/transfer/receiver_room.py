@@ -18,6 +18,9 @@ from pdserve.transfer.kv_piece import PageSpan, PieceLedger
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metadata import MetadataRecord
 from pdserve.transfer.room_state import Room, RoomState, TransferState
+from pdserve.transfer.shared_pools import process_gone
+
+IPC_EVENT_BYTES = 64  # CUDA_IPC_HANDLE_SIZE
 
 if TYPE_CHECKING:
     from pdserve.transfer.decode_side import DecodeTransferClient
@@ -60,12 +63,17 @@ class ReceiverRoom(Room):
         # it was sent again after that prefill worker asked us to register first.
         self.instance: int | None = None
         self.retried = False
+        # The `ipc` backend: the prefill process our transfer request went to, which may write
+        # our pages (None: none asked yet), and whether it said its writes are over.
+        self.writer_pid: int | None = None
+        self.released = False
 
     # ---- the decode worker's thread --------------------------------------------------
 
     def abort(self, kind: FailureKind, message: str) -> None:
-        """Fail the room and tell prefill. The pages may be freed right after this returns
-        (nothing writes them before `commit`)."""
+        """Fail the room and tell prefill. The pages may be freed once `pages_settled`: right
+        after this returns, but with the `ipc` backend (nothing else writes them before
+        `commit`)."""
         self._state.fail(kind, message)
         self._client.io.call(lambda: self._client.end_room(self, notify=True))
 
@@ -80,14 +88,28 @@ class ReceiverRoom(Room):
         self.stamps["commit_queued"] = time.monotonic()
         return self.metadata
 
+    @property
+    def pages_settled(self) -> bool:
+        """No write into the room's pages can still land, so they may be reused: always,
+        but with the `ipc` backend, where the prefill process writes them until the room
+        succeeded, it said its writes are over (`RoomReleased`), or it is gone."""
+        if self._state.state is TransferState.SUCCESS:
+            return True
+        with self._client.lock:
+            pid, released = self.writer_pid, self.released
+        return pid is None or released or process_gone(pid)
+
     # ---- IO thread -------------------------------------------------------------------
 
     def attach(self, peer: Peer) -> None:
         self.peer = peer
 
-    def sent_to(self, instance: int | None) -> None:
-        """Our transfer request went to this prefill instance (None: to be sent again)."""
+    def sent_to(self, instance: int | None, pid: int = 0) -> None:
+        """Our transfer request went to this prefill instance (None: to be sent again), of
+        process `pid` (the `ipc` backend; under the client's lock)."""
         self.instance = instance
+        if self._client.config.backend == "ipc" and instance is not None:
+            self.writer_pid = pid
 
     def retry(self) -> bool:
         """The request may be sent once more (the prefill worker had forgotten us)."""
@@ -129,6 +151,28 @@ class ReceiverRoom(Room):
         self.stamps.setdefault("first_piece", time.monotonic())
         self._progress()
         return buffers
+
+    def on_written(self, msg: KVPiece) -> str | None:
+        """A piece was written into our pages (`ipc`): what is wrong with it, if anything."""
+        span = PageSpan(msg.first_page, msg.num_pages, msg.first_draft_page, msg.num_draft_pages)
+        problem = self._pieces.check(msg.index, span, msg.nbytes)
+        if problem is not None:
+            return problem
+        ready = None
+        if msg.event:
+            device = self._client.device
+            if device.type != "cuda" or len(msg.event) != IPC_EVENT_BYTES:
+                return f"KV piece {msg.index} carries a {len(msg.event)}-byte event for {device}"
+            try:
+                ready = torch.cuda.Event.from_ipc_handle(device, msg.event)
+            except RuntimeError as e:
+                return f"KV piece {msg.index}: could not open prefill's write event: {e}"
+        self._pieces.add_written(msg.index, span, ready)
+        now = time.monotonic()
+        self.stamps.setdefault("first_piece", now)
+        self.stamps["last_landed"] = now
+        self._progress()
+        return None
 
     def on_chunk(self, piece: int, offset: int, nbytes: int, data: memoryview | None) -> str | None:
         """Copy a KV chunk (tcp) into its piece; what is wrong with it, if anything."""

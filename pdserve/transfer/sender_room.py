@@ -30,6 +30,12 @@ class SenderRoom(Room):
         self.num_pages = 0
         self.num_draft_pages = 0
         self.num_cached_pages = 0
+        # The `ipc` backend: decode's page ids (what the pieces are written into), the writes
+        # queued and not completed, and whether the room takes more (guarded by the lock).
+        self.decode_pages: list[int] = []
+        self.decode_draft_pages: list[int] = []
+        self.writes_in_flight = 0
+        self.writes_closed = False
         self._buffers: list[torch.Tensor] = []
         self.pieces_sent = 0
         self.bytes_sent = 0
@@ -50,9 +56,27 @@ class SenderRoom(Room):
         wait in the prefill queue before it had its own, longer, deadline)."""
         self._server.io.call(self._state.restart_clock)
 
+    def destination(self, span: PageSpan) -> tuple[list[torch.Tensor], list[list[int]]] | None:
+        """Where to write a piece's pages (`ipc`): decode's pools mapped here, and its page
+        ids, one list per pool; None if the room takes no more writes (it ended). Each write
+        given a destination must be handed to `send_piece` once queued."""
+        return self._server.open_write(self, span)
+
+    def write_failed(self, message: str) -> None:
+        """A write given a `destination` could not be queued (nothing of it runs)."""
+        self._server.io.call(lambda: self._server.write_failed(self, message))
+
     def send_piece(self, piece: OutgoingPiece) -> None:
         """Send one piece of the room's KV (flat uint8 from `KVStager.gather`: on the CPU for
-        tcp and gloo, on the GPU for nccl). Pieces go out in the order given."""
+        tcp and gloo, on the GPU for nccl; with `ipc`, written into decode's pages already,
+        see `destination`). Pieces go out in the order given."""
+        if piece.targets:
+            # NOTE: announced at once: decode's work on the pages waits for the write's event
+            # on the GPU. The write counts as in flight until that event is seen complete.
+            self.stamps.setdefault("first_piece_called", time.monotonic())
+            self._server.io.call(lambda: self._server.send_piece(self, piece))
+            self._server.submit(self, lambda: self._server.written(self, piece), piece.ready)
+            return
         wanted = "cpu" if self._server.config.backend in ("tcp", "gloo") else "cuda"
         buffers = [piece.data] if piece.data is not None else [data for _, data in piece.sends]
         for data in buffers:
@@ -67,7 +91,11 @@ class SenderRoom(Room):
         """Every piece was given: send the metadata record and end the room's sending."""
         header, payload = metadata.pack(self.room, self._server.metadata_spec)
         self.stamps["finish_called"] = time.monotonic()
-        self._server.submit(self, lambda: self._server.finish_room(self, header, payload), None)
+        finish = lambda: self._server.finish_room(self, header, payload)  # noqa: E731
+        if self._server.config.backend == "ipc":
+            self._server.io.call(finish)  # NOTE: after the announcements, not the writes
+        else:
+            self._server.submit(self, finish, None)
 
     def send(self, kv: torch.Tensor, metadata: MetadataRecord) -> None:
         """Send the room's KV whole (every page decode reserved, as one piece) and finish."""

@@ -23,9 +23,11 @@ _POLL_MAX_SLEEP_S = 1e-3
 
 
 class StagedSends:
-    def __init__(self, io: IOThread, timeout_s: float):
+    def __init__(self, io: IOThread, timeout_s: float, max_sleep_s: float = _POLL_MAX_SLEEP_S):
+        """max_sleep_s: the longest pause between two looks at a copy's event."""
         self._io = io
         self._timeout_s = timeout_s
+        self._max_sleep_s = max_sleep_s
         self._steps: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="transfer-staging", daemon=True)
         self._thread.start()
@@ -54,10 +56,10 @@ class StagedSends:
 
     def _wait(self, ready: torch.cuda.Event) -> bool:
         deadline = time.monotonic() + self._timeout_s
-        sleep_s = 1e-5
+        sleep_s = min(1e-5, self._max_sleep_s)
         while not ready.query():
             if time.monotonic() > deadline:
                 return False
             time.sleep(sleep_s)
-            sleep_s = min(2 * sleep_s, _POLL_MAX_SLEEP_S)
+            sleep_s = min(2 * sleep_s, self._max_sleep_s)
         return True

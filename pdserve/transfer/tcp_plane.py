@@ -5,8 +5,9 @@ follow the last piece. The receiver copies each chunk into the piece's buffer af
 both against its own reservation.
 
 A data plane is what an endpoint calls for bytes: `send_piece` (sender) or `handle` (either
-side, for the plane's own messages), `registration` (receiver: what the plane adds to
-`Register`), `registered` (sender: a peer was accepted), `room_ended` (receiver), `forget` (a
+side, for the plane's own messages), `hello_problem` / `register_problem` (the handshake's
+checks of the plane's own), `registration` (receiver: what the plane adds to `Register`),
+`registered` (sender: a peer was accepted), `room_ended` (receiver), `forget` (a
 peer was dropped), `tick`, `close`.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pdserve.protocol.failures import FailureKind
-from pdserve.protocol.transfer_messages import KVChunk, KVPiece, Register
+from pdserve.protocol.transfer_messages import HelloReply, KVChunk, KVPiece, Register
 from pdserve.transfer.kv_piece import OutgoingPiece
 
 if TYPE_CHECKING:
@@ -68,6 +69,18 @@ class TcpPlane:
         if problem is not None:
             self.endpoint.fail_room(room, FailureKind.TRANSFER, problem, notify=True)
         return True
+
+    def hello_reply(self, reply: HelloReply) -> HelloReply:
+        """Prefill: what the plane adds to `HelloReply`."""
+        return reply
+
+    def hello_problem(self, msg: HelloReply) -> str | None:
+        """Decode: why the prefill worker that answered cannot be our peer, if it cannot."""
+        return None
+
+    def register_problem(self, peer: Peer, msg: Register) -> str | None:
+        """Prefill: why a decode worker cannot register, if it cannot."""
+        return None
 
     def registration(self, peer: Peer, register: Register) -> Register:
         return register

@@ -1,7 +1,8 @@
 """Disaggregated serving through the router equals colocated `pdserve serve`, token for token
-(greedy), for the four tiny architectures and both transfer backends (gloo stands in for
-nccl on CPU): prompts from 1 token to several chunked-prefill chunks, 16 requests at once,
-streaming and not, native and OpenAI APIs. Afterwards every page is free on every worker."""
+(greedy), for the four tiny architectures and three transfer backends (gloo stands in for
+nccl on CPU; ipc writes into decode's pools in shared memory, as it does over CUDA IPC):
+prompts from 1 token to several chunked-prefill chunks, 16 requests at once, streaming and
+not, native and OpenAI APIs. Afterwards every page is free on every worker."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ CHUNK = 16
 LENGTHS = (1, 2, 5, 9, 15, 16, 17, 23, 31, 32, 33, 47, 50, 64, 71, 80)
 WORKER_ARGS = ("--chunked-prefill-size", str(CHUNK), "--max-model-len", "256")
 MAX_TOKENS = 10
-BACKENDS = ("tcp", "gloo")
+BACKENDS = ("tcp", "gloo", "ipc")
 PROMPT_VOCAB = 250  # prompt token ids in [3, 250): inside every tiny model's vocabulary
 
 

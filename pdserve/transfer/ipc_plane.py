@@ -1,0 +1,161 @@
+"""KV written by the prefill worker straight into the decode worker's pages
+(`--transfer-backend ipc`: both workers on one host, neither tensor-parallel).
+
+Decode exports its pools once, in `Register` (`shared_pools`); prefill maps them. For each
+piece, prefill copies the pages on its compute stream, right behind the chunk that wrote
+them, into the page ids decode's transfer request listed (`KVStager.write`: one kernel per
+pool over NVLink, no staging buffer, no receive to post). When the copy has completed (a
+waiter thread watches its event, `staged_sends`), prefill announces the piece (`KVPiece`, no
+bytes follow); decode checks it against its reservation as on every backend, and the piece
+has landed. The metadata record and `RoomDone` follow as on every backend; decode's commit
+has nothing left to write.
+
+Another process writes decode's pages, so a room that fails cannot always give its pages
+back at once: a write may be in flight. Prefill counts each room's writes: once the room
+ended here and none is in flight, none will start, and it says so (`RoomReleased`). Decode
+keeps a failed room's pages until then, or until the prefill process is gone
+(`ReceiverRoom.pages_settled`). The handshake checks that both workers share a host and a PID
+namespace, and that neither is tensor-parallel.
+
+The interface is `tcp_plane`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.protocol.failures import FailureKind
+from pdserve.protocol.transfer_messages import HelloReply, KVPiece, Register, RoomReleased
+from pdserve.transfer.kv_piece import OutgoingPiece
+from pdserve.transfer.shared_pools import PoolMapError, export_pool, host_id, open_pool
+
+if TYPE_CHECKING:
+    from pdserve.transfer.endpoint import Endpoint, Peer
+
+OTHER_HOST = (
+    "the ipc backend writes KV into the decode worker's memory, so both workers must run on "
+    "one host, in one PID namespace: use --transfer-backend nccl or tcp between hosts"
+)
+TENSOR_PARALLEL = (
+    "the ipc backend moves KV between workers without tensor parallelism: use "
+    "--transfer-backend nccl for TP > 1"
+)
+
+
+class _IpcPlane:
+    pending_sends = 0
+
+    def __init__(self, endpoint: Endpoint, pools: list[torch.Tensor]):
+        """pools: this worker's KV pools (their whole storage tensors, target then draft)."""
+        self.endpoint = endpoint
+        self.pools = pools
+        self.host = host_id()
+
+    def handle(self, peer: Peer, msg, payload) -> bool:
+        return False
+
+    def registered(self, peer: Peer, msg: Register) -> None:
+        pass
+
+    def room_ended(self, room) -> None:
+        pass
+
+    def tick(self, now: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class IpcSendPlane(_IpcPlane):
+    """The prefill side: maps each decode peer's pools; announces pieces it wrote."""
+
+    def hello_reply(self, reply: HelloReply) -> HelloReply:
+        return dataclasses.replace(reply, host_id=self.host, pid=os.getpid())
+
+    def register_problem(self, peer: Peer, msg: Register) -> str | None:
+        """Map the decode worker's pools (kept on the peer); why not, if they cannot be."""
+        if msg.host_id != self.host:
+            return OTHER_HOST
+        if msg.tp_size != 1 or self.endpoint.tp_size != 1:
+            return TENSOR_PARALLEL
+        if len(msg.pools) != len(self.pools):
+            return f"decode shares {len(msg.pools)} KV pools, prefill has {len(self.pools)}"
+        try:
+            peer.pools = [
+                open_pool(handle, ours, peer="decode")
+                for handle, ours in zip(msg.pools, self.pools, strict=True)
+            ]
+        except PoolMapError as e:
+            return str(e)
+        return None
+
+    def send_piece(self, room, piece: OutgoingPiece, index: int) -> bool:
+        """Announce a piece whose pages were written (IO thread)."""
+        span = piece.span
+        event = piece.ready.ipc_handle() if piece.ready is not None else b""
+        announcement = KVPiece(
+            room.room,
+            index,
+            span.first,
+            span.count,
+            span.draft_first,
+            span.draft_count,
+            piece.nbytes,
+            event,
+        )
+        room.keep(piece.ready)  # NOTE: decode opens the event when the announcement arrives
+        if not self.endpoint.send(room.peer, announcement):
+            return False
+        self.endpoint.metrics.bytes_sent += piece.nbytes
+        return True
+
+    def forget(self, peer: Peer) -> None:
+        # NOTE: a write still in flight keeps the mapping alive (`OutgoingPiece.targets`).
+        peer.pools = None
+
+
+class IpcReceivePlane(_IpcPlane):
+    """The decode side: shares its pools at registration; takes announcements of pieces
+    written into them, and prefill's word that a room's writes are over."""
+
+    def __init__(self, endpoint: Endpoint, pools: list[torch.Tensor]):
+        super().__init__(endpoint, pools)
+        self.handles = [export_pool(pool) for pool in pools]
+
+    def hello_problem(self, msg: HelloReply) -> str | None:
+        if msg.host_id != self.host or msg.pid <= 0:
+            return OTHER_HOST
+        if msg.tp_size != 1 or self.endpoint.fanout is not None:
+            return TENSOR_PARALLEL
+        return None
+
+    def registration(self, peer: Peer, register: Register) -> Register:
+        return dataclasses.replace(
+            register, host_id=self.host, pid=os.getpid(), pools=list(self.handles)
+        )
+
+    def handle(self, peer: Peer, msg, payload) -> bool:
+        endpoint = self.endpoint
+        if isinstance(msg, RoomReleased):
+            endpoint.room_released(peer, msg.room)
+            return True
+        if not isinstance(msg, KVPiece):
+            return False
+        room = endpoint.room_of(peer, msg.room)
+        if room is None:
+            return True  # a room that ended: its pages stay held until it is released
+        problem = room.on_written(msg)
+        if problem is not None:
+            endpoint.fail_room(room, FailureKind.TRANSFER, problem, notify=True)
+            return True
+        endpoint.metrics.bytes_received += msg.nbytes
+        endpoint.room_landed(room)
+        return True
+
+    def forget(self, peer: Peer) -> None:
+        pass

@@ -1,0 +1,92 @@
+"""The prefill side's half of the `ipc` backend (`ipc_plane` says how it works): the page ids
+decode asked us to write, each room's writes in flight, and telling decode when a room that
+ended has none left (`RoomReleased`). A mixin of PrefillTransferServer; the worker's thread
+calls `open_write`, everything else runs on the IO thread."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pdserve.protocol.failures import FailureKind
+from pdserve.protocol.transfer_messages import RoomReleased, TransferRequest
+from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
+from pdserve.transfer.page_ids import unpack_page_ids
+
+if TYPE_CHECKING:
+    from pdserve.transfer.endpoint import Peer
+    from pdserve.transfer.sender_room import SenderRoom
+
+
+class IpcWrites:
+    """Mixin of PrefillTransferServer (an Endpoint)."""
+
+    def end_room(self, room, *, notify: bool = False) -> None:
+        super().end_room(room, notify=notify)
+        if self.config.backend != "ipc":
+            return
+        with self.lock:
+            room.writes_closed = True
+            settled = room.writes_in_flight == 0
+        if not settled:
+            self.unreleased[room.room] = room
+        elif room.failure is not None:
+            self._released(room)
+
+    def _decode_pages(self, peer: Peer, msg: TransferRequest) -> tuple[list, list] | str:
+        """The page ids decode asked us to write (`ipc`; empty otherwise), or what is wrong
+        with them (checked against decode's pools as mapped)."""
+        if self.config.backend != "ipc":
+            return [], []
+        pools = peer.pools
+        if len(pools) == 1 and (msg.num_draft_pages or msg.draft_page_ids):
+            return "decode's transfer request asks for draft pages; it shared no draft KV pool"
+        lists = [[], []]
+        wire = ((msg.page_ids, msg.num_pages), (msg.draft_page_ids, msg.num_draft_pages))
+        for i, ((data, count), pool) in enumerate(zip(wire, pools, strict=False)):
+            ids = unpack_page_ids(data, count, pool.shape[2])
+            if isinstance(ids, str):
+                return f"decode's transfer request: {ids}"
+            lists[i] = ids
+        return lists[0], lists[1]
+
+    def open_write(self, room: SenderRoom, span: PageSpan) -> tuple[list, list[list[int]]] | None:
+        """The worker's thread, before writing a piece into decode's pages (`ipc`): where
+        to, or None if the room takes no more writes; counts the write as in flight."""
+        with self.lock:
+            peer = room.peer
+            if room.writes_closed or peer is None or peer.pools is None:
+                return None
+            room.writes_in_flight += 1
+            pools = list(peer.pools)
+        pages = span.page_lists(room.decode_pages, room.decode_draft_pages, len(pools))
+        return pools, pages
+
+    def write_failed(self, room: SenderRoom, message: str) -> None:
+        """IO thread (`ipc`): a write given a destination was not queued (nothing of it
+        runs): the room fails."""
+        with self.lock:
+            room.writes_in_flight -= 1
+        self.fail_room(room, FailureKind.INTERNAL, message, notify=True)
+
+    def written(self, room: SenderRoom, piece: OutgoingPiece) -> None:
+        """IO thread (`ipc`): a write into decode's pages completed (`piece` kept decode's
+        pools mapped until now). If the room ended meanwhile and this was its last write,
+        tell decode its pages are free."""
+        with self.lock:
+            room.writes_in_flight -= 1
+            settled = room.writes_closed and room.writes_in_flight == 0
+        if settled and self.unreleased.pop(room.room, None) is not None:
+            self._released(room)
+
+    def _released(self, room: SenderRoom) -> None:
+        if room.peer is not None and self.peers.get(room.peer.key) is room.peer:
+            self.send(room.peer, RoomReleased(room.room))
+
+    def _release_if_settled(self, peer: Peer, room_id: int) -> None:
+        """Tell decode a room it asked about is over here with no write in flight (`ipc`),
+        unless a live room or a write still in flight says otherwise."""
+        if self.config.backend != "ipc" or room_id in self.unreleased:
+            return
+        room = self.rooms.get(room_id)
+        if room is None or room.writes_closed:
+            self.send(peer, RoomReleased(room_id))

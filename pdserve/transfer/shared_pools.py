@@ -1,0 +1,129 @@
+"""KV pools one worker maps from another on the same host (the `ipc` backend).
+
+The decode worker exports each of its pools once, at registration (`export_pool`): a GPU
+pool as a CUDA IPC handle of its allocation, a CPU pool (CPU workers, and the tests) by moving
+it into named shared memory in place. The prefill worker maps them (`open_pool`) and writes
+each room's KV straight into decode's pages (`KVStager.write`): no staging buffer, no receive
+to post, one copy over NVLink. The handles are torch's storage-sharing fields carried in a
+`PoolHandle` message (msgpack, checked against our own pool's shape before anything is
+mapped), never pickled.
+
+Both workers must be on one host, and in one PID namespace: decode frees the pages of a room
+that failed only once prefill said no write for it is in flight or will start
+(`RoomReleased`), or once the prefill process is gone (`process_gone`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+import torch
+
+from pdserve.protocol.transfer_messages import PoolHandle
+
+_CPU_NAME_PREFIX = b"/torch_"
+
+
+class PoolMapError(ValueError):
+    """A pool handle that does not fit our pool, or that could not be mapped."""
+
+
+def host_id() -> str:
+    """This host and PID namespace: the kernel's boot id (the host name where there is none)
+    and the namespace's inode. Equal on both workers iff they share a host and their process
+    ids mean the same processes."""
+    boot = socket.gethostname()
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    namespace = ""
+    with contextlib.suppress(OSError):
+        namespace = os.readlink("/proc/self/ns/pid")
+    return f"{boot}/{namespace}"
+
+
+def process_gone(pid: int) -> bool:
+    """The process `pid` (of this PID namespace) has exited: its GPU work is over, so no
+    write of it can land any more. A zombie counts as gone (its CUDA context was torn down
+    when it exited)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("Z", "X")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """ "bfloat16" for torch.bfloat16, as the layouts name it."""
+    return str(dtype).removeprefix("torch.")
+
+
+def export_pool(storage: torch.Tensor) -> PoolHandle:
+    """A handle another process on this host maps `storage` by (a KV pool's whole
+    `[2, layers, pages, ...]` tensor). A CPU pool moves into named shared memory, in place:
+    its views stay valid."""
+    if not storage.is_contiguous() or storage.storage_offset() != 0:
+        raise PoolMapError("only a whole, contiguous KV pool can be shared")
+    shape, dtype = list(storage.shape), dtype_name(storage.dtype)
+    untyped = storage.untyped_storage()
+    if storage.device.type == "cuda":
+        # NOTE: (device, handle, size, offset, ref counter, its offset, event, event sync)
+        _, handle, size, offset, counter, counter_offset, event, sync = untyped._share_cuda_()
+        return PoolHandle(
+            "cuda", shape, dtype, handle, size, offset, b"", counter, counter_offset, event, sync
+        )
+    if storage.device.type == "cpu":
+        manager, name, size = untyped._share_filename_cpu_()
+        return PoolHandle("cpu", shape, dtype, name, size, manager=manager)
+    raise PoolMapError(f"a KV pool on {storage.device.type} cannot be shared")
+
+
+def open_pool(handle: PoolHandle, ours: torch.Tensor, *, peer: str) -> torch.Tensor:
+    """Map a peer's pool whose layout must match our pool `ours` but for its page count:
+    the peer's `[2, layers, pages, ...]` tensor, on our device. PoolMapError names what does
+    not fit, checked before anything is mapped."""
+    device = ours.device
+    if handle.kind != device.type:
+        raise PoolMapError(f"{peer}'s KV pool is on {handle.kind}, ours on {device.type}")
+    if handle.dtype != dtype_name(ours.dtype):
+        raise PoolMapError(f"{peer}'s KV pool holds {handle.dtype}, ours {dtype_name(ours.dtype)}")
+    shape = list(handle.shape)
+    if len(shape) != ours.dim() or shape[:2] + shape[3:] != list(ours.shape[:2] + ours.shape[3:]):
+        raise PoolMapError(
+            f"{peer}'s KV pool is {shape}, ours {list(ours.shape)} (only the page count may differ)"
+        )
+    nbytes = ours.element_size()
+    for extent in shape:
+        nbytes *= extent
+    if shape[2] < 1 or handle.size != nbytes or handle.offset < 0:
+        raise PoolMapError(f"{peer}'s KV pool handle says {handle.size} bytes for {shape}")
+    try:
+        if device.type == "cuda":
+            # NOTE: mapped on our device: its kernels write the peer's memory over NVLink.
+            untyped = torch.UntypedStorage._new_shared_cuda(
+                device.index if device.index is not None else torch.cuda.current_device(),
+                handle.handle,
+                handle.size,
+                handle.offset,
+                handle.ref_counter,
+                handle.ref_counter_offset,
+                handle.event,
+                handle.event_sync,
+            )
+        else:
+            if not handle.handle.startswith(_CPU_NAME_PREFIX) or b"/" in handle.handle[1:]:
+                raise PoolMapError(f"{peer}'s KV pool names {handle.handle!r}, not a KV pool")
+            untyped = torch.UntypedStorage._new_shared_filename_cpu(
+                handle.manager, handle.handle, handle.size
+            )
+    except (RuntimeError, OSError) as e:
+        raise PoolMapError(f"could not map {peer}'s KV pool (same host?): {e}") from e
+    return torch.empty(0, dtype=ours.dtype, device=device).set_(untyped, 0, shape)

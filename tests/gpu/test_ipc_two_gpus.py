@@ -1,0 +1,82 @@
+"""Disaggregated serving on two GPUs with the ipc backend: prefill on cuda:0 writes each room's
+KV straight into the pages of decode on cuda:1 (CUDA IPC over NVLink). Greedy outputs equal a
+colocated `pdserve serve` on cuda:0, token for token; streams the client drops mid-way and
+the rest leave every page free on both workers. Needs two GPUs (nvidia-h200-x2)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from pdserve.server.local_process import LocalServer
+from tests.conftest import random_prompts
+from tests.e2e.conftest import START_DEADLINE_S, Server
+from tests.e2e.pd_cluster import begin_cluster
+from tests.gpu.test_pd_two_gpus import ENGINE, LENGTHS, MAX_TOKENS, _generate
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def ipc_pair(tiny_model_dirs):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
+    model = tiny_model_dirs("llama")
+    colocated = LocalServer(["serve", "--model-path", model, "--device", "cuda:0", *ENGINE])
+    pending = begin_cluster(
+        model,
+        backend="ipc",
+        worker_args=ENGINE,
+        prefill_args=("--device", "cuda:0"),
+        decode_args=("--device", "cuda:1"),
+    )
+    cluster = None
+    try:
+        reference = Server(colocated.wait_healthy(START_DEADLINE_S), model)
+        cluster = pending.ready()
+        yield reference, cluster
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        colocated.stop()
+
+
+def test_ipc_handoff_equals_colocated_16_concurrent(ipc_pair):
+    reference, cluster = ipc_pair
+    info = cluster.prefill[0].get("/server_info").json()
+    assert (info["device"], info["disaggregation_transfer_backend"]) == ("cuda:0", "ipc")
+    prompts = random_prompts(LENGTHS, 250, seed=4)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        expected = list(pool.map(lambda p: _generate(reference.url, p, False), prompts))
+        jobs = [(p, i % 2 == 1) for i, p in enumerate(prompts)]
+        got = list(pool.map(lambda job: _generate(cluster.router.url, *job), jobs))
+    assert got == expected
+    assert all(len(ids) == MAX_TOKENS for ids in got)
+    cluster.wait_all_free()
+    assert cluster.decode[0].metric("kv_transfers_total") >= len(prompts)
+
+
+def _drop_after_first_event(base_url: str, prompt: list[int]) -> None:
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 100, "temperature": 0, "ignore_eos": True},
+        "stream": True,
+    }
+    with httpx.stream("POST", base_url + "/generate", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                return  # the client leaves
+
+
+def test_dropped_streams_free_every_page_on_both_gpus(ipc_pair):
+    reference, cluster = ipc_pair
+    prompts = random_prompts((900, 700, 500, 300, 100, 17, 900, 650), 250, seed=5)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        list(pool.map(lambda p: _drop_after_first_event(cluster.router.url, p), prompts))
+    cluster.wait_all_free()
+    prompt = random_prompts((64,), 250, seed=6)[0]  # and it still serves exactly
+    assert _generate(cluster.router.url, prompt, False) == _generate(reference.url, prompt, False)

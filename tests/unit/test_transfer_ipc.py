@@ -1,0 +1,247 @@
+"""The `ipc` backend with both sides in one process on CPU pools in shared memory (what a GPU
+does over CUDA IPC, `tests/gpu` runs that): pieces written straight into decode's pages, out
+of order and interleaved; a failed room's pages held until prefill says its writes are over,
+or its process is gone; the handshake's and the transfer request's refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pdserve.protocol.failures import FailureKind
+from pdserve.protocol.transfer_messages import KVPiece
+from pdserve.transfer.decode_side import DecodeTransferClient
+from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
+from pdserve.transfer.kv_staging import KVStager
+from pdserve.transfer.page_copy import copy_pages
+from pdserve.transfer.page_ids import pack_page_ids, unpack_page_ids
+from pdserve.transfer.prefill_side import PrefillTransferServer
+from pdserve.transfer.room_state import TransferState
+from pdserve.transfer.shared_pools import PoolMapError, export_pool, open_pool, process_gone
+from tests.e2e.transfer_peers import Case, layout, metadata_spec, pools, record
+from tests.unit.test_transfer_in_process import CONFIG
+from tests.waiting import wait_until
+
+IPC = dataclasses.replace(CONFIG, backend="ipc")
+DRAFT = Case(room=0, draft=True)
+
+
+@dataclasses.dataclass
+class IpcPair:
+    server: PrefillTransferServer
+    client: DecodeTransferClient
+    source: KVStager  # prefill's pools (seeded)
+    target: KVStager  # decode's pools, in shared memory
+
+
+def start_ipc_pair(decode_pages: int = 30) -> IpcPair:
+    source = KVStager(pools(DRAFT, 20, seed=7))
+    server = PrefillTransferServer(
+        IPC,
+        layout(DRAFT),
+        metadata_spec(DRAFT),
+        "p",
+        pools=[pool.storage for pool in source.pools],
+    )
+    server.start()
+    target = KVStager(pools(DRAFT, decode_pages, seed=None))
+    client = DecodeTransferClient(
+        IPC,
+        layout(DRAFT),
+        metadata_spec(DRAFT),
+        "d",
+        target.page_bytes,
+        pools=[pool.storage for pool in target.pools],
+    )
+    client.start()
+    return IpcPair(server, client, source, target)
+
+
+@pytest.fixture
+def pair():
+    started = start_ipc_pair()
+    yield started
+    started.client.stop()
+    started.server.stop()
+
+
+def open_room(pair: IpcPair, case: Case):
+    sender = pair.server.sender(case.room)
+    pages = list(case.decode_pages)
+    receiver = pair.client.receiver(case.room, "127.0.0.1", pair.server.port, pages, pages)
+    wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, "the request", 20)
+    return sender, receiver
+
+
+def write_piece(pair: IpcPair, sender, case: Case, span: PageSpan) -> None:
+    """What the prefill handoff does for a piece: write it into decode's pages, hand it on."""
+    peer_pools, peer_pages = sender.destination(span)
+    pages = list(case.prefill_pages)
+    pair.source.write(span.page_lists(pages, pages, 2), peer_pools, peer_pages)
+    nbytes = span.nbytes(pair.source.page_bytes)
+    sender.send_piece(OutgoingPiece(span, None, None, nbytes=nbytes, targets=peer_pools))
+
+
+def assert_written(pair: IpcPair, case: Case) -> None:
+    for pool, source in zip(pair.target.pools, pair.source.pools, strict=True):
+        got = pool.storage[:, :, list(case.decode_pages)]
+        assert torch.equal(got, source.storage[:, :, list(case.prefill_pages)])
+
+
+def test_pieces_written_out_of_order_and_interleaved_land_in_decodes_pages(pair):
+    a = Case(room=50, draft=True, prefill_pages=(5, 2, 9, 11), decode_pages=(0, 7, 3, 12))
+    b = Case(room=51, draft=True, prefill_pages=(1, 4, 6, 8), decode_pages=(13, 1, 9, 2))
+    sender_a, receiver_a = open_room(pair, a)
+    sender_b, receiver_b = open_room(pair, b)
+    write_piece(pair, sender_a, a, PageSpan(2, 2))
+    write_piece(pair, sender_b, b, PageSpan(0, 3))
+    write_piece(pair, sender_a, a, PageSpan(0, 1, 0, 4))
+    write_piece(pair, sender_b, b, PageSpan(3, 1, 0, 4))
+    sender_b.finish(record(b))
+    write_piece(pair, sender_a, a, PageSpan(1, 1))
+    sender_a.finish(record(a))
+    for sender, receiver in ((sender_a, receiver_a), (sender_b, receiver_b)):
+        wait_until(lambda r=receiver: r.poll() is TransferState.SUCCESS, "the room", 20)
+        wait_until(lambda s=sender: s.poll() is TransferState.SUCCESS, "the ack", 20)
+        assert receiver.pages_settled
+    before = pair.target.pools[0].storage.clone()
+    receiver_a.commit(pair.target)  # nothing left to write
+    assert torch.equal(pair.target.pools[0].storage, before)
+    assert_written(pair, a)
+    assert_written(pair, b)
+    assert pair.server.metrics.pieces_sent == 5
+    assert pair.client.metrics.bytes_received == pair.server.metrics.bytes_sent > 0
+
+
+def test_an_aborted_rooms_pages_are_held_until_prefills_write_in_flight_completes(pair):
+    case = Case(room=60, draft=True)
+    sender, receiver = open_room(pair, case)
+    # A write given its destination and not handed on yet: it may still be running.
+    destination = sender.destination(PageSpan(0, 1))
+    assert destination is not None
+    receiver.abort(FailureKind.ABORTED, "the client left")
+    wait_until(lambda: sender.poll() is TransferState.FAILED, "prefill to learn of it", 10)
+    pair.client.release(case.room)
+    assert not receiver.pages_settled  # a write of prefill's is in flight
+    assert sender.destination(PageSpan(1, 1)) is None  # the ended room takes no new write
+    nbytes = PageSpan(0, 1).nbytes(pair.source.page_bytes)
+    sender.send_piece(
+        OutgoingPiece(PageSpan(0, 1), None, None, nbytes=nbytes, targets=destination[0])
+    )
+    wait_until(lambda: receiver.pages_settled, "prefill's RoomReleased", 10)
+    assert case.room not in pair.client.unsettled
+
+
+def test_a_prefill_failing_after_some_pieces_releases_the_pages_it_wrote(pair):
+    case = Case(room=62, draft=True)
+    sender, receiver = open_room(pair, case)
+    write_piece(pair, sender, case, PageSpan(0, 2))
+    wait_until(lambda: receiver.poll() is TransferState.TRANSFERRING, "the first piece", 20)
+    sender.abort(FailureKind.INTERNAL, "the prefill step failed: CUDA error")
+    wait_until(lambda: receiver.poll() is TransferState.FAILED, "decode to learn of it", 10)
+    assert "prefill: the prefill step failed" in receiver.failure.message
+    wait_until(lambda: receiver.pages_settled, "prefill's RoomReleased", 10)
+    open_room(pair, Case(room=63, draft=True))  # the pair stays usable
+
+
+def test_rooms_that_never_reached_prefill_or_whose_prefill_is_gone_are_settled(pair):
+    case = Case(room=64, draft=True)
+    pages = list(case.decode_pages)
+    receiver = pair.client.receiver(case.room, "127.0.0.1", 1, pages, pages)  # nobody there
+    receiver.abort(FailureKind.ABORTED, "the client left")
+    assert receiver.pages_settled  # no request went out: nothing can write
+    _, receiver = open_room(pair, Case(room=65, draft=True))
+    exited = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    pid = int(exited.stdout)
+    assert process_gone(pid) and not process_gone(receiver.writer_pid)
+    with pair.client.lock:
+        receiver.writer_pid = pid  # as if prefill had exited
+    receiver.abort(FailureKind.ABORTED, "the client left")
+    assert receiver.pages_settled
+
+
+def test_a_transfer_request_with_page_ids_outside_decodes_pool_is_refused(pair):
+    server = pair.server
+    bad = unpack_page_ids(pack_page_ids([0, 30]), 2, 30)
+    assert bad == "page ids outside [0, 30) of the decode worker's pool"
+    assert unpack_page_ids(pack_page_ids([4, 4]), 2, 30) == "a page id given twice"
+    assert unpack_page_ids(b"\x00" * 7, 2, 30) == "7 bytes of page ids for 2 pages"
+    sender, receiver = open_room(pair, Case(room=66, draft=True))
+    peer = sender.peer
+    request = pair.client._transfer_request(receiver)
+    forged = dataclasses.replace(request, room=67, page_ids=pack_page_ids([0, 7, 99]))
+    server.io.call(lambda: server._transfer_request(peer, forged))
+    wait_until(lambda: server.sender(67).poll() is TransferState.FAILED, "the refusal", 10)
+    assert "page ids outside [0, 30)" in server.sender(67).failure.message
+
+
+def test_a_decode_worker_on_another_host_or_with_another_pool_shape_is_refused(monkeypatch):
+    for change, expected in (
+        (lambda plane: setattr(plane, "host", "elsewhere"), "one host, in one PID namespace"),
+        (lambda plane: plane.pools.pop(), "decode shares 2 KV pools, prefill has 1"),
+    ):
+        pair = start_ipc_pair()
+        try:
+            change(pair.server.plane)
+            case = Case(room=70, draft=True)
+            pages = list(case.decode_pages)
+            receiver = pair.client.receiver(case.room, "127.0.0.1", pair.server.port, pages, pages)
+            wait_until(lambda r=receiver: r.poll() is TransferState.FAILED, "the refusal", 10)
+            assert expected in receiver.failure.message
+        finally:
+            pair.client.stop()
+            pair.server.stop()
+
+
+def test_copy_pages_equals_index_copies():
+    g = torch.Generator().manual_seed(0)
+    for words, dtype in ((40, torch.int64), (3000, torch.int64), (33, torch.uint8)):
+        src = torch.randint(0, 100, (4, 6, words), generator=g).to(dtype)
+        dst = torch.zeros(4, 9, words, dtype=dtype)
+        src_pages, dst_pages = torch.tensor([0, 3, 5]), torch.tensor([8, 1, 2])
+        copy_pages(src, dst, src_pages, dst_pages)
+        expected = torch.zeros_like(dst)
+        expected[:, dst_pages] = src[:, src_pages]
+        assert torch.equal(dst, expected)
+    with pytest.raises(ValueError, match="different shapes"):
+        copy_pages(src, torch.zeros(4, 9, 34, dtype=torch.uint8), src_pages, dst_pages)
+
+
+def test_a_pool_handle_that_does_not_fit_ours_is_refused_before_anything_is_mapped():
+    ours = pools(DRAFT, 4, seed=None)[0].storage
+    theirs = pools(DRAFT, 9, seed=None)[0].storage  # NOTE: kept: its memory goes with it
+    handle = export_pool(theirs)
+    mapped = open_pool(handle, ours, peer="decode")
+    assert list(mapped.shape[:2]) == list(ours.shape[:2]) and mapped.shape[2] == 9
+    for change, reason in (
+        ({"kind": "cuda"}, "decode's KV pool is on cuda, ours on cpu"),
+        ({"dtype": "float32"}, "decode's KV pool holds float32, ours bfloat16"),
+        ({"shape": [2, 4, 9, 16, 2, 8]}, "only the page count may differ"),
+        ({"size": handle.size * 2}, "handle says"),
+        ({"handle": b"/etc/passwd"}, "not a KV pool"),
+        ({"handle": b"/torch_../../x"}, "not a KV pool"),
+    ):
+        with pytest.raises(PoolMapError, match=re.escape(reason)):
+            open_pool(dataclasses.replace(handle, **change), ours, peer="decode")
+
+
+def test_a_piece_announced_with_an_event_decode_cannot_wait_for_fails_the_room(pair):
+    case = Case(room=80, draft=True)
+    sender, receiver = open_room(pair, case)
+    announcement = KVPiece(case.room, 0, 0, 1, 0, 0, PageSpan(0, 1).nbytes(pair.source.page_bytes))
+    forged = dataclasses.replace(announcement, event=b"\x01" * 3)
+    server, peer = pair.server, sender.peer
+    server.io.call(lambda: server.send(peer, forged))
+    wait_until(lambda: receiver.poll() is TransferState.FAILED, "the check", 10)
+    assert "carries a 3-byte event for cpu" in receiver.failure.message
+    wait_until(lambda: receiver.pages_settled, "prefill's RoomReleased", 10)
