@@ -193,6 +193,16 @@ class PrefillPeers:
         waiting, peer.waiting = peer.waiting, []
         for held in waiting:
             self.deliver(peer, held)
+        self._ask_about_unsettled(peer)
+
+    def _ask_about_unsettled(self, peer: PrefillPeer) -> None:
+        """Rooms whose pages this prefill process may still write (`ipc`), whose connection
+        was lost: abort them again on this one, which prefill answers with `RoomReleased` once
+        their writes are over."""
+        with self.lock:
+            rooms = [r for r in self.unsettled.values() if r.writer_pid == peer.pid]
+        for room in rooms:
+            self.send(peer, AbortRoom(room.room, room.failure))
 
     def _not_registered(self, peer: PrefillPeer, msg: NotRegistered) -> None:
         """The prefill worker does not know this connection: greet it again, and send the

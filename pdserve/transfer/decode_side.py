@@ -196,8 +196,8 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         """The prefill worker's writes for this room are over (`ipc`)."""
         with self.lock:
             room = self.rooms.get(room_id) or self.unsettled.get(room_id)
-            if room is None or room.peer is not peer:
-                return
+            if room is None or room.writer_pid != peer.pid:
+                return  # NOTE: by process: it may answer for a room of a lost connection
             room.released = True
             self.unsettled.pop(room_id, None)
         self.doorbell.ring()

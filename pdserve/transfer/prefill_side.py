@@ -206,6 +206,8 @@ class PrefillTransferServer(IpcWrites, DecodePeers, Endpoint):
         room = self.rooms.get(msg.room)
         if room is not None:
             self.fail_room(room, kind, message, notify=False)
+            if room.peer is not peer:  # decode asks again, on a new connection (`ipc`)
+                self._release_if_settled(peer, msg.room)
             return
         if msg.room not in self.tombstones:
             # NOTE: the prefill leg may not have arrived yet; it fails when it does.

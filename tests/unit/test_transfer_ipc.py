@@ -245,3 +245,24 @@ def test_a_piece_announced_with_an_event_decode_cannot_wait_for_fails_the_room(p
     wait_until(lambda: receiver.poll() is TransferState.FAILED, "the check", 10)
     assert "carries a 3-byte event for cpu" in receiver.failure.message
     wait_until(lambda: receiver.pages_settled, "prefill's RoomReleased", 10)
+
+
+def test_pages_held_across_a_lost_connection_are_released_on_the_next_one(pair):
+    server, client = pair.server, pair.client
+    case = Case(room=90, draft=True)
+    sender, receiver = open_room(pair, case)
+    destination = sender.destination(PageSpan(0, 1))  # a write in flight
+    peer = receiver.peer
+    client.io.call(lambda: client.drop_peer(peer, FailureKind.PEER_LOST, "silent 5.0 s"))
+    wait_until(lambda: receiver.poll() is TransferState.FAILED, "the room to fail", 10)
+    client.release(case.room)
+    assert not receiver.pages_settled and case.room in client.unsettled
+    nbytes = PageSpan(0, 1).nbytes(pair.source.page_bytes)
+    sender.send_piece(  # the write completes; its announcement goes to the lost connection
+        OutgoingPiece(PageSpan(0, 1), None, None, nbytes=nbytes, targets=destination[0])
+    )
+    # The next room to that prefill worker opens a new connection, which asks again.
+    open_room(pair, Case(room=91, draft=True))
+    wait_until(lambda: receiver.pages_settled, "prefill's RoomReleased on the new connection", 10)
+    assert case.room not in client.unsettled
+    assert server.sender(case.room).poll() is TransferState.FAILED
