@@ -9,8 +9,8 @@ contiguous buffer sent with the backend's own primitive between two processes (Z
 for tcp; torch.distributed send/recv on a pair group for gloo and nccl). With `ipc` there is
 no gather and no scatter: the handoff runs from the start of prefill's write into decode's
 pages to decode's commit, and raw is nccl's (gloo's on CPU) between the same two devices;
-its steps include `copy_alone`, the copy kernel's own GPU time (CUDA events) as if it were a
-step since the start.
+its steps include `copy_done`: when the GPU finished the copy, by CUDA events from one
+recorded at the start (the GPU is idle then).
 
     python benchmarks/transfer.py --backend tcp --sizes-mib 16 128 512
     python benchmarks/transfer.py --backend gloo
@@ -156,8 +156,9 @@ def prefill_main(sizes, shape: KVShape, repeats: int, config, port_queue, timing
                 sender.send(kv, MetadataRecord(first_token=1))
             wait(lambda s=sender: s.poll() in ENDED, server.doorbell)
             copy = host_steps.pop("copy_events", None)
-            if copy is not None:  # the copy's own GPU time, as a step since the start
-                host_steps["copy_alone"] = start + copy[0].elapsed_time(copy[1]) / 1e3
+            if copy is not None:  # when the GPU finished the copy, as a step
+                copy[1].synchronize()  # NOTE: the room may end first: decode's GPU waits
+                host_steps["copy_done"] = start + copy[0].elapsed_time(copy[1]) / 1e3
             timings.put(("start", size, room, start, sender.poll().name))
             stamps = {"gather_start": start, **host_steps, **sender.stamps}
             timings.put(("stamps", size, room, stamps, ""))
