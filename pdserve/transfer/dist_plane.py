@@ -38,7 +38,7 @@ from pdserve.protocol.rank_messages import (
     RankLinkForget,
     RankTransferReport,
 )
-from pdserve.protocol.transfer_messages import HelloReply, KVPiece, Register
+from pdserve.protocol.transfer_messages import HelloReply, Register
 from pdserve.transfer.dist_links import DistLinks
 from pdserve.transfer.handshake import tp_mismatch
 from pdserve.transfer.head_slices import PeerLinks, head_slices
@@ -163,18 +163,8 @@ class DistSendPlane(DistPlane):
     def send_piece(self, room, piece: OutgoingPiece, index: int) -> bool:
         """Announce one piece and post rank 0's parts (IO thread); False if the peer could
         not take it."""
-        span = piece.span
-        announcement = KVPiece(
-            room.room,
-            index,
-            span.first,
-            span.count,
-            span.draft_first,
-            span.draft_count,
-            piece.nbytes,
-        )
         peer = room.peer
-        if not self.endpoint.send(peer, announcement):
+        if not self.endpoint.send(peer, piece.announcement(room.room, index)):
             return False
         self.pending_sends += piece.remote
         sends = piece.sends if piece.data is None else [(0, piece.data)]

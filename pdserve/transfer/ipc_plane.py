@@ -49,8 +49,10 @@ TENSOR_PARALLEL = (
 class _IpcPlane:
     pending_sends = 0
 
-    def __init__(self, endpoint: Endpoint, pools: list[torch.Tensor]):
+    def __init__(self, endpoint: Endpoint, pools: list[torch.Tensor] | None):
         """pools: this worker's KV pools (their whole storage tensors, target then draft)."""
+        if not pools:
+            raise ValueError("the ipc backend needs this worker's KV pools")
         self.endpoint = endpoint
         self.pools = pools
         self.host = host_id()
@@ -96,18 +98,8 @@ class IpcSendPlane(_IpcPlane):
 
     def send_piece(self, room, piece: OutgoingPiece, index: int) -> bool:
         """Announce a piece whose pages were written (IO thread)."""
-        span = piece.span
         event = piece.ready.ipc_handle() if piece.ready is not None else b""
-        announcement = KVPiece(
-            room.room,
-            index,
-            span.first,
-            span.count,
-            span.draft_first,
-            span.draft_count,
-            piece.nbytes,
-            event,
-        )
+        announcement = piece.announcement(room.room, index, event)
         room.keep(piece.ready)  # NOTE: decode opens the event when the announcement arrives
         if not self.endpoint.send(room.peer, announcement):
             return False
@@ -123,7 +115,7 @@ class IpcReceivePlane(_IpcPlane):
     """The decode side: shares its pools at registration; takes announcements of pieces
     written into them, and prefill's word that a room's writes are over."""
 
-    def __init__(self, endpoint: Endpoint, pools: list[torch.Tensor]):
+    def __init__(self, endpoint: Endpoint, pools: list[torch.Tensor] | None):
         super().__init__(endpoint, pools)
         self.handles = [export_pool(pool) for pool in pools]
 

@@ -27,10 +27,12 @@ class IpcWrites:
         with self.lock:
             room.writes_closed = True
             settled = room.writes_in_flight == 0
-        if not settled:
-            self.unreleased[room.room] = room
-        elif room.failure is not None:
+        if room.failure is None:
+            return  # NOTE: decode has the room whole: its pages are its engine's now
+        if settled:
             self._released(room)
+        else:
+            self.unreleased[room.room] = room
 
     def _decode_pages(self, peer: Peer, msg: TransferRequest) -> tuple[list, list] | str:
         """The page ids decode asked us to write (`ipc`; empty otherwise), or what is wrong

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.protocol.transfer_messages import KVPiece
 from pdserve.transfer.head_slices import LinkPart
 
 
@@ -73,6 +74,20 @@ class OutgoingPiece:
     def __post_init__(self) -> None:
         if self.nbytes < 0:
             self.nbytes = self.data.numel()
+
+    def announcement(self, room: int, index: int, event: bytes = b"") -> KVPiece:
+        """The `KVPiece` that announces this piece as piece `index` of `room`."""
+        span = self.span
+        return KVPiece(
+            room,
+            index,
+            span.first,
+            span.count,
+            span.draft_first,
+            span.draft_count,
+            self.nbytes,
+            event,
+        )
 
 
 @dataclass

@@ -34,11 +34,8 @@ class TcpPlane:
         not take them. The bytes are ready (a GPU piece was staged and waited for)."""
         endpoint, peer = self.endpoint, room.peer
         room.keep(piece.data)  # NOTE: the frames are zero-copy views: kept until the room ends
-        span, total = piece.span, piece.data.numel()
-        announcement = KVPiece(
-            room.room, index, span.first, span.count, span.draft_first, span.draft_count, total
-        )
-        if not endpoint.send(peer, announcement):
+        total = piece.data.numel()
+        if not endpoint.send(peer, piece.announcement(room.room, index)):
             return False
         view = memoryview(piece.data.numpy())
         for offset in range(0, total, endpoint.config.chunk_bytes):

@@ -9,39 +9,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import torch
 
-from pdserve.server.local_process import LocalServer
 from tests.conftest import random_prompts
-from tests.e2e.conftest import START_DEADLINE_S, Server
-from tests.e2e.pd_cluster import begin_cluster
-from tests.gpu.test_pd_two_gpus import ENGINE, LENGTHS, MAX_TOKENS, _generate
+from tests.gpu.test_pd_two_gpus import (
+    LENGTHS,
+    MAX_TOKENS,
+    _generate,
+    colocated_and_disaggregated,
+)
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def ipc_pair(tiny_model_dirs):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
-    model = tiny_model_dirs("llama")
-    colocated = LocalServer(["serve", "--model-path", model, "--device", "cuda:0", *ENGINE])
-    pending = begin_cluster(
-        model,
-        backend="ipc",
-        worker_args=ENGINE,
-        prefill_args=("--device", "cuda:0"),
-        decode_args=("--device", "cuda:1"),
-    )
-    cluster = None
-    try:
-        reference = Server(colocated.wait_healthy(START_DEADLINE_S), model)
-        cluster = pending.ready()
-        yield reference, cluster
-    finally:
-        if cluster is not None:
-            cluster.stop()
-        colocated.stop()
+    with colocated_and_disaggregated(tiny_model_dirs("llama"), "ipc") as pair:
+        yield pair
 
 
 def test_ipc_handoff_equals_colocated_16_concurrent(ipc_pair):

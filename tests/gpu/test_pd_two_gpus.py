@@ -6,6 +6,7 @@ worker either way round. Needs two GPUs (nvidia-h200-x2)."""
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -36,15 +37,16 @@ ENGINE = (
 MAX_TOKENS = 24
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def two_gpus(request, tiny_model_dirs):
+@contextlib.contextmanager
+def colocated_and_disaggregated(model: str, backend: str):
+    """(reference, cluster): a colocated `pdserve serve` on cuda:0, and prefill on cuda:0 +
+    decode on cuda:1 with this transfer backend behind a router; both stopped after."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
-    model = tiny_model_dirs(request.param)
     colocated = LocalServer(["serve", "--model-path", model, "--device", "cuda:0", *ENGINE])
     pending = begin_cluster(
         model,
-        backend="nccl",
+        backend=backend,
         worker_args=ENGINE,
         prefill_args=("--device", "cuda:0"),
         decode_args=("--device", "cuda:1"),
@@ -58,6 +60,12 @@ def two_gpus(request, tiny_model_dirs):
         if cluster is not None:
             cluster.stop()
         colocated.stop()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def two_gpus(request, tiny_model_dirs):
+    with colocated_and_disaggregated(tiny_model_dirs(request.param), "nccl") as pair:
+        yield pair
 
 
 def _generate(base_url: str, prompt: list[int], stream: bool) -> list[int]:
