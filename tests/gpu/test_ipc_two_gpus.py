@@ -12,9 +12,8 @@ import pytest
 
 from tests.conftest import random_prompts
 from tests.gpu.test_pd_two_gpus import (
-    LENGTHS,
-    MAX_TOKENS,
     _generate,
+    assert_16_concurrent_equal_colocated,
     colocated_and_disaggregated,
 )
 
@@ -31,15 +30,7 @@ def test_ipc_handoff_equals_colocated_16_concurrent(ipc_pair):
     reference, cluster = ipc_pair
     info = cluster.prefill[0].get("/server_info").json()
     assert (info["device"], info["disaggregation_transfer_backend"]) == ("cuda:0", "ipc")
-    prompts = random_prompts(LENGTHS, 250, seed=4)
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        expected = list(pool.map(lambda p: _generate(reference.url, p, False), prompts))
-        jobs = [(p, i % 2 == 1) for i, p in enumerate(prompts)]
-        got = list(pool.map(lambda job: _generate(cluster.router.url, *job), jobs))
-    assert got == expected
-    assert all(len(ids) == MAX_TOKENS for ids in got)
-    cluster.wait_all_free()
-    assert cluster.decode[0].metric("kv_transfers_total") >= len(prompts)
+    assert_16_concurrent_equal_colocated(reference, cluster)
 
 
 def _drop_after_first_event(base_url: str, prompt: list[int]) -> None:

@@ -100,7 +100,12 @@ def test_nccl_handoff_equals_colocated_one_at_a_time(two_gpus):
 
 
 def test_nccl_handoff_equals_colocated_16_concurrent(two_gpus):
-    reference, cluster = two_gpus
+    assert_16_concurrent_equal_colocated(*two_gpus)
+
+
+def assert_16_concurrent_equal_colocated(reference, cluster) -> None:
+    """16 prompts of every length at once, half streamed, equal colocated token for token;
+    afterwards every page is free and each room went through the transfer."""
     prompts = random_prompts(LENGTHS, 250, seed=4)
     with ThreadPoolExecutor(len(prompts)) as pool:
         expected = list(pool.map(lambda p: _generate(reference.url, p, False), prompts))
