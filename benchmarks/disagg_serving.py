@@ -86,7 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(parser)
     parser.add_argument(
-        "--transfer-backends", nargs="+", default=["nccl"], choices=["nccl", "tcp", "gloo"]
+        "--transfer-backends", nargs="+", default=["nccl"], choices=["nccl", "tcp", "gloo", "ipc"]
     )
     parser.add_argument("--prefill-device", default="cuda:0", help="also the colocated one's")
     parser.add_argument("--decode-device", default="cuda:1")

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=8192)
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--piece-bytes", type=int, default=64 << 20)
-    parser.add_argument("--backend", default="tcp", choices=("tcp", "gloo", "nccl"))
+    parser.add_argument("--backend", default="tcp", choices=("tcp", "gloo", "nccl", "ipc"))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
