@@ -94,6 +94,7 @@ class IpcSendPlane(_IpcPlane):
             ]
         except PoolMapError as e:
             return str(e)
+        peer.pid = msg.pid
         return None
 
     def send_piece(self, room, piece: OutgoingPiece, index: int) -> bool:

@@ -11,6 +11,7 @@ from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.transfer_messages import RoomReleased, TransferRequest
 from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
 from pdserve.transfer.page_ids import unpack_page_ids
+from pdserve.transfer.shared_pools import process_gone
 
 if TYPE_CHECKING:
     from pdserve.transfer.endpoint import Peer
@@ -53,7 +54,17 @@ class IpcWrites:
 
     def open_write(self, room: SenderRoom, span: PageSpan) -> tuple[list, list[list[int]]] | None:
         """The worker's thread, before writing a piece into decode's pages (`ipc`): where
-        to, or None if the room takes no more writes; counts the write as in flight."""
+        to, or None if the room takes no more writes; counts the write as in flight.
+
+        NOTE: a decode process that exited freed its pools, and writing memory its owner
+        freed is undefined behaviour for the writer's GPU context, so each write first checks
+        that decode is alive (a peer found gone is dropped at once, without waiting for its
+        silence): what is left is a decode dying while a copy runs."""
+        peer = room.peer
+        if peer is not None and peer.pools is not None and process_gone(peer.pid):
+            error = "exited (its process is gone)"
+            self.io.call(lambda: self.drop_peer(peer, FailureKind.PEER_LOST, error))
+            return None
         with self.lock:
             peer = room.peer
             if room.writes_closed or peer is None or peer.pools is None:

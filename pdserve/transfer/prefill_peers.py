@@ -40,6 +40,7 @@ class DecodePeer(Peer):
     prefill_nonce: bytes = b""
     rejected: str | None = None  # proved the token, but its layout does not fit ours
     pools: list | None = None  # the `ipc` backend: decode's pools, mapped into this process
+    pid: int = 0  # the `ipc` backend: decode's process, which must be alive while we write
 
 
 class DecodePeers:

@@ -87,6 +87,17 @@ def write_piece(pair: IpcPair, sender, case: Case, span: PageSpan) -> None:
     sender.send_piece(OutgoingPiece(span, None, None, nbytes=nbytes, targets=peer_pools))
 
 
+def exited_pid() -> int:
+    """The id of a process that has exited."""
+    exited = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(exited.stdout)
+
+
 def assert_written(pair: IpcPair, case: Case) -> None:
     for pool, source in zip(pair.target.pools, pair.source.pools, strict=True):
         got = pool.storage[:, :, list(case.decode_pages)]
@@ -156,13 +167,7 @@ def test_rooms_that_never_reached_prefill_or_whose_prefill_is_gone_are_settled(p
     receiver.abort(FailureKind.ABORTED, "the client left")
     assert receiver.pages_settled  # no request went out: nothing can write
     _, receiver = open_room(pair, Case(room=65, draft=True))
-    exited = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    pid = int(exited.stdout)
+    pid = exited_pid()
     assert process_gone(pid) and not process_gone(receiver.writer_pid)
     with pair.client.lock:
         receiver.writer_pid = pid  # as if prefill had exited
@@ -266,3 +271,12 @@ def test_pages_held_across_a_lost_connection_are_released_on_the_next_one(pair):
     wait_until(lambda: receiver.pages_settled, "prefill's RoomReleased on the new connection", 10)
     assert case.room not in client.unsettled
     assert server.sender(case.room).poll() is TransferState.FAILED
+
+
+def test_no_write_goes_to_a_decode_process_that_exited(pair):
+    case = Case(room=95, draft=True)
+    sender, _ = open_room(pair, case)
+    sender.peer.pid = exited_pid()  # as if decode had died
+    assert sender.destination(PageSpan(0, 1)) is None
+    wait_until(lambda: sender.poll() is TransferState.FAILED, "prefill to drop the peer", 10)
+    assert "decode peer d exited (its process is gone)" in sender.failure.message
