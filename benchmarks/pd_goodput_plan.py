@@ -182,7 +182,9 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
         "--devices", nargs=2, metavar="DEVICE", help=f"GPU 0 and GPU 1 ({_shown('devices')})"
     )
     servers.add_argument(
-        "--transfer-backend", choices=["nccl", "tcp", "gloo", "ipc"], help=_shown("transfer_backend")
+        "--transfer-backend",
+        choices=["nccl", "tcp", "gloo", "ipc"],
+        help=_shown("transfer_backend"),
     )
     servers.add_argument("--max-running-requests", type=int, help="every worker's")
     servers.add_argument("--engine-args", default="", help="more flags for every worker, quoted")

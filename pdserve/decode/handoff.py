@@ -298,7 +298,9 @@ class DecodeHandoff(DisaggHandoff):
 
     def stats(self) -> DisaggStats:
         return self.transfer_stats(
-            num_prealloc=len(self.prealloc), num_transferring=len(self.transferring)
+            num_prealloc=len(self.prealloc),
+            num_transferring=len(self.transferring),
+            num_held_back=len(self.held_back),
         )
 
     def stop(self) -> None:

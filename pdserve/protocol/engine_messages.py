@@ -96,6 +96,8 @@ class DisaggStats:
     num_prealloc: int = 0  # decode: waiting for free pages
     num_transferring: int = 0  # KV on the way (both sides)
     num_prefilling: int = 0  # prefill: computing, pages to be sent
+    # decode (ipc): failed rooms whose pages wait until prefill's writes into them are over
+    num_held_back: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     bytes_skipped: int = 0  # decode: KV its prefix cache held, so not transferred

@@ -136,6 +136,10 @@ class _DisaggMetrics:
             "num_transferring": gauge(
                 "num_requests_transferring", "Requests whose KV is in flight"
             ),
+            "num_held_back": gauge(
+                "num_rooms_held_back",
+                "Decode (ipc): failed rooms whose pages wait until prefill's writes are over",
+            ),
         }
         self.bytes = counter(
             "kv_transfer_bytes_total", "KV bytes moved, by direction", ("direction",)

@@ -58,7 +58,7 @@ class Cluster:
             def idle(worker=worker) -> bool:
                 s = self.state(worker)
                 busy = ("kv_pages_used", "num_running", "num_waiting", "num_bootstrapping")
-                busy += ("num_prealloc", "num_transferring", "num_prefilling")
+                busy += ("num_prealloc", "num_transferring", "num_prefilling", "num_held_back")
                 return all(s.get(key, 0) == 0 for key in busy)
 
             wait_until(idle, f"{worker.url} to free every page", deadline_s, describe=self.states)
