@@ -1,9 +1,12 @@
-"""Speculative decoding across prefill and decode, in one process over tcp: the prefill side
+"""Speculative decoding across prefill and decode, in one process over tcp (and once over
+ipc, which writes the draft's KV into decode's pages too): the prefill side
 runs the draft extend and ships the draft KV and seed metadata; the decode side rebuilds the
 first draft input with the algorithm's hook. Every algorithm, chain and tree, is exactly the
 target's greedy output; mismatched settings are refused at the handshake, naming the field."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -43,11 +46,23 @@ def run_pair(prefill, decode, prompts):
 def test_disaggregated_speculation_is_exactly_the_targets(
     algorithm, shape, drafts, tiny_model_dirs
 ):
+    assert_exactly_the_targets(algorithm, shape, drafts, tiny_model_dirs, CONFIG)
+
+
+def test_draft_kv_written_straight_into_decodes_pages_is_exactly_the_targets(
+    drafts, tiny_model_dirs
+):
+    """ipc: prefill writes the target's and the draft's KV into decode's two pools."""
+    config = dataclasses.replace(CONFIG, backend="ipc")
+    assert_exactly_the_targets("EAGLE3", TREE, drafts, tiny_model_dirs, config)
+
+
+def assert_exactly_the_targets(algorithm, shape, drafts, tiny_model_dirs, config) -> None:
     model = tiny_model_dirs("llama")
     prompts = [*random_prompts((1, 6, 21), 250, seed=11), [7, 8, 9] * 5]
     expected = [o.token_ids for o in LLM(model, device="cpu").generate(prompts, GREEDY)]
-    prefill = PrefillHandoff(engine(model, algorithm, drafts[algorithm], shape), CONFIG)
-    decode = DecodeHandoff(engine(model, algorithm, drafts[algorithm], shape), CONFIG)
+    prefill = PrefillHandoff(engine(model, algorithm, drafts[algorithm], shape), config)
+    decode = DecodeHandoff(engine(model, algorithm, drafts[algorithm], shape), config)
     try:
         outputs = run_pair(prefill, decode, prompts)
         for i, want in enumerate(expected):
