@@ -35,7 +35,7 @@ from pdserve.protocol.http_settings import WORKER_ONLY, HttpSettings
 from pdserve.protocol.restart_budget import RestartBudget
 from pdserve.router.config import RouterConfig
 from pdserve.server.local_process import LocalServer, ServerStartError, free_port
-from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.config import IPC_TENSOR_PARALLEL, TransferConfig
 
 RESTART_WINDOW_S = 600.0
 
@@ -103,6 +103,8 @@ class LaunchPlan:
             )
         if self.transfer.backend == "nccl":
             self._check_nccl_gpus()
+        if self.transfer.backend == "ipc" and largest > 1:
+            raise ValueError(f"a worker at TP {largest}: {IPC_TENSOR_PARALLEL}")
 
     def _check_nccl_gpus(self) -> None:
         """Over nccl each prefill rank is linked to decode ranks by an NCCL group of two,

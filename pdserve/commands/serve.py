@@ -22,7 +22,7 @@ from pdserve.commands.common import (
 )
 from pdserve.protocol.flags import add_flags, declared, settings_from_args
 from pdserve.protocol.spec_settings import SpecSettings
-from pdserve.transfer.config import TransferConfig
+from pdserve.transfer.config import IPC_TENSOR_PARALLEL, TransferConfig
 
 WORKER_PORT = 30000
 HELP = {
@@ -64,6 +64,8 @@ def configure(args: argparse.Namespace, kind: str) -> Callable[[], int]:
     model_path, served_name = model_path_from(args)
     engine = engine_config_from_args(args, model_path)
     transfer = None if kind == "serve" else transfer_config_from_args(args, kind, http.host)
+    if transfer is not None and transfer.backend == "ipc" and engine.tp_size > 1:
+        raise ValueError(f"--tp-size {engine.tp_size}: {IPC_TENSOR_PARALLEL}")
     if engine.node_rank > 0:
         # NOTE: another node of a worker that spans nodes: it runs ranks, node 0 serves (and,
         # in a prefill or decode worker, moves the KV).

@@ -19,8 +19,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import DisaggStats, FailRoom
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.protocol.rank_messages import RankTransferStart
-from pdserve.transfer.config import TransferConfig
-from pdserve.transfer.ipc_plane import TENSOR_PARALLEL
+from pdserve.transfer.config import IPC_TENSOR_PARALLEL, TransferConfig
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.room_state import Tombstones
@@ -117,7 +116,7 @@ def ipc_pools(stager) -> list[torch.Tensor]:
     """The pools the `ipc` backend shares or writes from: every pool's whole storage tensor
     (a worker without tensor parallelism: the pairing of ranks is nccl's business)."""
     if not isinstance(stager, KVStager):
-        raise ValueError(TENSOR_PARALLEL)
+        raise ValueError(IPC_TENSOR_PARALLEL)
     return [pool.storage for pool in stager.pools]
 
 

@@ -13,6 +13,10 @@ BACKENDS = ("tcp", "nccl", "gloo", "ipc")
 DIST_BACKENDS = ("nccl", "gloo")
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 STREAMED_PIECE_BYTES = 64 << 20
+IPC_TENSOR_PARALLEL = (
+    "the ipc backend moves KV between workers without tensor parallelism: use "
+    "--transfer-backend nccl for TP > 1"
+)
 
 
 @dataclass(frozen=True)

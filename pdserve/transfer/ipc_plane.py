@@ -30,6 +30,7 @@ import torch
 
 from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.transfer_messages import HelloReply, KVPiece, Register, RoomReleased
+from pdserve.transfer.config import IPC_TENSOR_PARALLEL as TENSOR_PARALLEL
 from pdserve.transfer.kv_piece import OutgoingPiece
 from pdserve.transfer.shared_pools import PoolMapError, export_pool, host_id, open_pool
 
@@ -39,10 +40,6 @@ if TYPE_CHECKING:
 OTHER_HOST = (
     "the ipc backend writes KV into the decode worker's memory, so both workers must run on "
     "one host, in one PID namespace: use --transfer-backend nccl or tcp between hosts"
-)
-TENSOR_PARALLEL = (
-    "the ipc backend moves KV between workers without tensor parallelism: use "
-    "--transfer-backend nccl for TP > 1"
 )
 
 

@@ -382,6 +382,18 @@ def test_launch_over_nccl_refuses_prefill_and_decode_on_one_gpu(monkeypatch):
         )
 
 
+def test_ipc_refuses_tensor_parallel_workers_before_anything_starts(monkeypatch, tiny_model_dirs):
+    ipc = ["--transfer-backend", "ipc"]
+    plan = _launch_plan([*ipc, "--gpus", "0,1"], monkeypatch)
+    assert plan.transfer.backend == "ipc"  # one GPU each, or both on one: no TP, fine
+    with pytest.raises(ValueError, match="a worker at TP 2: the ipc backend moves KV between"):
+        _launch_plan([*ipc, "--gpus", "0,1,2", "--decode-tp-size", "2"], monkeypatch)
+    model = tiny_model_dirs("llama")
+    args = build_parser().parse_args(["prefill", "--model-path", model, "--tp-size", "2", *ipc])
+    with pytest.raises(ValueError, match="--tp-size 2: the ipc backend moves KV"):
+        args.configure(args)
+
+
 def test_launch_runs_prefill_and_decode_at_their_own_tp_sizes(monkeypatch):
     argv = ["--gpus", "0,1,2,3,4,5", "--prefill-tp-size", "4", "--decode-tp-size", "2"]
     plan = _launch_plan(argv, monkeypatch)
