@@ -118,8 +118,10 @@ def long_request_while_prefilling(cluster, prefill):
     return join
 
 
-def test_prefill_killed_mid_request(fresh):
-    cluster = fresh(prefill_args=SLOW_PREFILL)
+# NOTE: ipc too: decode's pages, which the dead prefill process wrote, come back once it is gone.
+@pytest.mark.parametrize("backend", ["tcp", "ipc"])
+def test_prefill_killed_mid_request(fresh, backend):
+    cluster = fresh(prefill_args=SLOW_PREFILL, backend=backend)
     prefill, decode = cluster.prefill[0], cluster.decode[0]
     join = long_request_while_prefilling(cluster, prefill)
     _kill(prefill)
@@ -132,10 +134,11 @@ def test_prefill_killed_mid_request(fresh):
     wait_until(lambda: cluster.router.get("/health").status_code == 503, "router health 503")
 
 
-def test_decode_alone_fails_its_room_when_prefill_dies(fresh):
+@pytest.mark.parametrize("backend", ["tcp", "ipc"])
+def test_decode_alone_fails_its_room_when_prefill_dies(fresh, backend):
     """Without a router to cancel it (as under SGLang's router), the decode leg still fails
     fast: the dead prefill peer stops answering heartbeats."""
-    cluster = fresh(prefill_args=SLOW_PREFILL)
+    cluster = fresh(prefill_args=SLOW_PREFILL, backend=backend)
     prefill, decode = cluster.prefill[0], cluster.decode[0]
     body = _direct_body(_generate_body(LONG_PROMPT), cluster, room=12345)
     join_decode = _in_background(lambda: decode.post("/generate", body))
