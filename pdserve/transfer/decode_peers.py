@@ -200,7 +200,7 @@ class PrefillPeers:
         was lost: abort them again on this one, which prefill answers with `RoomReleased` once
         their writes are over."""
         with self.lock:
-            rooms = [r for r in self.unsettled.values() if r.writer_pid == peer.pid]
+            rooms = [r for r in self.unsettled.values() if r.writer_pid == peer.pid and r.failure]
         for room in rooms:
             self.send(peer, AbortRoom(room.room, room.failure))
 
