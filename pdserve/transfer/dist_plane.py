@@ -19,7 +19,7 @@ after gathering them, in order with the passes, so the piece must then be announ
 room ended meanwhile; on a decode worker when the announcement arrives. They report each
 part's end back, and a piece has landed when all its parts have.
 
-The interface is `tcp_plane`'s; the decode side's plane is `dist_receive_plane`'s.
+The interface is `data_plane`'s; the decode side's plane is `dist_receive_plane`'s.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from pdserve.protocol.rank_messages import (
     RankTransferReport,
 )
 from pdserve.protocol.transfer_messages import HelloReply, Register
+from pdserve.transfer.data_plane import DataPlane
 from pdserve.transfer.dist_links import DistLinks
 from pdserve.transfer.handshake import tp_mismatch
 from pdserve.transfer.head_slices import PeerLinks, head_slices
@@ -58,7 +59,7 @@ def _links(endpoint: Endpoint, device: torch.device) -> DistLinks:
     )
 
 
-class DistPlane:
+class DistPlane(DataPlane):
     """What both sides' planes share: the links, the plan per peer, the ranks' reports."""
 
     def __init__(self, endpoint: Endpoint, device: torch.device, fanout: RankFanout | None):
@@ -112,9 +113,6 @@ class DistPlane:
         for rank in sorted({rank for rank, _ in ranks} - {0}):
             self.fanout.post(rank, RankLinkForget(peer.links.id))
 
-    def hello_reply(self, reply: HelloReply) -> HelloReply:
-        return reply
-
     def hello_problem(self, msg: HelloReply) -> str | None:
         """Decode: a prefill worker whose ranks cannot split our KV heads."""
         return tp_mismatch(self.endpoint.layout.num_kv_heads, msg.tp_size, "prefill")
@@ -143,9 +141,6 @@ class DistPlane:
 
     def _reported(self, peer: Peer, report: RankTransferReport) -> None:
         raise NotImplementedError
-
-    def tick(self, now: float) -> None:
-        pass
 
     def close(self) -> None:
         self.links.close()
@@ -194,9 +189,6 @@ class DistSendPlane(DistPlane):
             self.pending_sends -= 1
             self.endpoint.metrics.bytes_sent += report.nbytes
             self.bytes_by_link[report.rank, report.peer_rank] += report.nbytes
-
-    def handle(self, peer: Peer, msg, payload) -> bool:
-        return False
 
     def registered(self, peer: Peer, msg: Register) -> None:
         self._connect(peer, msg.store_address, msg.pair_name, self.tp_size, msg.tp_size)

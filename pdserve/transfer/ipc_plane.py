@@ -4,20 +4,22 @@
 Decode exports its pools once, in `Register` (`shared_pools`); prefill maps them. For each
 piece, prefill copies the pages on its compute stream, right behind the chunk that wrote
 them, into the page ids decode's transfer request listed (`KVStager.write`: one kernel per
-pool over NVLink, no staging buffer, no receive to post). When the copy has completed (a
-waiter thread watches its event, `staged_sends`), prefill announces the piece (`KVPiece`, no
-bytes follow); decode checks it against its reservation as on every backend, and the piece
-has landed. The metadata record and `RoomDone` follow as on every backend; decode's commit
-has nothing left to write.
+pool over NVLink, no staging buffer, no receive to post) and announces the piece at once
+(`KVPiece`, no bytes follow) with a CUDA IPC event recorded after the copy. Decode checks the
+piece against its reservation as on every backend and opens the event; the piece has landed.
+The metadata record and `RoomDone` follow as on every backend; decode's commit has nothing
+left to write but to make its stream wait for the events, so no thread of either side waits
+for the bytes.
 
 Another process writes decode's pages, so a room that fails cannot always give its pages
-back at once: a write may be in flight. Prefill counts each room's writes: once the room
-ended here and none is in flight, none will start, and it says so (`RoomReleased`). Decode
+back at once: a write may be in flight. Prefill counts each room's writes (a waiter thread
+watches each write's event, `staged_sends`): once the room ended here and none is in
+flight, none will start, and it says so (`RoomReleased`). Decode
 keeps a failed room's pages until then, or until the prefill process is gone
 (`ReceiverRoom.pages_settled`). The handshake checks that both workers share a host and a PID
 namespace, and that neither is tensor-parallel.
 
-The interface is `tcp_plane`'s.
+The interface is `data_plane`'s.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import torch
 
 from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.transfer_messages import HelloReply, KVPiece, Register, RoomReleased
-from pdserve.transfer.config import IPC_TENSOR_PARALLEL as TENSOR_PARALLEL
+from pdserve.transfer.config import IPC_TENSOR_PARALLEL
+from pdserve.transfer.data_plane import DataPlane
 from pdserve.transfer.kv_piece import OutgoingPiece
 from pdserve.transfer.shared_pools import PoolMapError, export_pool, host_id, open_pool
 
@@ -43,9 +46,7 @@ OTHER_HOST = (
 )
 
 
-class _IpcPlane:
-    pending_sends = 0
-
+class _IpcPlane(DataPlane):
     def __init__(self, endpoint: Endpoint, pools: list[torch.Tensor] | None):
         """pools: this worker's KV pools (their whole storage tensors, target then draft)."""
         if not pools:
@@ -53,21 +54,6 @@ class _IpcPlane:
         self.endpoint = endpoint
         self.pools = pools
         self.host = host_id()
-
-    def handle(self, peer: Peer, msg, payload) -> bool:
-        return False
-
-    def registered(self, peer: Peer, msg: Register) -> None:
-        pass
-
-    def room_ended(self, room) -> None:
-        pass
-
-    def tick(self, now: float) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class IpcSendPlane(_IpcPlane):
@@ -81,7 +67,7 @@ class IpcSendPlane(_IpcPlane):
         if msg.host_id != self.host:
             return OTHER_HOST
         if msg.tp_size != 1 or self.endpoint.tp_size != 1:
-            return TENSOR_PARALLEL
+            return IPC_TENSOR_PARALLEL
         if len(msg.pools) != len(self.pools):
             return f"decode shares {len(msg.pools)} KV pools, prefill has {len(self.pools)}"
         try:
@@ -121,7 +107,7 @@ class IpcReceivePlane(_IpcPlane):
         if msg.host_id != self.host or msg.pid <= 0:
             return OTHER_HOST
         if msg.tp_size != 1 or self.endpoint.fanout is not None:
-            return TENSOR_PARALLEL
+            return IPC_TENSOR_PARALLEL
         return None
 
     def registration(self, peer: Peer, register: Register) -> Register:
@@ -146,6 +132,3 @@ class IpcReceivePlane(_IpcPlane):
         endpoint.metrics.bytes_received += msg.nbytes
         endpoint.room_landed(room)
         return True
-
-    def forget(self, peer: Peer) -> None:
-        pass

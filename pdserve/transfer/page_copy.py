@@ -2,7 +2,7 @@
 buffer between them: the destination may be another GPU's pool mapped into this process
 (CUDA IPC), so the copy is the transfer itself.
 
-A pool here is `[rows, pages, words]` (`kv_staging.rows`: one row per K or V and layer);
+A pool here is `[rows, pages, words]` (`kv_staging._rows`: one row per K or V and layer);
 page `src_pages[i]` of every row is copied to page `dst_pages[i]` of the same row. One
 program copies one page of one row, `BLOCK` words at a time.
 """

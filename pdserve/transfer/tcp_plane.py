@@ -2,13 +2,7 @@
 each piece of a room (`KVPiece`) and sends its bytes in `KVChunk`s of at most `chunk_bytes`
 (zero-copy views, kept alive by the room until it ends); the metadata record and `RoomDone`
 follow the last piece. The receiver copies each chunk into the piece's buffer after checking
-both against its own reservation.
-
-A data plane is what an endpoint calls for bytes: `send_piece` (sender) or `handle` (either
-side, for the plane's own messages), `hello_problem` / `register_problem` (the handshake's
-checks of the plane's own), `registration` (receiver: what the plane adds to `Register`),
-`registered` (sender: a peer was accepted), `room_ended` (receiver), `forget` (a
-peer was dropped), `tick`, `close`.
+both against its own reservation. The interface is `data_plane`'s.
 """
 
 from __future__ import annotations
@@ -16,16 +10,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pdserve.protocol.failures import FailureKind
-from pdserve.protocol.transfer_messages import HelloReply, KVChunk, KVPiece, Register
+from pdserve.protocol.transfer_messages import KVChunk, KVPiece
+from pdserve.transfer.data_plane import DataPlane
 from pdserve.transfer.kv_piece import OutgoingPiece
 
 if TYPE_CHECKING:
     from pdserve.transfer.endpoint import Endpoint, Peer
 
 
-class TcpPlane:
-    pending_sends = 0
-
+class TcpPlane(DataPlane):
     def __init__(self, endpoint: Endpoint):
         self.endpoint = endpoint
 
@@ -66,33 +59,3 @@ class TcpPlane:
         if problem is not None:
             self.endpoint.fail_room(room, FailureKind.TRANSFER, problem, notify=True)
         return True
-
-    def hello_reply(self, reply: HelloReply) -> HelloReply:
-        """Prefill: what the plane adds to `HelloReply`."""
-        return reply
-
-    def hello_problem(self, msg: HelloReply) -> str | None:
-        """Decode: why the prefill worker that answered cannot be our peer, if it cannot."""
-        return None
-
-    def register_problem(self, peer: Peer, msg: Register) -> str | None:
-        """Prefill: why a decode worker cannot register, if it cannot."""
-        return None
-
-    def registration(self, peer: Peer, register: Register) -> Register:
-        return register
-
-    def registered(self, peer: Peer, msg: Register) -> None:
-        pass
-
-    def room_ended(self, room) -> None:
-        pass
-
-    def forget(self, peer: Peer) -> None:
-        pass
-
-    def tick(self, now: float) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

@@ -1,0 +1,56 @@
+"""What an endpoint calls on its data plane for bytes, with the defaults of a plane that has
+nothing to add at that point; `TcpPlane`, `DistPlane` and the ipc planes override what they
+need.
+
+`send_piece` (sender) or `handle` (either side, for the plane's own messages; False: not
+one of them), `hello_reply` / `hello_problem` / `register_problem` (the handshake's fields
+and checks of the plane's own), `registration` (receiver: what the plane adds to
+`Register`), `registered` (sender: a peer was accepted), `room_ended` (receiver), `forget` (a
+peer was dropped), `tick`, `close`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pdserve.protocol.transfer_messages import HelloReply, Register
+
+if TYPE_CHECKING:
+    from pdserve.transfer.endpoint import Peer
+
+
+class DataPlane:
+    pending_sends = 0  # sends posted and not completed (torch.distributed)
+
+    def handle(self, peer: Peer, msg, payload) -> bool:
+        return False
+
+    def hello_reply(self, reply: HelloReply) -> HelloReply:
+        """Prefill: what the plane adds to `HelloReply`."""
+        return reply
+
+    def hello_problem(self, msg: HelloReply) -> str | None:
+        """Decode: why the prefill worker that answered cannot be our peer, if it cannot."""
+        return None
+
+    def register_problem(self, peer: Peer, msg: Register) -> str | None:
+        """Prefill: why a decode worker cannot register, if it cannot."""
+        return None
+
+    def registration(self, peer: Peer, register: Register) -> Register:
+        return register
+
+    def registered(self, peer: Peer, msg: Register) -> None:
+        pass
+
+    def room_ended(self, room) -> None:
+        pass
+
+    def forget(self, peer: Peer) -> None:
+        pass
+
+    def tick(self, now: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
