@@ -18,9 +18,11 @@ MAX_TOKENS = 1200
 
 
 def _refused(url: str) -> bool:
+    """No new connection is served: refused, or (caught in the backlog as the listening
+    socket closed) reset before any answer."""
     try:
         httpx.get(url + "/health", timeout=2)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
         return True
     return False
 
