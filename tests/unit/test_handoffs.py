@@ -6,6 +6,7 @@ room."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 
@@ -363,13 +364,17 @@ def test_a_room_that_ends_before_its_kv_drops_its_cached_pages(streaming_pair):
     assert room.num_cached_pages == (len(prompt) + len(answer) - 1) // PAGE
     assert cache.num_unreferenced == cache.num_pages - room.num_cached_pages
     ipc = decode.config.backend == "ipc"
+    gate = threading.Event()
     if ipc:  # the request reached prefill, which may write the pages from now on
         wait_until(lambda: room.writer_pid is not None, "the transfer request to go out", 10)
+        # NOTE: prefill's IO thread waits, so that its answer cannot come before we look.
+        prefill.server.io.call(lambda: gate.wait(10))
     loop.tick([AbortRequest("d2")])
     assert not decode.transferring
     if ipc:
         # Prefill might still write the pages: they wait for its word (RoomReleased).
         assert decode.stats().num_held_back == 1 and decode.engine.kv_pages_in_use > 0
+        gate.set()
         drive(prefill, decode, until=lambda _: decode.engine.kv_pages_in_use == 0)
         assert decode.stats().num_held_back == 0
     assert decode.engine.kv_pages_in_use == 0
