@@ -97,6 +97,9 @@ class Register:
     host_id: str = ""
     pid: int = 0
     pools: list[PoolHandle] = dataclasses.field(default_factory=list)
+    # Where prefill may send its announcements straight from its engine thread (`ipc_lane`;
+    # empty: over this connection).
+    lane: str = ""
 
 
 @message("pool_handle")

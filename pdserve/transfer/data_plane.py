@@ -3,10 +3,11 @@ nothing to add at that point; `TcpPlane`, `DistPlane` and the ipc planes overrid
 need.
 
 `send_piece` (sender) or `handle` (either side, for the plane's own messages; False: not
-one of them), `hello_reply` / `hello_problem` / `register_problem` (the handshake's fields
-and checks of the plane's own), `registration` (receiver: what the plane adds to
-`Register`), `registered` (sender: a peer was accepted), `room_ended` (receiver), `forget` (a
-peer was dropped), `tick`, `close`.
+one of them), `on_socket` (receiver: a socket of the plane's own in the IO thread's poller),
+`hello_reply` / `hello_problem` / `register_problem` (the handshake's fields and checks of
+the plane's own), `registration` (receiver: what the plane adds to `Register`), `registered`
+(sender: a peer was accepted), `room_ended` (receiver), `forget` (a peer was dropped),
+`tick`, `close`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ class DataPlane:
     pending_sends = 0  # sends posted and not completed (torch.distributed)
 
     def handle(self, peer: Peer, msg, payload) -> bool:
+        return False
+
+    def on_socket(self, socket) -> bool:
+        """Receiver: read `socket` if it is one of the plane's own (True)."""
         return False
 
     def hello_reply(self, reply: HelloReply) -> HelloReply:

@@ -77,7 +77,7 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         if config.backend == "tcp":
             self.plane = TcpPlane(self)
         elif config.backend == "ipc":
-            self.plane = IpcReceivePlane(self, pools)
+            self.plane = IpcReceivePlane(self, pools, metadata_spec.nbytes)
         else:
             self.plane = DistReceivePlane(self, self.device, self.fanout)
 
@@ -153,7 +153,7 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         self.deliver(peer, self._transfer_request(receiver))
 
     def _on_socket(self, socket: zmq.Socket) -> None:
-        if self.on_fanout(socket):
+        if self.on_fanout(socket) or self.plane.on_socket(socket):
             return
         peer = self._by_socket.get(socket)
         while peer is not None and self.peers.get(peer.key) is peer:
@@ -167,9 +167,10 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
                 continue
             peer.last_seen = time.monotonic()
             payload = received.payload[0] if received.payload else None
-            self._handle(peer, received.msg, payload)
+            self.handle_message(peer, received.msg, payload)
 
-    def _handle(self, peer, msg, payload) -> None:
+    def handle_message(self, peer, msg, payload) -> None:
+        """A message from a prefill peer: over its connection, or its lane (`ipc_lane`)."""
         if self._handshake(peer, msg) or self.plane.handle(peer, msg, payload):
             return
         room = self.room_of(peer, msg.room)
@@ -179,7 +180,7 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
             self.fail_room(room, *self.peer_failure(msg.failure), notify=False)
         elif isinstance(msg, MetadataHeader):
             try:
-                data = payload.bytes if payload is not None else b""
+                data = bytes(payload) if payload is not None else b""
                 room.on_metadata(MetadataRecord.unpack(msg, data, self.metadata_spec))
             except MetadataMismatch as e:
                 self.fail_room(room, FailureKind.TRANSFER, f"metadata mismatch: {e}", notify=True)

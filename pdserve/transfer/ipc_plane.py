@@ -5,11 +5,12 @@ Decode exports its pools once, in `Register` (`shared_pools`); prefill maps them
 piece, prefill copies the pages on its compute stream, right behind the chunk that wrote
 them, into the page ids decode's transfer request listed (`KVStager.write`: one kernel per
 pool over NVLink, no staging buffer, no receive to post) and announces the piece at once
-(`KVPiece`, no bytes follow) with a CUDA IPC event recorded after the copy. Decode checks the
-piece against its reservation as on every backend and opens the event; the piece has landed.
-The metadata record and `RoomDone` follow as on every backend; decode's commit has nothing
-left to write but to make its stream wait for the events, so no thread of either side waits
-for the bytes.
+(`KVPiece`, no bytes follow) with a CUDA IPC event recorded after the copy: from the worker's
+thread, over the announcement lane decode offered (`ipc_lane`), else over the connection.
+Decode checks the piece against its reservation as on every backend and opens the event;
+the piece has landed. The metadata record and `RoomDone` follow the same way; decode's
+commit has nothing left to write but to make its stream wait for the events, so no thread of
+either side waits for the bytes.
 
 Another process writes decode's pages, so a room that fails cannot always give its pages
 back at once: a write may be in flight. Prefill counts each room's writes (a waiter thread
@@ -25,20 +26,32 @@ The interface is `data_plane`'s.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import time
 from typing import TYPE_CHECKING
 
 import torch
+import zmq
 
 from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.transfer_messages import HelloReply, KVPiece, Register, RoomReleased
 from pdserve.transfer.config import IPC_TENSOR_PARALLEL
 from pdserve.transfer.data_plane import DataPlane
+from pdserve.transfer.ipc_lane import LaneReceiver, LaneSender, lane_address_problem, lane_fits
 from pdserve.transfer.kv_piece import OutgoingPiece
-from pdserve.transfer.shared_pools import PoolMapError, export_pool, host_id, open_pool
+from pdserve.transfer.shared_pools import (
+    PoolMapError,
+    ProcessWatch,
+    export_pool,
+    host_id,
+    open_pool,
+)
 
 if TYPE_CHECKING:
     from pdserve.transfer.endpoint import Endpoint, Peer
+
+logger = logging.getLogger(__name__)
 
 OTHER_HOST = (
     "the ipc backend writes KV into the decode worker's memory, so both workers must run on "
@@ -68,6 +81,8 @@ class IpcSendPlane(_IpcPlane):
             return OTHER_HOST
         if msg.tp_size != 1 or self.endpoint.tp_size != 1:
             return IPC_TENSOR_PARALLEL
+        if msg.lane and (problem := lane_address_problem(msg.lane)) is not None:
+            return problem
         if len(msg.pools) != len(self.pools):
             return f"decode shares {len(msg.pools)} KV pools, prefill has {len(self.pools)}"
         try:
@@ -77,7 +92,12 @@ class IpcSendPlane(_IpcPlane):
             ]
         except PoolMapError as e:
             return str(e)
-        peer.pid = msg.pid
+        peer.pid, peer.watch = msg.pid, ProcessWatch(msg.pid)
+        if msg.lane:
+            try:
+                peer.lane = LaneSender(msg.lane)
+            except OSError as e:  # NOTE: e.g. decode in another network namespace
+                logger.info("decode %s: announcements go over the connection: %s", msg.decode_id, e)
         return None
 
     def send_piece(self, room, piece: OutgoingPiece, index: int) -> bool:
@@ -93,15 +113,35 @@ class IpcSendPlane(_IpcPlane):
     def forget(self, peer: Peer) -> None:
         # NOTE: a write still in flight keeps the mapping alive (`OutgoingPiece.targets`).
         peer.pools = None
+        _close_links(peer)
+
+    def close(self) -> None:
+        for peer in self.endpoint.peers.values():
+            _close_links(peer)
+
+
+def _close_links(peer: Peer) -> None:
+    """A decode peer's lane and process watch. (The worker's thread may still use them: a
+    closed lane answers that the connection was dropped, a closed watch asks /proc.)"""
+    if peer.lane is not None:
+        peer.lane.close()
+    if peer.watch is not None:
+        peer.watch.close()
 
 
 class IpcReceivePlane(_IpcPlane):
     """The decode side: shares its pools at registration; takes announcements of pieces
     written into them, and prefill's word that a room's writes are over."""
 
-    def __init__(self, endpoint: Endpoint, pools: list[torch.Tensor] | None):
+    def __init__(
+        self, endpoint: Endpoint, pools: list[torch.Tensor] | None, metadata_bytes: int = 0
+    ):
+        """metadata_bytes: the payload of a metadata record (the lane carries it whole)."""
         super().__init__(endpoint, pools)
         self.handles = [export_pool(pool) for pool in pools]
+        self.lane = LaneReceiver() if lane_fits(metadata_bytes) else None
+        if self.lane is not None:
+            endpoint.io.poller.register(self.lane.fileno(), zmq.POLLIN)
 
     def hello_problem(self, msg: HelloReply) -> str | None:
         if msg.host_id != self.host or msg.pid <= 0:
@@ -111,9 +151,31 @@ class IpcReceivePlane(_IpcPlane):
         return None
 
     def registration(self, peer: Peer, register: Register) -> Register:
+        lane = self.lane.address if self.lane is not None else ""
         return dataclasses.replace(
-            register, host_id=self.host, pid=os.getpid(), pools=list(self.handles)
+            register, host_id=self.host, pid=os.getpid(), pools=list(self.handles), lane=lane
         )
+
+    def on_socket(self, socket) -> bool:
+        """The lane's datagrams, if `socket` is the lane (True): each from a prefill process
+        we registered with, handled as if it came over that peer's connection."""
+        if self.lane is None or socket != self.lane.fileno():
+            return False
+        endpoint = self.endpoint
+        for pid, *received in self.lane.receive():
+            peer = next((p for p in endpoint.peers.values() if p.registered and p.pid == pid), None)
+            if peer is None:
+                endpoint.malformed(None, f"an announcement from process {pid}, not a prefill peer")
+            elif len(received) == 1:
+                endpoint.malformed(peer, f"on the announcement lane: {received[0]}")
+            else:
+                peer.last_seen = time.monotonic()
+                endpoint.handle_message(peer, *received)
+        return True
+
+    def close(self) -> None:
+        if self.lane is not None:
+            self.lane.close()
 
     def handle(self, peer: Peer, msg, payload) -> bool:
         endpoint = self.endpoint

@@ -1,17 +1,19 @@
 """The prefill side's half of the `ipc` backend (`ipc_plane` says how it works): the page ids
-decode asked us to write, each room's writes in flight, and telling decode when a room that
-ended has none left (`RoomReleased`). A mixin of PrefillTransferServer; the worker's thread
-calls `open_write`, everything else runs on the IO thread."""
+decode asked us to write, announcing the pieces written (over `ipc_lane` from the worker's
+thread, else on the IO thread), each room's writes in flight, and telling decode when a room
+that ended has none left (`RoomReleased`). A mixin of PrefillTransferServer; the worker's
+thread calls `open_write`, `announce` and `announce_finish`, everything else runs on the IO
+thread."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from pdserve.protocol.failures import FailureKind
-from pdserve.protocol.transfer_messages import RoomReleased, TransferRequest
+from pdserve.protocol.transfer_messages import RoomDone, RoomReleased, TransferRequest
 from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
 from pdserve.transfer.page_ids import unpack_page_ids
-from pdserve.transfer.shared_pools import process_gone
 
 if TYPE_CHECKING:
     from pdserve.transfer.endpoint import Peer
@@ -61,7 +63,7 @@ class IpcWrites:
         that decode is alive (a peer found gone is dropped at once, without waiting for its
         silence): what is left is a decode dying while a copy runs."""
         peer = room.peer
-        if peer is not None and peer.pools is not None and process_gone(peer.pid):
+        if peer is not None and peer.pools is not None and peer.watch.gone():
             error = "exited (its process is gone)"
             self.io.call(lambda: self.drop_peer(peer, FailureKind.PEER_LOST, error))
             return None
@@ -73,6 +75,54 @@ class IpcWrites:
             pools = list(peer.pools)
         pages = span.page_lists(room.decode_pages, room.decode_draft_pages, len(pools))
         return pools, pages
+
+    def announce(self, room: SenderRoom, piece: OutgoingPiece) -> None:
+        """The worker's thread: announce a piece written into decode's pages, right away
+        over the peer's lane; without one, on the IO thread (`send_piece`)."""
+        lane = room.peer.lane if room.peer is not None else None
+        if lane is None:
+            self.io.call(lambda: self.send_piece(room, piece))
+            return
+        index = "the room ended" if room.done else room.begin_piece()
+        if isinstance(index, str):
+            self._fail_soon(room, index)
+            return
+        if piece.span is None:
+            piece.span = room.whole()
+        event = piece.ready.ipc_handle() if piece.ready is not None else b""
+        room.keep(piece.ready)  # NOTE: decode opens the event when the announcement arrives
+        problem = lane.send(piece.announcement(room.room, index, event))
+        if problem is not None:
+            self._fail_soon(room, problem, FailureKind.PEER_LOST)
+            return
+        room.bytes_sent += piece.nbytes
+        self.metrics.pieces_sent += 1
+        self.metrics.bytes_sent += piece.nbytes
+        room.stamps.setdefault("first_piece_sent", time.monotonic())
+
+    def announce_finish(self, room: SenderRoom, header, payload: bytes) -> None:
+        """The worker's thread: the metadata record and `RoomDone` after the last piece's
+        announcement, the same way it went (`announce`)."""
+        lane = room.peer.lane if room.peer is not None else None
+        if lane is None:
+            self.io.call(lambda: self.finish_room(room, header, payload))
+            return
+        if room.done:
+            return
+        if room.pieces_sent == 0:
+            self._fail_soon(room, "finished without any KV")
+            return
+        room.stamps["finished"] = time.monotonic()
+        done = RoomDone(room.room, room.bytes_sent, room.pieces_sent)
+        problem = lane.send(header, payload) or lane.send(done)
+        if problem is not None:
+            self._fail_soon(room, problem, FailureKind.PEER_LOST)
+
+    def _fail_soon(self, room: SenderRoom, message: str, kind=FailureKind.INTERNAL) -> None:
+        """Fail a room from the worker's thread (on the IO thread, which owns the connection),
+        unless it ended already."""
+        if not room.done:
+            self.io.call(lambda: self.fail_room(room, kind, message, notify=True))
 
     def write_failed(self, room: SenderRoom, message: str) -> None:
         """IO thread (`ipc`): a write given a destination was not queued (nothing of it

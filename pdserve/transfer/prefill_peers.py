@@ -29,7 +29,9 @@ from pdserve.protocol.transfer_messages import (
 from pdserve.transfer import peer_auth
 from pdserve.transfer.endpoint import Peer
 from pdserve.transfer.handshake import layout_mismatches
+from pdserve.transfer.ipc_lane import LaneSender
 from pdserve.transfer.outbox import Outbox
+from pdserve.transfer.shared_pools import ProcessWatch
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,8 @@ class DecodePeer(Peer):
     rejected: str | None = None  # proved the token, but its layout does not fit ours
     pools: list | None = None  # the `ipc` backend: decode's pools, mapped into this process
     pid: int = 0  # the `ipc` backend: decode's process, which must be alive while we write
+    watch: ProcessWatch | None = None  # whether it still is (`ipc`)
+    lane: LaneSender | None = None  # the `ipc` backend: where announcements go (`ipc_lane`)
 
 
 class DecodePeers:

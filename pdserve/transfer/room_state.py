@@ -12,6 +12,7 @@ new request.
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -40,8 +41,10 @@ class RoomState:
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[], None] | None = None,
     ):
-        """on_change: called (on the changing thread) after every move and on failing: the
-        endpoint's doorbell, which wakes the worker's engine loop."""
+        """on_change: called (on the changing thread) after every move a worker acts on and
+        on failing: the endpoint's doorbell, which wakes the worker's engine loop. Moving into
+        TRANSFERRING does not call it: no worker acts on it, and a woken engine thread only
+        takes the interpreter from the IO thread that is taking the room's next messages."""
         if progress_timeout_s <= 0:
             raise ValueError(f"progress_timeout_s must be positive, got {progress_timeout_s}")
         self.room = room
@@ -52,6 +55,9 @@ class RoomState:
         self.entered_at = clock()
         self.limit_s = progress_timeout_s
         self._on_change = on_change
+        # NOTE: each move checks and sets under it: two threads may move a room (the IO
+        # thread fails it while the worker's thread announces a piece, with `ipc_lane`).
+        self._lock = threading.Lock()
 
     @property
     def done(self) -> bool:
@@ -61,17 +67,20 @@ class RoomState:
         """Move forward to `new_state`. False (and no change) if the room already failed;
         InvalidTransition for a move backwards, sideways, out of Success or into Failed
         (use `fail`)."""
-        if self.state is TransferState.FAILED:
-            return False
         if new_state is TransferState.FAILED:
             raise InvalidTransition("use fail(kind, message) to fail a room")
-        if self.state is TransferState.SUCCESS or new_state <= self.state:
-            raise InvalidTransition(
-                f"room {self.room}: {self.state.name} -> {new_state.name} is not forward"
-            )
-        self.state = new_state
-        self.restart_clock()
-        self._changed()
+        with self._lock:
+            if self.state is TransferState.FAILED:
+                return False
+            if self.state is TransferState.SUCCESS or new_state <= self.state:
+                raise InvalidTransition(
+                    f"room {self.room}: {self.state.name} -> {new_state.name} is not forward"
+                )
+            self.state = new_state
+            self.entered_at = self._clock()
+            self.limit_s = self.progress_timeout_s
+        if new_state is not TransferState.TRANSFERRING:
+            self._changed()
         return True
 
     def hold(self, limit_s: float) -> None:
@@ -86,13 +95,14 @@ class RoomState:
 
     def fail(self, kind: FailureKind, message: str) -> bool:
         """Fail the room. False if it already ended (the first outcome stands)."""
-        if self.done:
-            return False
-        moved = self.state is TransferState.TRANSFERRING
-        stage = FailureStage.TRANSFER if moved else FailureStage.BOOTSTRAP
-        self.failure = Failure(kind, stage, message)
-        self.state = TransferState.FAILED
-        self.entered_at = self._clock()
+        with self._lock:
+            if self.done:
+                return False
+            moved = self.state is TransferState.TRANSFERRING
+            stage = FailureStage.TRANSFER if moved else FailureStage.BOOTSTRAP
+            self.failure = Failure(kind, stage, message)
+            self.state = TransferState.FAILED
+            self.entered_at = self._clock()
         self._changed()
         return True
 

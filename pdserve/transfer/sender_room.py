@@ -74,7 +74,7 @@ class SenderRoom(Room):
             # NOTE: announced at once: decode's work on the pages waits for the write's event
             # on the GPU. The write counts as in flight until that event is seen complete.
             self.stamps.setdefault("first_piece_called", time.monotonic())
-            self._server.io.call(lambda: self._server.send_piece(self, piece))
+            self._server.announce(self, piece)
             self._server.submit(self, lambda: self._server.written(self, piece), piece.ready)
             return
         wanted = "cpu" if self._server.config.backend in ("tcp", "gloo") else "cuda"
@@ -91,11 +91,10 @@ class SenderRoom(Room):
         """Every piece was given: send the metadata record and end the room's sending."""
         header, payload = metadata.pack(self.room, self._server.metadata_spec)
         self.stamps["finish_called"] = time.monotonic()
-        finish = lambda: self._server.finish_room(self, header, payload)  # noqa: E731
         if self._server.config.backend == "ipc":
-            self._server.io.call(finish)  # NOTE: after the announcements, not the writes
+            self._server.announce_finish(self, header, payload)  # NOTE: not after the writes
         else:
-            self._server.submit(self, finish, None)
+            self._server.submit(self, lambda: self._server.finish_room(self, header, payload), None)
 
     def send(self, kv: torch.Tensor, metadata: MetadataRecord) -> None:
         """Send the room's KV whole (every page decode reserved, as one piece) and finish."""
@@ -122,7 +121,7 @@ class SenderRoom(Room):
 
     def begin_piece(self) -> int | str:
         """The next piece's index (the room is TRANSFERRING from its first); why not, if it
-        cannot send one."""
+        cannot send one. (On the worker's thread when announced over `ipc_lane`.)"""
         state = self._state.state
         if self.peer is None or state not in (
             TransferState.WAITING_FOR_INPUT,
@@ -130,7 +129,8 @@ class SenderRoom(Room):
         ):
             return f"a KV piece in state {state.name}"
         if state is TransferState.WAITING_FOR_INPUT:
-            self._state.advance(TransferState.TRANSFERRING)
+            if not self._state.advance(TransferState.TRANSFERRING):
+                return "a KV piece for a room that failed"  # NOTE: meanwhile, on the IO thread
         else:
             self._state.restart_clock()
         self.pieces_sent += 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 
 import torch
@@ -59,6 +60,31 @@ def process_gone(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state in ("Z", "X")
+
+
+class ProcessWatch:
+    """`process_gone` for one process, cheap enough to ask before every write: a pidfd polled
+    without waiting (readable once the process exited, zombie or not, and never another
+    process that took its id); `process_gone` where the kernel has no pidfds."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._poll: select.poll | None = None
+        self._fd: int | None = None
+        with contextlib.suppress(OSError, AttributeError):
+            self._fd = os.pidfd_open(pid)
+            self._poll = select.poll()
+            self._poll.register(self._fd, select.POLLIN)
+
+    def gone(self) -> bool:
+        if self._poll is None:
+            return process_gone(self.pid)
+        return bool(self._poll.poll(0))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd, self._poll = None, None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

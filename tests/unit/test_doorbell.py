@@ -37,16 +37,19 @@ def test_rings_coalesce_until_answered_and_ring_again_after():
     bell.answer()
 
 
-def test_a_room_rings_on_every_move_and_on_failing_once():
+def test_a_room_rings_on_every_move_a_worker_acts_on_and_on_failing_once():
     changes = []
     state = RoomState(7, progress_timeout_s=5, on_change=lambda: changes.append(state.state))
     state.advance(TransferState.WAITING_FOR_INPUT)
-    state.advance(TransferState.TRANSFERRING)
-    state.fail(FailureKind.PEER_LOST, "gone")
-    state.fail(FailureKind.TIMEOUT, "late")  # the first outcome stands: no second ring
+    state.advance(TransferState.TRANSFERRING)  # the endpoint's business: no ring
+    state.advance(TransferState.SUCCESS)
+    other = RoomState(8, progress_timeout_s=5, on_change=lambda: changes.append(other.state))
+    other.advance(TransferState.TRANSFERRING)
+    other.fail(FailureKind.PEER_LOST, "gone")
+    other.fail(FailureKind.TIMEOUT, "late")  # the first outcome stands: no second ring
     assert changes == [
         TransferState.WAITING_FOR_INPUT,
-        TransferState.TRANSFERRING,
+        TransferState.SUCCESS,
         TransferState.FAILED,
     ]
 

@@ -9,6 +9,7 @@ import dataclasses
 import re
 import subprocess
 import sys
+from subprocess import PIPE
 
 import pytest
 import torch
@@ -22,7 +23,13 @@ from pdserve.transfer.page_copy import copy_pages
 from pdserve.transfer.page_ids import pack_page_ids, unpack_page_ids
 from pdserve.transfer.prefill_side import PrefillTransferServer
 from pdserve.transfer.room_state import TransferState
-from pdserve.transfer.shared_pools import PoolMapError, export_pool, open_pool, process_gone
+from pdserve.transfer.shared_pools import (
+    PoolMapError,
+    ProcessWatch,
+    export_pool,
+    open_pool,
+    process_gone,
+)
 from tests.e2e.transfer_peers import Case, layout, metadata_spec, pools, record
 from tests.unit.test_transfer_in_process import CONFIG
 from tests.waiting import wait_until
@@ -276,7 +283,24 @@ def test_pages_held_across_a_lost_connection_are_released_on_the_next_one(pair):
 def test_no_write_goes_to_a_decode_process_that_exited(pair):
     case = Case(room=95, draft=True)
     sender, _ = open_room(pair, case)
-    sender.peer.pid = exited_pid()  # as if decode had died
+    sender.peer.watch = ProcessWatch(exited_pid())  # as if decode had died
     assert sender.destination(PageSpan(0, 1)) is None
     wait_until(lambda: sender.poll() is TransferState.FAILED, "prefill to drop the peer", 10)
     assert "decode peer d exited (its process is gone)" in sender.failure.message
+
+
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "proc"])
+def test_a_process_watch_sees_an_exit_before_the_process_is_reaped(monkeypatch, pidfd):
+    if not pidfd:
+        monkeypatch.delattr("os.pidfd_open")
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=PIPE)
+    watch = ProcessWatch(child.pid)
+    try:
+        assert not watch.gone()
+        child.stdin.close()  # it exits, and stays a zombie: nobody waits for it yet
+        wait_until(watch.gone, "the exit to be seen", 10)
+        assert process_gone(child.pid)  # a zombie (reaped below)
+    finally:
+        watch.close()
+        child.wait(10)
+    assert watch.gone()  # closed: asks /proc, where the reaped process is gone too

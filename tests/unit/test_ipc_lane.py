@@ -1,0 +1,192 @@
+"""The `ipc` backend's announcement lane (`ipc_lane`): messages from prefill's worker thread to
+decode's IO thread, each stamped by the kernel with its sender's process; what decode does
+with datagrams that are malformed, too large, or from a process it did not register with;
+and the fallback to the connection where no lane can be had."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import select
+import socket
+
+import pytest
+
+from pdserve.protocol.codec import encode
+from pdserve.protocol.metadata_spec import MetadataSpec
+from pdserve.protocol.transfer_messages import (
+    KVPiece,
+    MetadataHeader,
+    Register,
+    RoomAck,
+    RoomDone,
+)
+from pdserve.transfer.ipc_lane import (
+    MAX_DATAGRAM,
+    LaneReceiver,
+    LaneSender,
+    lane_address_problem,
+    lane_fits,
+)
+from pdserve.transfer.ipc_plane import IpcSendPlane
+from pdserve.transfer.kv_piece import PageSpan
+from pdserve.transfer.room_state import TransferState
+from tests.e2e.transfer_peers import Case, record
+from tests.unit.test_transfer_ipc import assert_written, open_room, start_ipc_pair, write_piece
+from tests.waiting import wait_until
+
+PIECE = KVPiece(7, 0, 0, 2, 0, 0, 1024)
+
+
+@pytest.fixture
+def lane():
+    receiver = LaneReceiver()
+    sender = LaneSender(receiver.address)
+    yield receiver, sender
+    sender.close()
+    receiver.close()
+
+
+def received(receiver: LaneReceiver) -> list:
+    assert select.select([receiver], [], [], 5)[0], "no datagram within 5 s"
+    return receiver.receive()
+
+
+def raw_send(address: str, data: bytes) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as raw:
+        raw.sendto(data, address)
+
+
+def test_messages_arrive_in_order_with_their_payload_and_the_senders_process(lane):
+    receiver, sender = lane
+    header = MetadataHeader(7, first_token=42, cached_tokens=0, topk=1)
+    for msg, payload in ((PIECE, b""), (header, b"\x01" * 12), (RoomDone(7, 1024, 1), b"")):
+        assert sender.send(msg, payload) is None
+    got = received(receiver)
+    while len(got) < 3:
+        got += received(receiver)
+    assert got == [
+        (os.getpid(), PIECE, None),
+        (os.getpid(), header, b"\x01" * 12),
+        (os.getpid(), RoomDone(7, 1024, 1), None),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        (b"\x01", "a datagram of 1 bytes"),
+        ((99).to_bytes(4, "little") + b"x", "announcing a 99-byte message in 5 bytes"),
+        ((3).to_bytes(4, "little") + b"abc", "message"),
+        (len(encode(RoomAck(7))).to_bytes(4, "little") + encode(RoomAck(7)), "room_ack"),
+        (len(encode(PIECE)).to_bytes(4, "little") + encode(PIECE) + b"xx", "with a payload"),
+        (b"\x00" * (MAX_DATAGRAM + 1), f"over {MAX_DATAGRAM} bytes"),
+    ],
+    ids=["short", "overrun", "garbage", "not-a-lane-message", "payload", "oversize"],
+)
+def test_a_malformed_datagram_is_reported_with_what_is_wrong(lane, data, problem):
+    receiver, _ = lane
+    raw_send(receiver.address, data)
+    [(pid, reported)] = received(receiver)
+    assert pid == os.getpid() and problem in reported
+
+
+def test_a_send_that_cannot_go_says_why_and_never_blocks(lane):
+    receiver, sender = lane
+    too_big = MetadataHeader(7, 1, 0)
+    assert "does not fit the lane" in sender.send(too_big, b"\x00" * MAX_DATAGRAM)
+    problem = None
+    for _ in range(100_000):  # nobody reads: the receiver's queue fills
+        problem = sender.send(PIECE)
+        if problem is not None:
+            break
+    assert problem == "decode stopped taking announcements (its lane is full)"
+    receiver.close()
+    assert "decode's announcement lane failed" in sender.send(PIECE)
+    sender.close()
+    assert sender.send(PIECE) == "the connection to decode was dropped"
+
+
+def test_only_lane_addresses_are_taken_and_large_metadata_goes_over_the_connection():
+    assert lane_address_problem("\0pdserve-lane-ab") is None
+    assert "not a pdserve lane address" in lane_address_problem("/tmp/some.sock")
+    assert "not a pdserve lane address" in lane_address_problem("\0pdserve-lane-" + "a" * 100)
+    assert lane_fits(MetadataSpec(topk=8, hidden_size=4096, hidden_dtype="bfloat16").nbytes)
+    assert not lane_fits(MetadataSpec(topk=8, hidden_size=32768, hidden_dtype="float32").nbytes)
+    with pytest.raises(OSError):
+        LaneSender("\0pdserve-lane-nobody-listens")
+
+
+@pytest.fixture
+def pair():
+    started = start_ipc_pair()
+    yield started
+    started.client.stop()
+    started.server.stop()
+
+
+def test_pieces_and_the_finish_go_over_the_lane_not_the_io_thread(pair, monkeypatch):
+    def over_the_connection(*args):
+        raise AssertionError("announced on the IO thread, over the connection")
+
+    monkeypatch.setattr(IpcSendPlane, "send_piece", over_the_connection)
+    case = Case(room=70, draft=True)
+    sender, receiver = open_room(pair, case)
+    assert sender.peer.lane is not None
+    write_piece(pair, sender, case, PageSpan(0, 2))
+    write_piece(pair, sender, case, PageSpan(2, 1, 0, 3))
+    sender.finish(record(case))
+    wait_until(lambda: receiver.poll() is TransferState.SUCCESS, "the room", 20)
+    wait_until(lambda: sender.poll() is TransferState.SUCCESS, "the ack", 20)
+    receiver.commit(pair.target)
+    assert_written(pair, case)
+    assert pair.client.metrics.malformed_messages == 0
+
+
+def _forge(address: str, room: int) -> None:
+    sender = LaneSender(address)
+    sender.send(KVPiece(room, 0, 0, 2, 0, 0, 2048))
+    sender.close()
+
+
+def test_an_announcement_from_another_process_is_dropped(pair):
+    case = Case(room=71, draft=True)
+    sender, receiver = open_room(pair, case)
+    child = multiprocessing.get_context("fork").Process(
+        target=_forge, args=(pair.client.plane.lane.address, case.room)
+    )
+    child.start()
+    child.join(10)
+    assert child.exitcode == 0
+    wait_until(lambda: pair.client.metrics.malformed_messages == 1, "the forgery to be seen", 10)
+    assert receiver.poll() is TransferState.BOOTSTRAPPING  # nothing was announced
+    write_piece(pair, sender, case, PageSpan(0, 3, 0, 3))
+    sender.finish(record(case))
+    wait_until(lambda: receiver.poll() is TransferState.SUCCESS, "the room", 20)
+    receiver.commit(pair.target)
+    assert_written(pair, case)
+
+
+def test_without_a_lane_announcements_go_over_the_connection(monkeypatch):
+    monkeypatch.setattr("pdserve.transfer.ipc_plane.lane_fits", lambda nbytes: False)
+    pair = start_ipc_pair()
+    try:
+        case = Case(room=72, draft=True)
+        sender, receiver = open_room(pair, case)
+        assert pair.client.plane.lane is None and sender.peer.lane is None
+        write_piece(pair, sender, case, PageSpan(0, 3, 0, 3))
+        sender.finish(record(case))
+        wait_until(lambda: receiver.poll() is TransferState.SUCCESS, "the room", 20)
+        receiver.commit(pair.target)
+        assert_written(pair, case)
+    finally:
+        pair.client.stop()
+        pair.server.stop()
+
+
+def test_a_register_naming_a_foreign_socket_as_its_lane_is_refused(pair):
+    sender, _ = open_room(pair, Case(room=73, draft=True))
+    ours = pair.client.plane.registration(None, Register("d", pair.client.layout))
+    forged = dataclasses.replace(ours, lane="/run/docker.sock")
+    assert "not a pdserve lane address" in pair.server.plane.register_problem(sender.peer, forged)
