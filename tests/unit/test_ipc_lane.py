@@ -23,6 +23,7 @@ from pdserve.protocol.transfer_messages import (
     RoomDone,
 )
 from pdserve.transfer.ipc_lane import (
+    LANE_PREFIX,
     MAX_DATAGRAM,
     LaneReceiver,
     LaneSender,
@@ -33,10 +34,12 @@ from pdserve.transfer.ipc_plane import IpcSendPlane
 from pdserve.transfer.kv_piece import PageSpan
 from pdserve.transfer.room_state import TransferState
 from tests.e2e.transfer_peers import Case, record
+from tests.unit import test_transfer_ipc
 from tests.unit.test_transfer_ipc import assert_written, open_room, start_ipc_pair, write_piece
 from tests.waiting import wait_until
 
 PIECE = KVPiece(7, 0, 0, 2, 0, 0, 1024)
+pair = test_transfer_ipc.pair  # the fixture: a prefill and a decode endpoint over ipc
 
 
 @pytest.fixture
@@ -118,14 +121,6 @@ def test_only_lane_addresses_are_taken_and_large_metadata_goes_over_the_connecti
         LaneSender("\0pdserve-lane-nobody-listens")
 
 
-@pytest.fixture
-def pair():
-    started = start_ipc_pair()
-    yield started
-    started.client.stop()
-    started.server.stop()
-
-
 def test_pieces_and_the_finish_go_over_the_lane_not_the_io_thread(pair, monkeypatch):
     def over_the_connection(*args):
         raise AssertionError("announced on the IO thread, over the connection")
@@ -168,18 +163,23 @@ def test_an_announcement_from_another_process_is_dropped(pair):
     assert_written(pair, case)
 
 
-def test_without_a_lane_announcements_go_over_the_connection(monkeypatch):
-    monkeypatch.setattr("pdserve.transfer.ipc_plane.lane_fits", lambda nbytes: False)
+@pytest.mark.parametrize("why", ["metadata too large", "lane unreachable"])
+def test_without_a_lane_announcements_go_over_the_connection(monkeypatch, why):
+    if why == "metadata too large":
+        monkeypatch.setattr("pdserve.transfer.ipc_plane.lane_fits", lambda nbytes: False)
     pair = start_ipc_pair()
     try:
+        if why == "lane unreachable":  # as from another network namespace: nobody there
+            pair.client.plane.lane.address = LANE_PREFIX + "nobody-listens"
         case = Case(room=72, draft=True)
         sender, receiver = open_room(pair, case)
-        assert pair.client.plane.lane is None and sender.peer.lane is None
+        assert sender.peer.lane is None
         write_piece(pair, sender, case, PageSpan(0, 3, 0, 3))
         sender.finish(record(case))
         wait_until(lambda: receiver.poll() is TransferState.SUCCESS, "the room", 20)
         receiver.commit(pair.target)
         assert_written(pair, case)
+        assert pair.client.metrics.malformed_messages == 0
     finally:
         pair.client.stop()
         pair.server.stop()
