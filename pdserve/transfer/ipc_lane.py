@@ -1,23 +1,26 @@
-"""The `ipc` backend's announcement lane: a Unix datagram socket from the prefill worker's
-engine thread straight to the decode worker's IO thread. Torch-free.
+"""The `ipc` backend's announcement lane: a Unix sequenced-packet connection from the prefill
+worker's engine thread straight to the decode worker's IO thread. Torch-free.
 
 With `ipc` the KV needs no transport, so what a handoff waits for beyond the copy is the
 announcement's trip: over the peer's ZMQ connection it takes a hop to prefill's IO thread,
 ZMQ's own IO threads on both sides and TCP (~0.2-0.35 ms on the H100 hosts measured). On the
 lane the engine thread that queued the copy sends `KVPiece`, the metadata record and
-`RoomDone` itself, one datagram each, and decode's IO thread, which polls the lane beside its
+`RoomDone` itself, one packet each, and decode's IO thread, which polls the lane beside its
 connections, takes them as it takes the connection's.
 
-Decode binds the lane in the abstract socket namespace and names it in `Register`; prefill
-connects to it when it maps decode's pools. The kernel stamps each datagram with its sender's
-process id (`SO_PASSCRED`), so decode takes a datagram only from a prefill process it
-registered with (the handshake checked both share a host and a PID namespace): another
-process on the host cannot announce pages. A Unix datagram socket drops nothing and keeps
-order; a sender whose receiver stopped reading gets EAGAIN, and the room fails. Where the lane
-cannot be had (another network namespace, or a metadata record too large for one datagram)
+Decode listens in the abstract socket namespace and names the address in `Register`; prefill
+connects when it maps decode's pools. The kernel gives decode the connecting process's id
+(`SO_PEERCRED`), so decode takes a packet only from a prefill process it registered with (the
+handshake checked both share a host and a PID namespace): another process on the host cannot
+announce pages. The connection drops nothing and keeps order. A sender whose receiver stopped
+reading waits for room, up to its deadline, and the room fails after it; nothing waits longer.
+(Datagrams would do but for their queue: a Unix datagram socket holds only
+`net.unix.max_dgram_qlen` of them, 10 by default, which a busy decode filled under CI's load;
+a connection holds a few hundred announcements.) Where the lane
+cannot be had (another network namespace, or a metadata record too large for one packet)
 everything goes over the connection, as before.
 
-A datagram is one message: its body's length (4 bytes, little-endian), the body (the codec's
+A packet is one message: its body's length (4 bytes, little-endian), the body (the codec's
 encoding), then the payload, if any (the metadata record's bytes).
 """
 
@@ -25,27 +28,31 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import select
 import socket
 import struct
 import threading
+
+import zmq
 
 from pdserve.protocol.codec import ProtocolError, decode, encode
 from pdserve.protocol.transfer_messages import KVPiece, MetadataHeader, RoomDone
 
 LANE_PREFIX = "\0pdserve-lane-"
-MAX_DATAGRAM = 64 << 10  # the largest datagram either side sends or takes
+MAX_PACKET = 64 << 10  # the largest packet either side sends or takes
 LANE_MESSAGES = (KVPiece, MetadataHeader, RoomDone)
-# NOTE: what a datagram needs beyond its payload: a KVPiece with its 64-byte event, or a
+# NOTE: what a packet needs beyond its payload: a KVPiece with its 64-byte event, or a
 # metadata header with its top logprobs, is well under this.
 _HEADROOM = 8 << 10
 _LENGTH = struct.Struct("<I")
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
-_MAX_PER_POLL = 256  # datagrams taken per wake-up, so the connections get their turn
+_MAX_PER_POLL = 256  # packets taken per wake-up, so the connections get their turn
+MAX_LANE_CONNECTIONS = 64
 
 
 def lane_fits(metadata_bytes: int) -> bool:
-    """Whether a metadata record of this many payload bytes fits one datagram."""
-    return metadata_bytes + _HEADROOM <= MAX_DATAGRAM
+    """Whether a metadata record of this many payload bytes fits one packet."""
+    return metadata_bytes + _HEADROOM <= MAX_PACKET
 
 
 def lane_address_problem(address: str) -> str | None:
@@ -56,51 +63,87 @@ def lane_address_problem(address: str) -> str | None:
 
 
 class LaneReceiver:
-    """Decode's end: bound at once; `fileno()` goes into the IO thread's poller."""
+    """Decode's end: listens at once; its descriptors go into `poller` (the IO thread's)."""
 
-    def __init__(self):
+    def __init__(self, poller: zmq.Poller, max_connections: int = MAX_LANE_CONNECTIONS):
         self.address = LANE_PREFIX + secrets.token_hex(12)
-        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        self._socket.setblocking(False)
-        self._socket.bind(self.address)
-        # NOTE: one buffer for every datagram, +1 byte to tell an oversize one (it is cut).
-        self._buffer = bytearray(MAX_DATAGRAM + 1)
-        self._view = memoryview(self._buffer)
+        self._poller = poller
+        self._max_connections = max_connections
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._listener.setblocking(False)
+        self._listener.bind(self.address)
+        self._listener.listen(16)
+        poller.register(self._listener.fileno(), zmq.POLLIN)
+        self._connections: dict[int, tuple[socket.socket, int]] = {}  # fd: (socket, pid)
+        # NOTE: one buffer for every packet; a longer one is cut and flagged (MSG_TRUNC).
+        self._view = memoryview(bytearray(MAX_PACKET))
 
-    def fileno(self) -> int:
-        return self._socket.fileno()
+    def owns(self, fd) -> bool:
+        return fd == self._listener.fileno() or fd in self._connections
 
-    def receive(self) -> list[tuple[int, object, bytes | None] | tuple[int, str]]:
-        """The datagrams waiting (IO thread): (sender pid, message, payload), or (sender pid,
-        what is wrong with it) for one that is malformed."""
+    def read(self, fd: int) -> list[tuple[int, object, bytes | None] | tuple[int, str]]:
+        """What `fd` has (IO thread): a connection accepted (nothing to return), or the
+        packets waiting on one as (sender pid, message, payload), or (sender pid, what is
+        wrong with it) for one that is malformed."""
+        if fd == self._listener.fileno():
+            self._accept()
+            return []
+        connection, pid = self._connections[fd]
         out = []
-        space = socket.CMSG_SPACE(_CREDENTIALS.size)
         for _ in range(_MAX_PER_POLL):
             try:
-                size, ancillary, _, _ = self._socket.recvmsg_into([self._view], space)
+                size, _, flags, _ = connection.recvmsg_into([self._view])
             except (BlockingIOError, InterruptedError):
                 break
-            pid = 0
-            for level, kind, value in ancillary:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-                    pid = _CREDENTIALS.unpack_from(value)[0]
-            if size > MAX_DATAGRAM:
-                out.append((pid, f"a datagram over {MAX_DATAGRAM} bytes"))
+            except OSError:
+                size, flags = 0, 0
+            if size == 0:  # the sender closed its end
+                self._drop(fd)
+                break
+            if flags & socket.MSG_TRUNC:
+                out.append((pid, f"a packet over {MAX_PACKET} bytes"))
                 continue
             out.append((pid, *_parse(bytes(self._view[:size]))))
         return out
 
     def close(self) -> None:
-        self._socket.close()
+        for fd in list(self._connections):
+            self._drop(fd)
+        if self._listener.fileno() >= 0:
+            self._poller.unregister(self._listener.fileno())
+            self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            if len(self._connections) >= self._max_connections:
+                connection.close()  # NOTE: prefill then announces over its connection
+                continue
+            credentials = connection.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size
+            )
+            connection.setblocking(False)
+            self._connections[connection.fileno()] = (
+                connection,
+                _CREDENTIALS.unpack(credentials)[0],
+            )
+            self._poller.register(connection.fileno(), zmq.POLLIN)
+
+    def _drop(self, fd: int) -> None:
+        connection, _ = self._connections.pop(fd)
+        self._poller.unregister(fd)
+        connection.close()
 
 
 def _parse(data: bytes) -> tuple[object, bytes | None] | tuple[str]:
     if len(data) < _LENGTH.size:
-        return (f"a datagram of {len(data)} bytes",)
+        return (f"a packet of {len(data)} bytes",)
     (length,) = _LENGTH.unpack_from(data)
     if length > len(data) - _LENGTH.size:
-        return (f"a datagram announcing a {length}-byte message in {len(data)} bytes",)
+        return (f"a packet announcing a {length}-byte message in {len(data)} bytes",)
     body_end = _LENGTH.size + length
     try:
         msg = decode(data[_LENGTH.size : body_end], LANE_MESSAGES)
@@ -115,32 +158,40 @@ def _parse(data: bytes) -> tuple[object, bytes | None] | tuple[str]:
 class LaneSender:
     """Prefill's end, one per decode peer; `send` is safe from any thread."""
 
-    def __init__(self, address: str):
-        """OSError if the lane cannot be reached (e.g. decode is in another network
-        namespace)."""
-        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    def __init__(self, address: str, wait_s: float):
+        """wait_s: how long a send waits for decode to take earlier packets. OSError if
+        the lane cannot be reached (e.g. decode is in another network namespace)."""
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._socket.connect(address)
         except OSError:
             self._socket.close()
             raise
+        self._socket.setblocking(False)
+        self._wait_ms = max(1, int(wait_s * 1000))
         self._lock = threading.Lock()
         self._closed = False
 
     def send(self, msg, payload: bytes = b"") -> str | None:
-        """Send one message without blocking; what went wrong, if it was not sent."""
+        """Send one message; what went wrong, if it was not sent."""
         body = encode(msg)
-        datagram = b"".join((_LENGTH.pack(len(body)), body, payload))
-        if len(datagram) > MAX_DATAGRAM:
-            return f"a {type(msg).__name__} of {len(datagram)} bytes does not fit the lane"
+        packet = b"".join((_LENGTH.pack(len(body)), body, payload))
+        if len(packet) > MAX_PACKET:
+            return f"a {type(msg).__name__} of {len(packet)} bytes does not fit the lane"
         # NOTE: under the lock so that `close` never frees the descriptor under a send.
         with self._lock:
             if self._closed:
                 return "the connection to decode was dropped"
             try:
-                self._socket.send(datagram, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return "decode stopped taking announcements (its lane is full)"
+                try:
+                    self._socket.send(packet)
+                except BlockingIOError:
+                    # NOTE: decode is behind by a few hundred packets: wait for room, a while.
+                    writable = select.poll()
+                    writable.register(self._socket, select.POLLOUT)
+                    if not writable.poll(self._wait_ms):
+                        return f"decode took no announcement for {self._wait_ms} ms"
+                    self._socket.send(packet)
             except OSError as e:
                 return f"decode's announcement lane failed: {e}"
         return None

@@ -32,7 +32,6 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-import zmq
 
 from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.transfer_messages import HelloReply, KVPiece, Register, RoomReleased
@@ -95,7 +94,7 @@ class IpcSendPlane(_IpcPlane):
         peer.pid, peer.watch = msg.pid, ProcessWatch(msg.pid)
         if msg.lane:
             try:
-                peer.lane = LaneSender(msg.lane)
+                peer.lane = LaneSender(msg.lane, wait_s=self.endpoint.config.peer_timeout_s)
             except OSError as e:  # NOTE: e.g. decode in another network namespace
                 logger.info("decode %s: announcements go over the connection: %s", msg.decode_id, e)
         return None
@@ -139,9 +138,7 @@ class IpcReceivePlane(_IpcPlane):
         """metadata_bytes: the payload of a metadata record (the lane carries it whole)."""
         super().__init__(endpoint, pools)
         self.handles = [export_pool(pool) for pool in pools]
-        self.lane = LaneReceiver() if lane_fits(metadata_bytes) else None
-        if self.lane is not None:
-            endpoint.io.poller.register(self.lane.fileno(), zmq.POLLIN)
+        self.lane = LaneReceiver(endpoint.io.poller) if lane_fits(metadata_bytes) else None
 
     def hello_problem(self, msg: HelloReply) -> str | None:
         if msg.host_id != self.host or msg.pid <= 0:
@@ -157,12 +154,12 @@ class IpcReceivePlane(_IpcPlane):
         )
 
     def on_socket(self, socket) -> bool:
-        """The lane's datagrams, if `socket` is the lane (True): each from a prefill process
+        """The lane's packets, if `socket` is the lane's (True): each from a prefill process
         we registered with, handled as if it came over that peer's connection."""
-        if self.lane is None or socket != self.lane.fileno():
+        if self.lane is None or not self.lane.owns(socket):
             return False
         endpoint = self.endpoint
-        for pid, *received in self.lane.receive():
+        for pid, *received in self.lane.read(socket):
             peer = next((p for p in endpoint.peers.values() if p.registered and p.pid == pid), None)
             if peer is None:
                 endpoint.malformed(None, f"an announcement from process {pid}, not a prefill peer")

@@ -1,17 +1,18 @@
 """The `ipc` backend's announcement lane (`ipc_lane`): messages from prefill's worker thread to
-decode's IO thread, each stamped by the kernel with its sender's process; what decode does
-with datagrams that are malformed, too large, or from a process it did not register with;
-and the fallback to the connection where no lane can be had."""
+decode's IO thread over a connection the kernel tells decode the sender's process of; what
+decode does with packets that are malformed, too large, or from a process it did not register
+with; a lane that fills, and the fallback to the connection where no lane can be had."""
 
 from __future__ import annotations
 
 import dataclasses
 import multiprocessing
 import os
-import select
 import socket
+import time
 
 import pytest
+import zmq
 
 from pdserve.protocol.codec import encode
 from pdserve.protocol.metadata_spec import MetadataSpec
@@ -24,7 +25,7 @@ from pdserve.protocol.transfer_messages import (
 )
 from pdserve.transfer.ipc_lane import (
     LANE_PREFIX,
-    MAX_DATAGRAM,
+    MAX_PACKET,
     LaneReceiver,
     LaneSender,
     lane_address_problem,
@@ -44,32 +45,31 @@ pair = test_transfer_ipc.pair  # the fixture: a prefill and a decode endpoint ov
 
 @pytest.fixture
 def lane():
-    receiver = LaneReceiver()
-    sender = LaneSender(receiver.address)
-    yield receiver, sender
+    poller = zmq.Poller()
+    receiver = LaneReceiver(poller)
+    sender = LaneSender(receiver.address, wait_s=0.2)
+    yield poller, receiver, sender
     sender.close()
     receiver.close()
 
 
-def received(receiver: LaneReceiver) -> list:
-    assert select.select([receiver], [], [], 5)[0], "no datagram within 5 s"
-    return receiver.receive()
-
-
-def raw_send(address: str, data: bytes) -> None:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as raw:
-        raw.sendto(data, address)
+def received(poller: zmq.Poller, receiver: LaneReceiver, count: int) -> list:
+    """`count` results off the lane, reading as the IO thread does (5 s at most)."""
+    out, deadline = [], time.monotonic() + 5
+    while len(out) < count:
+        assert time.monotonic() < deadline, f"{len(out)} of {count} packets within 5 s"
+        for fd, _ in poller.poll(100):
+            assert receiver.owns(fd)
+            out += receiver.read(fd)
+    return out
 
 
 def test_messages_arrive_in_order_with_their_payload_and_the_senders_process(lane):
-    receiver, sender = lane
+    poller, receiver, sender = lane
     header = MetadataHeader(7, first_token=42, cached_tokens=0, topk=1)
     for msg, payload in ((PIECE, b""), (header, b"\x01" * 12), (RoomDone(7, 1024, 1), b"")):
         assert sender.send(msg, payload) is None
-    got = received(receiver)
-    while len(got) < 3:
-        got += received(receiver)
-    assert got == [
+    assert received(poller, receiver, 3) == [
         (os.getpid(), PIECE, None),
         (os.getpid(), header, b"\x01" * 12),
         (os.getpid(), RoomDone(7, 1024, 1), None),
@@ -79,36 +79,63 @@ def test_messages_arrive_in_order_with_their_payload_and_the_senders_process(lan
 @pytest.mark.parametrize(
     ("data", "problem"),
     [
-        (b"\x01", "a datagram of 1 bytes"),
+        (b"\x01", "a packet of 1 bytes"),
         ((99).to_bytes(4, "little") + b"x", "announcing a 99-byte message in 5 bytes"),
         ((3).to_bytes(4, "little") + b"abc", "message"),
         (len(encode(RoomAck(7))).to_bytes(4, "little") + encode(RoomAck(7)), "room_ack"),
         (len(encode(PIECE)).to_bytes(4, "little") + encode(PIECE) + b"xx", "with a payload"),
-        (b"\x00" * (MAX_DATAGRAM + 1), f"over {MAX_DATAGRAM} bytes"),
+        (b"\x00" * (MAX_PACKET + 1), f"over {MAX_PACKET} bytes"),
     ],
     ids=["short", "overrun", "garbage", "not-a-lane-message", "payload", "oversize"],
 )
-def test_a_malformed_datagram_is_reported_with_what_is_wrong(lane, data, problem):
-    receiver, _ = lane
-    raw_send(receiver.address, data)
-    [(pid, reported)] = received(receiver)
+def test_a_malformed_packet_is_reported_with_what_is_wrong(lane, data, problem):
+    poller, receiver, _ = lane
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as raw:
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * MAX_PACKET)
+        raw.connect(receiver.address)
+        raw.send(data)
+        raw.send(encode(PIECE))  # NOTE: the next packet is read on its own
+        [(pid, reported), (_, after)] = received(poller, receiver, 2)
     assert pid == os.getpid() and problem in reported
+    assert "a packet announcing" in after
 
 
-def test_a_send_that_cannot_go_says_why_and_never_blocks(lane):
-    receiver, sender = lane
+def test_a_send_that_cannot_go_says_why_and_waits_no_longer_than_its_deadline(lane):
+    _, receiver, sender = lane
     too_big = MetadataHeader(7, 1, 0)
-    assert "does not fit the lane" in sender.send(too_big, b"\x00" * MAX_DATAGRAM)
-    problem = None
-    for _ in range(100_000):  # nobody reads: the receiver's queue fills
+    assert "does not fit the lane" in sender.send(too_big, b"\x00" * MAX_PACKET)
+    problem, sent, started = None, 0, time.monotonic()
+    while problem is None and sent < 100_000:  # nobody reads: the connection fills
         problem = sender.send(PIECE)
-        if problem is not None:
-            break
-    assert problem == "decode stopped taking announcements (its lane is full)"
+        sent += 1
+    assert problem == "decode took no announcement for 200 ms" and sent > 100
+    assert time.monotonic() - started < 5
     receiver.close()
     assert "decode's announcement lane failed" in sender.send(PIECE)
     sender.close()
     assert sender.send(PIECE) == "the connection to decode was dropped"
+
+
+def test_a_closed_sender_and_connections_past_the_limit_are_let_go():
+    poller = zmq.Poller()
+    receiver = LaneReceiver(poller, max_connections=1)
+
+    def descriptors_polled() -> int:
+        """Read what is ready, as the IO thread does; how many descriptors it then polls."""
+        assert [r for fd, _ in poller.poll(10) for r in receiver.read(fd)] == []
+        return len(poller.sockets)
+
+    first = LaneSender(receiver.address, wait_s=0.2)
+    second = LaneSender(receiver.address, wait_s=0.2)
+    try:
+        wait_until(lambda: descriptors_polled() == 2, "the listener and one connection", 5)
+        wait_until(lambda: "lane failed" in (second.send(PIECE) or ""), "the second let go", 5)
+        first.close()
+        wait_until(lambda: descriptors_polled() == 1, "the closed connection let go", 5)
+    finally:
+        second.close()
+        receiver.close()
+    assert poller.sockets == []
 
 
 def test_only_lane_addresses_are_taken_and_large_metadata_goes_over_the_connection():
@@ -118,7 +145,7 @@ def test_only_lane_addresses_are_taken_and_large_metadata_goes_over_the_connecti
     assert lane_fits(MetadataSpec(topk=8, hidden_size=4096, hidden_dtype="bfloat16").nbytes)
     assert not lane_fits(MetadataSpec(topk=8, hidden_size=32768, hidden_dtype="float32").nbytes)
     with pytest.raises(OSError):
-        LaneSender("\0pdserve-lane-nobody-listens")
+        LaneSender("\0pdserve-lane-nobody-listens", wait_s=1)
 
 
 def test_pieces_and_the_finish_go_over_the_lane_not_the_io_thread(pair, monkeypatch):
@@ -140,7 +167,7 @@ def test_pieces_and_the_finish_go_over_the_lane_not_the_io_thread(pair, monkeypa
 
 
 def _forge(address: str, room: int) -> None:
-    sender = LaneSender(address)
+    sender = LaneSender(address, wait_s=1)
     sender.send(KVPiece(room, 0, 0, 2, 0, 0, 2048))
     sender.close()
 
