@@ -10,15 +10,16 @@ connections, takes them as it takes the connection's.
 
 Decode listens in the abstract socket namespace and names the address in `Register`; prefill
 connects when it maps decode's pools. The kernel gives decode the connecting process's id
-(`SO_PEERCRED`), so decode takes a packet only from a prefill process it registered with (the
-handshake checked both share a host and a PID namespace): another process on the host cannot
-announce pages. The connection drops nothing and keeps order. A sender whose receiver stopped
-reading waits for room, up to its deadline, and the room fails after it; nothing waits longer.
-(Datagrams would do but for their queue: a Unix datagram socket holds only
-`net.unix.max_dgram_qlen` of them, 10 by default, which a busy decode filled under CI's load;
-a connection holds a few hundred announcements.) Where the lane
-cannot be had (another network namespace, or a metadata record too large for one packet)
-everything goes over the connection, as before.
+(`SO_PEERCRED`): decode closes a connection from any process but a prefill peer's as it
+accepts it, and takes a packet only from a prefill process it registered with (the handshake
+checked both share a host and a PID namespace), so another process on the host can neither
+announce pages nor hold a connection. The connection drops nothing and keeps order. A sender
+whose receiver stopped reading waits for room, up to its deadline, and the room fails after
+it; nothing waits longer. (Datagrams would do but for their queue: a Unix datagram socket
+holds only `net.unix.max_dgram_qlen` of them, 10 by default, which a busy decode filled under
+CI's load; a connection holds a few hundred announcements.) Where the lane cannot be had
+(another network namespace, or a metadata record too large for one packet) everything goes
+over the connection, as before.
 
 A packet is one message: its body's length (4 bytes, little-endian), the body (the codec's
 encoding), then the payload, if any (the metadata record's bytes).
@@ -32,6 +33,7 @@ import select
 import socket
 import struct
 import threading
+from collections.abc import Callable
 
 import zmq
 
@@ -47,7 +49,7 @@ _HEADROOM = 8 << 10
 _LENGTH = struct.Struct("<I")
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _MAX_PER_POLL = 256  # packets taken per wake-up, so the connections get their turn
-MAX_LANE_CONNECTIONS = 64
+MAX_LANE_CONNECTIONS = 64  # by default; decode allows twice its prefill peers
 
 
 def lane_fits(metadata_bytes: int) -> bool:
@@ -65,9 +67,17 @@ def lane_address_problem(address: str) -> str | None:
 class LaneReceiver:
     """Decode's end: listens at once; its descriptors go into `poller` (the IO thread's)."""
 
-    def __init__(self, poller: zmq.Poller, max_connections: int = MAX_LANE_CONNECTIONS):
+    def __init__(
+        self,
+        poller: zmq.Poller,
+        wanted: Callable[[int], bool],
+        max_connections: int = MAX_LANE_CONNECTIONS,
+    ):
+        """wanted(pid): whether a connection from that process is kept (a prefill peer's:
+        anyone else's is closed as it is accepted, so it holds nothing)."""
         self.address = LANE_PREFIX + secrets.token_hex(12)
         self._poller = poller
+        self._wanted = wanted
         self._max_connections = max_connections
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._listener.setblocking(False)
@@ -82,12 +92,13 @@ class LaneReceiver:
         return fd == self._listener.fileno() or fd in self._connections
 
     def read(self, fd: int) -> list[tuple[int, object, bytes | None] | tuple[int, str]]:
-        """What `fd` has (IO thread): a connection accepted (nothing to return), or the
-        packets waiting on one as (sender pid, message, payload), or (sender pid, what is
-        wrong with it) for one that is malformed."""
+        """What `fd` has (IO thread): the packets waiting on a connection as (sender pid,
+        message, payload), or (sender pid, what is wrong with it) for one that is malformed;
+        on the listener, the connections it accepted (nothing) or refused (what went wrong)."""
         if fd == self._listener.fileno():
-            self._accept()
-            return []
+            return self._accept()
+        if fd not in self._connections:
+            return []  # NOTE: dropped since the poll
         connection, pid = self._connections[fd]
         out = []
         for _ in range(_MAX_PER_POLL):
@@ -113,23 +124,23 @@ class LaneReceiver:
             self._poller.unregister(self._listener.fileno())
             self._listener.close()
 
-    def _accept(self) -> None:
+    def _accept(self) -> list[tuple[int, str]]:
+        refused = []
         while True:
             try:
                 connection, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
-                return
-            if len(self._connections) >= self._max_connections:
-                connection.close()  # NOTE: prefill then announces over its connection
-                continue
+                return refused
             credentials = connection.getsockopt(
                 socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size
             )
+            pid = _CREDENTIALS.unpack(credentials)[0]
+            if not self._wanted(pid) or len(self._connections) >= self._max_connections:
+                connection.close()
+                refused.append((pid, f"a lane connection refused ({len(self._connections)} open)"))
+                continue
             connection.setblocking(False)
-            self._connections[connection.fileno()] = (
-                connection,
-                _CREDENTIALS.unpack(credentials)[0],
-            )
+            self._connections[connection.fileno()] = (connection, pid)
             self._poller.register(connection.fileno(), zmq.POLLIN)
 
     def _drop(self, fd: int) -> None:

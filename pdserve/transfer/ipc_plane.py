@@ -138,7 +138,12 @@ class IpcReceivePlane(_IpcPlane):
         """metadata_bytes: the payload of a metadata record (the lane carries it whole)."""
         super().__init__(endpoint, pools)
         self.handles = [export_pool(pool) for pool in pools]
-        self.lane = LaneReceiver(endpoint.io.poller) if lane_fits(metadata_bytes) else None
+        self.lane = None
+        if lane_fits(metadata_bytes):
+            # NOTE: a prefill peer's pid is known from its HelloReply, before it connects.
+            wanted = lambda pid: any(p.pid == pid for p in endpoint.peers.values())  # noqa: E731
+            limit = 2 * endpoint.config.max_peers  # NOTE: one closing per peer, at most
+            self.lane = LaneReceiver(endpoint.io.poller, wanted, limit)
 
     def hello_problem(self, msg: HelloReply) -> str | None:
         if msg.host_id != self.host or msg.pid <= 0:

@@ -46,7 +46,7 @@ pair = test_transfer_ipc.pair  # the fixture: a prefill and a decode endpoint ov
 @pytest.fixture
 def lane():
     poller = zmq.Poller()
-    receiver = LaneReceiver(poller)
+    receiver = LaneReceiver(poller, wanted=lambda pid: pid == os.getpid())
     sender = LaneSender(receiver.address, wait_s=0.2)
     yield poller, receiver, sender
     sender.close()
@@ -116,23 +116,29 @@ def test_a_send_that_cannot_go_says_why_and_waits_no_longer_than_its_deadline(la
     assert sender.send(PIECE) == "the connection to decode was dropped"
 
 
-def test_a_closed_sender_and_connections_past_the_limit_are_let_go():
-    poller = zmq.Poller()
-    receiver = LaneReceiver(poller, max_connections=1)
+@pytest.mark.parametrize("why", ["another process", "past the limit"])
+def test_a_connection_not_wanted_is_closed_as_it_comes_and_a_closed_one_let_go(why):
+    poller, results = zmq.Poller(), []
+    wanted = (lambda pid: pid == os.getpid() + 1) if why == "another process" else None
+    receiver = LaneReceiver(poller, wanted or (lambda pid: True), max_connections=1)
 
     def descriptors_polled() -> int:
         """Read what is ready, as the IO thread does; how many descriptors it then polls."""
-        assert [r for fd, _ in poller.poll(10) for r in receiver.read(fd)] == []
+        results.extend(r for fd, _ in poller.poll(10) for r in receiver.read(fd))
         return len(poller.sockets)
 
     first = LaneSender(receiver.address, wait_s=0.2)
-    second = LaneSender(receiver.address, wait_s=0.2)
+    second = LaneSender(receiver.address, wait_s=0.2) if wanted is None else first
     try:
-        wait_until(lambda: descriptors_polled() == 2, "the listener and one connection", 5)
-        wait_until(lambda: "lane failed" in (second.send(PIECE) or ""), "the second let go", 5)
-        first.close()
-        wait_until(lambda: descriptors_polled() == 1, "the closed connection let go", 5)
+        kept = 1 if wanted else 2  # the listener, and the first connection unless refused
+        wait_until(lambda: descriptors_polled() == kept and results, "a refusal", 5)
+        assert results == [(os.getpid(), f"a lane connection refused ({kept - 1} open)")]
+        assert "lane failed" in second.send(PIECE)  # it was closed
+        if wanted is None:
+            first.close()
+            wait_until(lambda: descriptors_polled() == 1, "the closed connection let go", 5)
     finally:
+        first.close()
         second.close()
         receiver.close()
     assert poller.sockets == []
