@@ -44,6 +44,11 @@ class IOThread:
         )
         self._thread.start()
 
+    @property
+    def is_current(self) -> bool:
+        """Whether the caller runs on this IO thread."""
+        return threading.current_thread() is self._thread
+
     def call(self, command: Callable[[], None]) -> None:
         """Run `command` on the IO thread soon (from any thread; after `stop`, never)."""
         self.commands.put(command)

@@ -2,16 +2,17 @@
 decode asked us to write, announcing the pieces written (over `ipc_lane` from the worker's
 thread, else on the IO thread), each room's writes in flight, and telling decode when a room
 that ended has none left (`RoomReleased`). A mixin of PrefillTransferServer; the worker's
-thread calls `open_write`, `announce` and `announce_finish`, everything else runs on the IO
-thread."""
+thread calls `open_write` and `announce` (and `send`, through it), everything else runs on
+the IO thread."""
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pdserve.protocol.failures import FailureKind
-from pdserve.protocol.transfer_messages import RoomDone, RoomReleased, TransferRequest
+from pdserve.protocol.transfer_messages import RoomReleased, TransferRequest
+from pdserve.transfer.ipc_lane import LANE_MESSAGES
 from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
 from pdserve.transfer.page_ids import unpack_page_ids
 
@@ -76,52 +77,34 @@ class IpcWrites:
         pages = span.page_lists(room.decode_pages, room.decode_draft_pages, len(pools))
         return pools, pages
 
-    def announce(self, room: SenderRoom, piece: OutgoingPiece) -> None:
-        """The worker's thread: announce a piece written into decode's pages, right away
-        over the peer's lane; without one, on the IO thread (`send_piece`)."""
-        lane = room.peer.lane if room.peer is not None else None
-        if lane is None:
-            self.io.call(lambda: self.send_piece(room, piece))
-            return
-        index = "the room ended" if room.done else room.begin_piece()
-        if isinstance(index, str):
-            self._fail_soon(room, index)
-            return
-        if piece.span is None:
-            piece.span = room.whole()
-        event = piece.ready.ipc_handle() if piece.ready is not None else b""
-        room.keep(piece.ready)  # NOTE: decode opens the event when the announcement arrives
-        problem = lane.send(piece.announcement(room.room, index, event))
-        if problem is not None:
-            self._fail_soon(room, problem, FailureKind.PEER_LOST)
-            return
-        room.bytes_sent += piece.nbytes
-        self.metrics.pieces_sent += 1
-        self.metrics.bytes_sent += piece.nbytes
-        room.stamps.setdefault("first_piece_sent", time.monotonic())
+    def announce(self, room: SenderRoom, step: Callable[[], None]) -> None:
+        """The worker's thread (`ipc`): run a room's send step (`send_piece`, `finish_room`)
+        right here when its peer has a lane, which `send` then takes; else on the IO thread."""
+        if room.peer is not None and room.peer.lane is not None:
+            step()
+        else:
+            self.io.call(step)
 
-    def announce_finish(self, room: SenderRoom, header, payload: bytes) -> None:
-        """The worker's thread: the metadata record and `RoomDone` after the last piece's
-        announcement, the same way it went (`announce`)."""
-        lane = room.peer.lane if room.peer is not None else None
-        if lane is None:
-            self.io.call(lambda: self.finish_room(room, header, payload))
-            return
+    def send(self, peer: Peer, msg, *payload, copy: bool = True) -> bool:
+        """`Endpoint.send`, but for what a decode peer's lane carries (`ipc_lane`), from
+        whichever thread announces; a room whose announcement could not go fails."""
+        lane = peer.lane
+        if lane is None or not isinstance(msg, LANE_MESSAGES):
+            return super().send(peer, msg, *payload, copy=copy)
+        problem = lane.send(msg, *payload)
+        room = self.rooms.get(msg.room)
+        if problem is not None and room is not None:
+            self.fail_on_io_thread(room, problem, FailureKind.PEER_LOST)
+        return problem is None
+
+    def fail_on_io_thread(self, room, message: str, kind=FailureKind.INTERNAL) -> None:
+        """Fail a room that has not ended, from any thread: on the IO thread, which owns the
+        connection (now, if that is the caller's)."""
         if room.done:
             return
-        if room.pieces_sent == 0:
-            self._fail_soon(room, "finished without any KV")
-            return
-        room.stamps["finished"] = time.monotonic()
-        done = RoomDone(room.room, room.bytes_sent, room.pieces_sent)
-        problem = lane.send(header, payload) or lane.send(done)
-        if problem is not None:
-            self._fail_soon(room, problem, FailureKind.PEER_LOST)
-
-    def _fail_soon(self, room: SenderRoom, message: str, kind=FailureKind.INTERNAL) -> None:
-        """Fail a room from the worker's thread (on the IO thread, which owns the connection),
-        unless it ended already."""
-        if not room.done:
+        if self.io.is_current:
+            self.fail_room(room, kind, message, notify=True)
+        else:
             self.io.call(lambda: self.fail_room(room, kind, message, notify=True))
 
     def write_failed(self, room: SenderRoom, message: str) -> None:

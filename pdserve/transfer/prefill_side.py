@@ -273,8 +273,7 @@ class PrefillTransferServer(IpcWrites, DecodePeers, Endpoint):
     def send_piece(self, room: SenderRoom, piece: OutgoingPiece) -> None:
         index = "the room ended" if room.done else room.begin_piece()
         if isinstance(index, str):
-            if not room.done:
-                self.fail_room(room, FailureKind.INTERNAL, index, notify=True)
+            self.fail_on_io_thread(room, index)
             if piece.remote and room.peer is not None:
                 # NOTE: the other ranks posted their parts already: decode must post the
                 # matching receives (into scratch), or each link's order breaks.
@@ -293,7 +292,7 @@ class PrefillTransferServer(IpcWrites, DecodePeers, Endpoint):
         if room.done:
             return
         if room.pieces_sent == 0:
-            self.fail_room(room, FailureKind.INTERNAL, "finished without any KV", notify=True)
+            self.fail_on_io_thread(room, "finished without any KV")
             return
         room.stamps["finished"] = time.monotonic()
         if self.send(room.peer, header, payload):

@@ -74,7 +74,7 @@ class SenderRoom(Room):
             # NOTE: announced at once: decode's work on the pages waits for the write's event
             # on the GPU. The write counts as in flight until that event is seen complete.
             self.stamps.setdefault("first_piece_called", time.monotonic())
-            self._server.announce(self, piece)
+            self._server.announce(self, lambda: self._server.send_piece(self, piece))
             self._server.submit(self, lambda: self._server.written(self, piece), piece.ready)
             return
         wanted = "cpu" if self._server.config.backend in ("tcp", "gloo") else "cuda"
@@ -91,10 +91,11 @@ class SenderRoom(Room):
         """Every piece was given: send the metadata record and end the room's sending."""
         header, payload = metadata.pack(self.room, self._server.metadata_spec)
         self.stamps["finish_called"] = time.monotonic()
+        finish = lambda: self._server.finish_room(self, header, payload)  # noqa: E731
         if self._server.config.backend == "ipc":
-            self._server.announce_finish(self, header, payload)  # NOTE: not after the writes
+            self._server.announce(self, finish)  # NOTE: after the announcements, not the writes
         else:
-            self._server.submit(self, lambda: self._server.finish_room(self, header, payload), None)
+            self._server.submit(self, finish, None)
 
     def send(self, kv: torch.Tensor, metadata: MetadataRecord) -> None:
         """Send the room's KV whole (every page decode reserved, as one piece) and finish."""

@@ -9,6 +9,7 @@ import dataclasses
 import multiprocessing
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -23,6 +24,7 @@ from pdserve.protocol.transfer_messages import (
     RoomAck,
     RoomDone,
 )
+from pdserve.transfer.endpoint import Endpoint
 from pdserve.transfer.ipc_lane import (
     LANE_PREFIX,
     MAX_PACKET,
@@ -31,7 +33,6 @@ from pdserve.transfer.ipc_lane import (
     lane_address_problem,
     lane_fits,
 )
-from pdserve.transfer.ipc_plane import IpcSendPlane
 from pdserve.transfer.kv_piece import PageSpan
 from pdserve.transfer.room_state import TransferState
 from tests.e2e.transfer_peers import Case, record
@@ -155,10 +156,15 @@ def test_only_lane_addresses_are_taken_and_large_metadata_goes_over_the_connecti
 
 
 def test_pieces_and_the_finish_go_over_the_lane_not_the_io_thread(pair, monkeypatch):
-    def over_the_connection(*args):
-        raise AssertionError("announced on the IO thread, over the connection")
+    sent = []  # (message type, the way, the sending thread) of every send of either side
+    for cls, way in ((Endpoint, "connection"), (LaneSender, "lane")):
 
-    monkeypatch.setattr(IpcSendPlane, "send_piece", over_the_connection)
+        def recorded(self, *args, send=cls.send, way=way, **kwargs):
+            msg = args[1] if way == "connection" else args[0]
+            sent.append((type(msg).__name__, way, threading.current_thread()))
+            return send(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "send", recorded)
     case = Case(room=70, draft=True)
     sender, receiver = open_room(pair, case)
     assert sender.peer.lane is not None
@@ -170,6 +176,17 @@ def test_pieces_and_the_finish_go_over_the_lane_not_the_io_thread(pair, monkeypa
     receiver.commit(pair.target)
     assert_written(pair, case)
     assert pair.client.metrics.malformed_messages == 0
+    here = threading.current_thread()
+    lane = [(kind, thread is here) for kind, way, thread in sent if way == "lane"]
+    assert lane == [
+        ("KVPiece", True),
+        ("KVPiece", True),
+        ("MetadataHeader", True),
+        ("RoomDone", True),
+    ]
+    on_the_connection = {kind for kind, way, _ in sent if way == "connection"}
+    assert "RoomAck" in on_the_connection  # decode's, the other way
+    assert not on_the_connection & {"KVPiece", "MetadataHeader", "RoomDone"}
 
 
 def _forge(address: str, room: int) -> None:
