@@ -146,7 +146,7 @@ def prefill_main(sizes, shape: KVShape, repeats: int, config, port_queue, timing
             host_steps = {}
             if ipc:  # written straight into decode's pages, as the prefill handoff does
                 kv = None
-                host_steps = write_into_decode(stager, sender, pages, device)
+                host_steps = write_into_decode(server, stager, sender, pages, device)
                 sender.finish(MetadataRecord(first_token=1))
             else:
                 # NOTE: staging comes from a pool, as a prefill worker's would: fresh memory
@@ -168,7 +168,7 @@ def prefill_main(sizes, shape: KVShape, repeats: int, config, port_queue, timing
     server.stop()
 
 
-def write_into_decode(stager: KVStager, sender, pages: list[int], device) -> dict[str, float]:
+def write_into_decode(server, stager: KVStager, sender, pages, device) -> dict[str, float]:
     """The `ipc` backend's piece: the room's pages written into decode's, then handed on with
     the event the write completes at; when each host step ended (and, on a GPU, the CUDA
     events around the copy: `copy_events`)."""
@@ -179,16 +179,16 @@ def write_into_decode(stager: KVStager, sender, pages: list[int], device) -> dic
     if device.type == "cuda":
         copy = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         copy[0].record()
+    steps["write_start"] = time.monotonic()
     stager.write([pages], peer_pools, peer_pages)
     steps["write_queued"] = time.monotonic()
-    ready = None
     if copy is not None:
         copy[1].record()
         steps["copy_events"] = copy
-        ready = torch.cuda.Event(interprocess=True)
-        ready.record()
+    ready, event = server.write_event()
     nbytes = span.nbytes(stager.page_bytes)
-    sender.send_piece(OutgoingPiece(span, None, ready, nbytes=nbytes, targets=peer_pools))
+    piece = OutgoingPiece(span, None, ready, nbytes=nbytes, targets=peer_pools, event=event)
+    sender.send_piece(piece)
     return steps
 
 

@@ -233,10 +233,17 @@ class PrefillHandoff(DisaggHandoff):
             self._send_piece(pending.sender, request.pages, span)
             pending.pages_sent += count
 
-    def _send_piece(self, sender: SenderRoom, pages: list[int], span: PageSpan) -> None:
-        """Send the span's pages: written into decode's pages (`ipc`), else gathered."""
+    def _send_piece(
+        self,
+        sender: SenderRoom,
+        pages: list[int],
+        span: PageSpan,
+        then: MetadataRecord | None = None,
+    ) -> None:
+        """Send the span's pages: written into decode's pages (`ipc`), else gathered; `then`,
+        the last piece's, finishes the room (see `SenderRoom.send_piece`)."""
         if not self.ipc:
-            sender.send_piece(self._piece(sender, pages, span))
+            sender.send_piece(self._piece(sender, pages, span), then)
             return
         destination = sender.destination(span)
         if destination is None:
@@ -249,8 +256,9 @@ class PrefillHandoff(DisaggHandoff):
             sender.write_failed(f"could not write the KV into decode's pages: {e}")
             return
         nbytes = span.nbytes(stager.page_bytes)
-        ready = self._ready(interprocess=True)
-        sender.send_piece(OutgoingPiece(span, None, ready, nbytes=nbytes, targets=peer_pools))
+        ready, event = self.server.write_event()
+        piece = OutgoingPiece(span, None, ready, nbytes=nbytes, targets=peer_pools, event=event)
+        sender.send_piece(piece, then)
 
     def _piece(self, sender: SenderRoom, pages: list[int], span: PageSpan) -> OutgoingPiece:
         """Gather the span's pages into buffers to send, with the event that orders the sends
@@ -276,12 +284,11 @@ class PrefillHandoff(DisaggHandoff):
         staged.copy_(data, non_blocking=True)
         return staged
 
-    def _ready(self, interprocess: bool = False) -> torch.cuda.Event | None:
-        """An event after the gathers (and copies) queued so far (`interprocess`: one another
-        process can wait for, `ipc`); None on the CPU."""
+    def _ready(self) -> torch.cuda.Event | None:
+        """An event after the gathers (and copies) queued so far; None on the CPU."""
         if self.engine.device.type != "cuda":
             return None
-        ready = torch.cuda.Event(interprocess=interprocess)
+        ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.engine.device))
         return ready
 
@@ -303,7 +310,6 @@ class PrefillHandoff(DisaggHandoff):
             0,
             len(pages) if len(self.transfer.stager.pools) > 1 else 0,
         )
-        self._send_piece(pending.sender, pages, rest)
         top = output.top_logprobs[0] if output.top_logprobs else None
         seed = request.draft_state
         record = MetadataRecord(
@@ -317,7 +323,7 @@ class PrefillHandoff(DisaggHandoff):
             hidden_states=None if seed is None else seed.hidden,
         )
         pending.first = output
-        pending.sender.finish(record)
+        self._send_piece(pending.sender, pages, rest, then=record)
         self.sending[pending.request_id] = pending
 
     # ---- endings ---------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import msgpack
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_ITEMS = 1 << 22  # longest list or map a peer may send (e.g. a 4M-token prompt)
 MAX_STR = 16 << 20

@@ -69,6 +69,9 @@ class HelloReply:
     # knows when no write of prefill's can land in its pages any more (the process is gone).
     host_id: str = ""
     pid: int = 0
+    # And the interprocess events its writes into decode's pages are marked with (handles,
+    # `ipc_events`), which decode opens once, here, instead of as the writes come.
+    events: list[bytes] = dataclasses.field(default_factory=list)
 
 
 @message("not_registered")

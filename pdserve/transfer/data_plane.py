@@ -34,7 +34,7 @@ class DataPlane:
         """Prefill: what the plane adds to `HelloReply`."""
         return reply
 
-    def hello_problem(self, msg: HelloReply) -> str | None:
+    def hello_problem(self, peer: Peer, msg: HelloReply) -> str | None:
         """Decode: why the prefill worker that answered cannot be our peer, if it cannot."""
         return None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -42,6 +43,9 @@ from pdserve.transfer.outbox import Outbox
 from pdserve.transfer.page_ids import pack_page_ids
 from pdserve.transfer.wire_limits import max_prefill_frame_bytes
 
+if TYPE_CHECKING:
+    from pdserve.transfer.ipc_events import OpenedEvents
+
 # What a prefill worker sends us.
 FROM_PREFILL = (
     HelloReply,
@@ -64,6 +68,7 @@ class PrefillPeer(Peer):
     nonce: bytes = b""  # our Hello's nonce while the handshake is under way
     instance: int | None = None  # the prefill process we registered with
     pid: int = 0  # its process id (the `ipc` backend: see `shared_pools.process_gone`)
+    events: OpenedEvents | None = None  # `ipc`: its write events we opened (`ipc_events`)
     waiting: list = field(default_factory=list)  # messages held until registered
 
 
@@ -180,7 +185,7 @@ class PrefillPeers:
                 if room.instance is not None and room.instance != msg.instance:
                     message = f"prefill worker at {peer.key} restarted; the room was lost"
                     self.fail_room(room, FailureKind.PEER_LOST, message, notify=False)
-        problem = self.plane.hello_problem(msg)
+        problem = self.plane.hello_problem(peer, msg)
         if problem is not None:
             self.drop_peer(peer, FailureKind.HANDSHAKE, f"handshake failed: {problem}")
             return

@@ -113,7 +113,7 @@ class DistPlane(DataPlane):
         for rank in sorted({rank for rank, _ in ranks} - {0}):
             self.fanout.post(rank, RankLinkForget(peer.links.id))
 
-    def hello_problem(self, msg: HelloReply) -> str | None:
+    def hello_problem(self, peer: Peer, msg: HelloReply) -> str | None:
         """Decode: a prefill worker whose ranks cannot split our KV heads."""
         return tp_mismatch(self.endpoint.layout.num_kv_heads, msg.tp_size, "prefill")
 

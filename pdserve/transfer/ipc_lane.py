@@ -21,8 +21,10 @@ CI's load; a connection holds a few hundred announcements.) Where the lane canno
 (another network namespace, or a metadata record too large for one packet) everything goes
 over the connection, as before.
 
-A packet is one message: its body's length (4 bytes, little-endian), the body (the codec's
-encoding), then the payload, if any (the metadata record's bytes).
+A packet holds one message or several: each its body's length and its payload's (4 bytes
+each, little-endian), the body (the codec's encoding), then the payload, if any (the metadata
+record's bytes). A room's last piece, its metadata record and `RoomDone` go in one packet
+(`LaneSender.hold`): one send and one wake-up of decode's IO thread instead of three.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ LANE_MESSAGES = (KVPiece, MetadataHeader, RoomDone)
 # NOTE: what a packet needs beyond its payload: a KVPiece with its 64-byte event, or a
 # metadata header with its top logprobs, is well under this.
 _HEADROOM = 8 << 10
-_LENGTH = struct.Struct("<I")
+_LENGTHS = struct.Struct("<II")  # a message's body and payload
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _MAX_PER_POLL = 256  # packets taken per wake-up, so the connections get their turn
 MAX_LANE_CONNECTIONS = 64  # by default; decode allows twice its prefill peers
@@ -114,7 +116,7 @@ class LaneReceiver:
             if flags & socket.MSG_TRUNC:
                 out.append((pid, f"a packet over {MAX_PACKET} bytes"))
                 continue
-            out.append((pid, *_parse(bytes(self._view[:size]))))
+            out += [(pid, *parsed) for parsed in _parse(bytes(self._view[:size]))]
         return out
 
     def close(self) -> None:
@@ -149,21 +151,28 @@ class LaneReceiver:
         connection.close()
 
 
-def _parse(data: bytes) -> tuple[object, bytes | None] | tuple[str]:
-    if len(data) < _LENGTH.size:
-        return (f"a packet of {len(data)} bytes",)
-    (length,) = _LENGTH.unpack_from(data)
-    if length > len(data) - _LENGTH.size:
-        return (f"a packet announcing a {length}-byte message in {len(data)} bytes",)
-    body_end = _LENGTH.size + length
-    try:
-        msg = decode(data[_LENGTH.size : body_end], LANE_MESSAGES)
-    except ProtocolError as e:
-        return (str(e),)
-    payload = data[body_end:]
-    if payload and not isinstance(msg, MetadataHeader):
-        return (f"a {type(msg).__name__} with a payload",)
-    return msg, (payload if isinstance(msg, MetadataHeader) else None)
+def _parse(data: bytes) -> list[tuple[object, bytes | None] | tuple[str]]:
+    """A packet's messages as (message, payload); a malformed one as (what is wrong,), and
+    nothing after it (where the next one would start is not known)."""
+    out, offset = [], 0
+    while offset < len(data):
+        if len(data) - offset < _LENGTHS.size:
+            return [*out, (f"a message of {len(data) - offset} bytes in a packet",)]
+        length, payload_length = _LENGTHS.unpack_from(data, offset)
+        body_start = offset + _LENGTHS.size
+        offset = body_start + length + payload_length
+        if offset > len(data):
+            message = f"a {length}+{payload_length}-byte message in a packet of {len(data)} bytes"
+            return [*out, (message,)]
+        try:
+            msg = decode(data[body_start : body_start + length], LANE_MESSAGES)
+        except ProtocolError as e:
+            return [*out, (str(e),)]
+        if payload_length and not isinstance(msg, MetadataHeader):
+            return [*out, (f"a {type(msg).__name__} with a payload",)]
+        payload = data[body_start + length : offset] if isinstance(msg, MetadataHeader) else None
+        out.append((msg, payload))
+    return out or [("an empty packet",)]
 
 
 class LaneSender:
@@ -182,13 +191,39 @@ class LaneSender:
         self._wait_ms = max(1, int(wait_s * 1000))
         self._lock = threading.Lock()
         self._closed = False
+        self._held = threading.local()
 
     def send(self, msg, payload: bytes = b"") -> str | None:
-        """Send one message; what went wrong, if it was not sent."""
+        """Send one message (or hold it, see `hold`); what went wrong, if it was not sent."""
         body = encode(msg)
-        packet = b"".join((_LENGTH.pack(len(body)), body, payload))
-        if len(packet) > MAX_PACKET:
-            return f"a {type(msg).__name__} of {len(packet)} bytes does not fit the lane"
+        record = b"".join((_LENGTHS.pack(len(body), len(payload)), body, payload))
+        if len(record) > MAX_PACKET:
+            return f"a {type(msg).__name__} of {len(record)} bytes does not fit the lane"
+        held = getattr(self._held, "records", None)
+        if held is not None:
+            held.append(record)
+            return None
+        return self._send(record)
+
+    def hold(self) -> None:
+        """Keep what this thread sends from now on, until `flush`."""
+        self._held.records = []
+
+    def flush(self) -> str | None:
+        """Send what this thread held since `hold`, in as few packets as fit, in order; what
+        went wrong, if anything (nothing after it is sent)."""
+        records, self._held.records = self._held.records, None
+        packet, problem = b"", None
+        for record in records:
+            if packet and len(packet) + len(record) > MAX_PACKET:
+                problem = problem or self._send(packet)
+                packet = b""
+            packet += record
+        if packet:
+            problem = problem or self._send(packet)
+        return problem
+
+    def _send(self, packet: bytes) -> str | None:
         # NOTE: under the lock so that `close` never frees the descriptor under a send.
         with self._lock:
             if self._closed:

@@ -7,10 +7,11 @@ them, into the page ids decode's transfer request listed (`KVStager.write`: one 
 pool over NVLink, no staging buffer, no receive to post) and announces the piece at once
 (`KVPiece`, no bytes follow) with a CUDA IPC event recorded after the copy: from the worker's
 thread, over the announcement lane decode offered (`ipc_lane`), else over the connection.
-Decode checks the piece against its reservation as on every backend and opens the event;
-the piece has landed. The metadata record and `RoomDone` follow the same way; decode's
-commit has nothing left to write but to make its stream wait for the events, so no thread of
-either side waits for the bytes.
+Decode checks the piece against its reservation as on every backend and takes the event
+(opened at the handshake, `ipc_events`); the piece has landed. The metadata record and
+`RoomDone` follow the same way (with the last piece, in one packet); decode's commit has
+nothing left to write but to make its stream wait for the events, so no thread of either side
+waits for the bytes.
 
 Another process writes decode's pages, so a room that fails cannot always give its pages
 back at once: a write may be in flight. Prefill counts each room's writes (a waiter thread
@@ -37,6 +38,7 @@ from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.transfer_messages import HelloReply, KVPiece, Register, RoomReleased
 from pdserve.transfer.config import IPC_TENSOR_PARALLEL
 from pdserve.transfer.data_plane import DataPlane
+from pdserve.transfer.ipc_events import IpcEventRing, OpenedEvents
 from pdserve.transfer.ipc_lane import LaneReceiver, LaneSender, lane_address_problem, lane_fits
 from pdserve.transfer.kv_piece import OutgoingPiece
 from pdserve.transfer.shared_pools import (
@@ -71,8 +73,14 @@ class _IpcPlane(DataPlane):
 class IpcSendPlane(_IpcPlane):
     """The prefill side: maps each decode peer's pools; announces pieces it wrote."""
 
+    def __init__(self, endpoint: Endpoint, pools: list[torch.Tensor] | None):
+        super().__init__(endpoint, pools)
+        device = self.pools[0].device
+        self.events = IpcEventRing(device) if device.type == "cuda" else None
+
     def hello_reply(self, reply: HelloReply) -> HelloReply:
-        return dataclasses.replace(reply, host_id=self.host, pid=os.getpid())
+        events = self.events.handles if self.events is not None else []
+        return dataclasses.replace(reply, host_id=self.host, pid=os.getpid(), events=events)
 
     def register_problem(self, peer: Peer, msg: Register) -> str | None:
         """Map the decode worker's pools (kept on the peer); why not, if they cannot be."""
@@ -101,8 +109,7 @@ class IpcSendPlane(_IpcPlane):
 
     def send_piece(self, room, piece: OutgoingPiece, index: int) -> bool:
         """Announce a piece whose pages were written (IO thread)."""
-        event = piece.ready.ipc_handle() if piece.ready is not None else b""
-        announcement = piece.announcement(room.room, index, event)
+        announcement = piece.announcement(room.room, index, piece.event)
         room.keep(piece.ready)  # NOTE: decode opens the event when the announcement arrives
         if not self.endpoint.send(room.peer, announcement):
             return False
@@ -145,12 +152,14 @@ class IpcReceivePlane(_IpcPlane):
             limit = 2 * endpoint.config.max_peers  # NOTE: one closing per peer, at most
             self.lane = LaneReceiver(endpoint.io.poller, wanted, limit)
 
-    def hello_problem(self, msg: HelloReply) -> str | None:
+    def hello_problem(self, peer: Peer, msg: HelloReply) -> str | None:
+        """Also opens the prefill worker's write events (after it proved the token)."""
         if msg.host_id != self.host or msg.pid <= 0:
             return OTHER_HOST
         if msg.tp_size != 1 or self.endpoint.fanout is not None:
             return IPC_TENSOR_PARALLEL
-        return None
+        problem = self._opened(peer).open_all(msg.events)
+        return f"prefill's write events: {problem}" if problem is not None else None
 
     def registration(self, peer: Peer, register: Register) -> Register:
         lane = self.lane.address if self.lane is not None else ""
@@ -179,6 +188,12 @@ class IpcReceivePlane(_IpcPlane):
         if self.lane is not None:
             self.lane.close()
 
+    def _opened(self, peer: Peer) -> OpenedEvents:
+        """The events this prefill peer announced (kept while the peer is: `ipc_events`)."""
+        if peer.events is None:
+            peer.events = OpenedEvents(self.endpoint.device)
+        return peer.events
+
     def handle(self, peer: Peer, msg, payload) -> bool:
         endpoint = self.endpoint
         if isinstance(msg, RoomReleased):
@@ -189,7 +204,14 @@ class IpcReceivePlane(_IpcPlane):
         room = endpoint.room_of(peer, msg.room)
         if room is None:
             return True  # a room that ended: its pages stay held until it is released
-        problem = room.on_written(msg)
+        ready = None
+        if msg.event:
+            ready = self._opened(peer).open(msg.event)
+            if isinstance(ready, str):
+                problem = f"KV piece {msg.index}: {ready}"
+                endpoint.fail_room(room, FailureKind.TRANSFER, problem, notify=True)
+                return True
+        problem = room.on_written(msg, ready)
         if problem is not None:
             endpoint.fail_room(room, FailureKind.TRANSFER, problem, notify=True)
             return True

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
+
 from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.transfer_messages import RoomReleased, TransferRequest
 from pdserve.transfer.ipc_lane import LANE_MESSAGES
@@ -77,13 +79,28 @@ class IpcWrites:
         pages = span.page_lists(room.decode_pages, room.decode_draft_pages, len(pools))
         return pools, pages
 
-    def announce(self, room: SenderRoom, step: Callable[[], None]) -> None:
-        """The worker's thread (`ipc`): run a room's send step (`send_piece`, `finish_room`)
-        right here when its peer has a lane, which `send` then takes; else on the IO thread."""
-        if room.peer is not None and room.peer.lane is not None:
-            step()
-        else:
-            self.io.call(step)
+    def write_event(self) -> tuple[torch.cuda.Event | None, bytes]:
+        """The worker's thread: an event after the writes queued so far on the current
+        stream, and its interprocess handle (`ipc_events`); (None, b"") on the CPU."""
+        events = self.plane.events
+        return events.record() if events is not None else (None, b"")
+
+    def announce(self, room: SenderRoom, *steps: Callable[[], None]) -> None:
+        """The worker's thread (`ipc`): run a room's send steps (`send_piece`, `finish_room`)
+        right here when its peer has a lane, which `send` then takes, their messages in one
+        packet where they fit; else on the IO thread."""
+        peer = room.peer
+        lane = peer.lane if peer is not None else None
+        if lane is None:
+            self.io.call(lambda: _run(steps))
+            return
+        lane.hold()
+        try:
+            _run(steps)
+        finally:
+            problem = lane.flush()
+        if problem is not None:
+            self.fail_on_io_thread(room, problem, FailureKind.PEER_LOST)
 
     def send(self, peer: Peer, msg, *payload, copy: bool = True) -> bool:
         """`Endpoint.send`, but for what a decode peer's lane carries (`ipc_lane`), from
@@ -136,3 +153,8 @@ class IpcWrites:
         room = self.rooms.get(room_id)
         if room is None or room.writes_closed:
             self.send(peer, RoomReleased(room_id))
+
+
+def _run(steps) -> None:
+    for step in steps:
+        step()

@@ -61,7 +61,8 @@ class OutgoingPiece:
     piece's bytes as one rank with every head holds them (what the ledgers count).
 
     Written into the peer's pages already (`ipc`): neither; `targets`, the peer's pools it
-    was written into, kept mapped until the write completed."""
+    was written into, kept mapped until the write completed; `event`, the handle of `ready`
+    (an interprocess event, `ipc_events`), which decode opens."""
 
     span: PageSpan | None
     data: torch.Tensor | None = None
@@ -70,6 +71,7 @@ class OutgoingPiece:
     remote: int = 0
     nbytes: int = -1
     targets: list[torch.Tensor] = field(default_factory=list)
+    event: bytes = b""
 
     def __post_init__(self) -> None:
         if self.nbytes < 0:

@@ -20,8 +20,6 @@ from pdserve.transfer.metadata import MetadataRecord
 from pdserve.transfer.room_state import Room, RoomState, TransferState
 from pdserve.transfer.shared_pools import process_gone
 
-IPC_EVENT_BYTES = 64  # CUDA_IPC_HANDLE_SIZE
-
 if TYPE_CHECKING:
     from pdserve.transfer.decode_side import DecodeTransferClient
     from pdserve.transfer.endpoint import Peer
@@ -152,21 +150,13 @@ class ReceiverRoom(Room):
         self._progress()
         return buffers
 
-    def on_written(self, msg: KVPiece) -> str | None:
-        """A piece was written into our pages (`ipc`): what is wrong with it, if anything."""
+    def on_written(self, msg: KVPiece, ready: torch.cuda.Event | None) -> str | None:
+        """A piece was written into our pages (`ipc`), complete once `ready` is (prefill's
+        event, opened; None if written already): what is wrong with it, if anything."""
         span = PageSpan(msg.first_page, msg.num_pages, msg.first_draft_page, msg.num_draft_pages)
         problem = self._pieces.check(msg.index, span, msg.nbytes)
         if problem is not None:
             return problem
-        ready = None
-        if msg.event:
-            device = self._client.device
-            if device.type != "cuda" or len(msg.event) != IPC_EVENT_BYTES:
-                return f"KV piece {msg.index} carries a {len(msg.event)}-byte event for {device}"
-            try:
-                ready = torch.cuda.Event.from_ipc_handle(device, msg.event)
-            except RuntimeError as e:
-                return f"KV piece {msg.index}: could not open prefill's write event: {e}"
         self._pieces.add_written(msg.index, span, ready)
         now = time.monotonic()
         self.stamps.setdefault("first_piece", now)

@@ -66,15 +66,19 @@ class SenderRoom(Room):
         """A write given a `destination` could not be queued (nothing of it runs)."""
         self._server.io.call(lambda: self._server.write_failed(self, message))
 
-    def send_piece(self, piece: OutgoingPiece) -> None:
+    def send_piece(self, piece: OutgoingPiece, then: MetadataRecord | None = None) -> None:
         """Send one piece of the room's KV (flat uint8 from `KVStager.gather`: on the CPU for
         tcp and gloo, on the GPU for nccl; with `ipc`, written into decode's pages already,
-        see `destination`). Pieces go out in the order given."""
+        see `destination`). Pieces go out in the order given. `then`: the room's last piece,
+        and what `finish` is then called with (with `ipc`, announced with the piece)."""
         if piece.targets:
             # NOTE: announced at once: decode's work on the pages waits for the write's event
             # on the GPU. The write counts as in flight until that event is seen complete.
             self.stamps.setdefault("first_piece_called", time.monotonic())
-            self._server.announce(self, lambda: self._server.send_piece(self, piece))
+            steps = [lambda: self._server.send_piece(self, piece)]
+            if then is not None:
+                steps.append(self._finish_step(then))
+            self._server.announce(self, *steps)
             self._server.submit(self, lambda: self._server.written(self, piece), piece.ready)
             return
         wanted = "cpu" if self._server.config.backend in ("tcp", "gloo") else "cuda"
@@ -86,16 +90,21 @@ class SenderRoom(Room):
                 )
         self.stamps.setdefault("first_piece_called", time.monotonic())
         self._server.submit(self, lambda: self._server.send_piece(self, piece), piece.ready)
+        if then is not None:
+            self.finish(then)
 
     def finish(self, metadata: MetadataRecord) -> None:
         """Every piece was given: send the metadata record and end the room's sending."""
-        header, payload = metadata.pack(self.room, self._server.metadata_spec)
-        self.stamps["finish_called"] = time.monotonic()
-        finish = lambda: self._server.finish_room(self, header, payload)  # noqa: E731
+        finish = self._finish_step(metadata)
         if self._server.config.backend == "ipc":
             self._server.announce(self, finish)  # NOTE: after the announcements, not the writes
         else:
             self._server.submit(self, finish, None)
+
+    def _finish_step(self, metadata: MetadataRecord):
+        header, payload = metadata.pack(self.room, self._server.metadata_spec)
+        self.stamps["finish_called"] = time.monotonic()
+        return lambda: self._server.finish_room(self, header, payload)
 
     def send(self, kv: torch.Tensor, metadata: MetadataRecord) -> None:
         """Send the room's KV whole (every page decode reserved, as one piece) and finish."""

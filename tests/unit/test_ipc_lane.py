@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import select
 import socket
 import threading
 import time
@@ -33,6 +34,7 @@ from pdserve.transfer.ipc_lane import (
     lane_address_problem,
     lane_fits,
 )
+from pdserve.transfer.ipc_lane import _parse as parse_packet
 from pdserve.transfer.kv_piece import PageSpan
 from pdserve.transfer.room_state import TransferState
 from tests.e2e.transfer_peers import Case, record
@@ -77,17 +79,34 @@ def test_messages_arrive_in_order_with_their_payload_and_the_senders_process(lan
     ]
 
 
+def frame(body: bytes, payload: bytes = b"", *, payload_length: int | None = None) -> bytes:
+    """One message as a packet carries it (lengths of body and payload, then both)."""
+    size = len(payload) if payload_length is None else payload_length
+    return len(body).to_bytes(4, "little") + size.to_bytes(4, "little") + body + payload
+
+
 @pytest.mark.parametrize(
     ("data", "problem"),
     [
-        (b"\x01", "a packet of 1 bytes"),
-        ((99).to_bytes(4, "little") + b"x", "announcing a 99-byte message in 5 bytes"),
-        ((3).to_bytes(4, "little") + b"abc", "message"),
-        (len(encode(RoomAck(7))).to_bytes(4, "little") + encode(RoomAck(7)), "room_ack"),
-        (len(encode(PIECE)).to_bytes(4, "little") + encode(PIECE) + b"xx", "with a payload"),
+        (b"\x01", "a message of 1 bytes in a packet"),
+        (frame(b"x" * 99)[:12], "a 99+0-byte message in a packet of 12 bytes"),
+        (frame(b"", payload_length=1 << 31), "message in a packet"),
+        (frame(b"abc"), "message"),
+        (frame(encode(RoomAck(7))), "room_ack"),
+        (frame(encode(PIECE), b"xx"), "with a payload"),
+        (frame(encode(PIECE)) + b"\x00" * 3, "a message of 3 bytes in a packet"),
         (b"\x00" * (MAX_PACKET + 1), f"over {MAX_PACKET} bytes"),
     ],
-    ids=["short", "overrun", "garbage", "not-a-lane-message", "payload", "oversize"],
+    ids=[
+        "short",
+        "overrun",
+        "payload-overrun",
+        "garbage",
+        "not-a-lane-message",
+        "payload",
+        "trailing",
+        "oversize",
+    ],
 )
 def test_a_malformed_packet_is_reported_with_what_is_wrong(lane, data, problem):
     poller, receiver, _ = lane
@@ -95,10 +114,47 @@ def test_a_malformed_packet_is_reported_with_what_is_wrong(lane, data, problem):
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * MAX_PACKET)
         raw.connect(receiver.address)
         raw.send(data)
-        raw.send(encode(PIECE))  # NOTE: the next packet is read on its own
-        [(pid, reported), (_, after)] = received(poller, receiver, 2)
+        raw.send(frame(encode(PIECE)))  # NOTE: the next packet is read on its own
+        trailing = problem.startswith("a message of 3")
+        results = received(poller, receiver, 3 if trailing else 2)
+    *before, (pid, reported), after = results
     assert pid == os.getpid() and problem in reported
-    assert "a packet announcing" in after
+    assert after == (os.getpid(), PIECE, None)
+    # NOTE: a packet's messages before the fault are taken.
+    assert before == ([(os.getpid(), PIECE, None)] if trailing else [])
+
+
+def test_held_messages_go_in_one_packet_and_arrive_in_order():
+    header = MetadataHeader(7, first_token=42, cached_tokens=0, topk=1)
+    messages = [(PIECE, None), (header, b"\x01" * 12), (RoomDone(7, 1024, 1), None)]
+    address = f"{LANE_PREFIX}test-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+        listener.bind(address)
+        listener.listen(1)
+        sender = LaneSender(address, wait_s=0.2)
+        connection, _ = listener.accept()
+        connection.settimeout(5)
+        sender.hold()
+        for msg, payload in messages:
+            assert sender.send(msg, payload or b"") is None
+        assert select.select([connection], [], [], 0)[0] == []  # NOTE: held: nothing sent
+        assert sender.flush() is None
+        assert parse_packet(connection.recv(MAX_PACKET)) == messages
+        assert sender.send(PIECE) is None  # NOTE: no longer held: a packet of its own
+        assert parse_packet(connection.recv(MAX_PACKET)) == [(PIECE, None)]
+        sender.close()
+        connection.close()
+
+
+def test_held_messages_beyond_a_packet_go_in_as_many_as_they_need(lane):
+    poller, receiver, sender = lane
+    header = MetadataHeader(7, first_token=42, cached_tokens=0)
+    payload = b"\x02" * (MAX_PACKET // 3)
+    sender.hold()
+    for _ in range(5):
+        assert sender.send(header, payload) is None
+    assert sender.flush() is None
+    assert [msg for _, msg, _ in received(poller, receiver, 5)] == [header] * 5
 
 
 def test_a_send_that_cannot_go_says_why_and_waits_no_longer_than_its_deadline(lane):
@@ -165,12 +221,18 @@ def test_pieces_and_the_finish_go_over_the_lane_not_the_io_thread(pair, monkeypa
             return send(self, *args, **kwargs)
 
         monkeypatch.setattr(cls, "send", recorded)
+    packets = []  # the messages in each packet the lane sent
+    send_packet = LaneSender._send
+    monkeypatch.setattr(
+        LaneSender,
+        "_send",
+        lambda self, packet: packets.append(parse_packet(packet)) or send_packet(self, packet),
+    )
     case = Case(room=70, draft=True)
     sender, receiver = open_room(pair, case)
     assert sender.peer.lane is not None
     write_piece(pair, sender, case, PageSpan(0, 2))
-    write_piece(pair, sender, case, PageSpan(2, 1, 0, 3))
-    sender.finish(record(case))
+    write_piece(pair, sender, case, PageSpan(2, 1, 0, 3), then=record(case))
     wait_until(lambda: receiver.poll() is TransferState.SUCCESS, "the room", 20)
     wait_until(lambda: sender.poll() is TransferState.SUCCESS, "the ack", 20)
     receiver.commit(pair.target)
@@ -184,6 +246,9 @@ def test_pieces_and_the_finish_go_over_the_lane_not_the_io_thread(pair, monkeypa
         ("MetadataHeader", True),
         ("RoomDone", True),
     ]
+    # NOTE: the last piece, the metadata record and RoomDone in one packet.
+    kinds = [[type(msg).__name__ for msg, _ in packet] for packet in packets]
+    assert kinds == [["KVPiece"], ["KVPiece", "MetadataHeader", "RoomDone"]]
     on_the_connection = {kind for kind, way, _ in sent if way == "connection"}
     assert "RoomAck" in on_the_connection  # decode's, the other way
     assert not on_the_connection & {"KVPiece", "MetadataHeader", "RoomDone"}

@@ -85,13 +85,14 @@ def open_room(pair: IpcPair, case: Case):
     return sender, receiver
 
 
-def write_piece(pair: IpcPair, sender, case: Case, span: PageSpan) -> None:
-    """What the prefill handoff does for a piece: write it into decode's pages, hand it on."""
+def write_piece(pair: IpcPair, sender, case: Case, span: PageSpan, then=None) -> None:
+    """What the prefill handoff does for a piece: write it into decode's pages, hand it on
+    (`then`: the last piece, and the metadata record that finishes the room)."""
     peer_pools, peer_pages = sender.destination(span)
     pages = list(case.prefill_pages)
     pair.source.write(span.page_lists(pages, pages, 2), peer_pools, peer_pages)
     nbytes = span.nbytes(pair.source.page_bytes)
-    sender.send_piece(OutgoingPiece(span, None, None, nbytes=nbytes, targets=peer_pools))
+    sender.send_piece(OutgoingPiece(span, None, None, nbytes=nbytes, targets=peer_pools), then)
 
 
 def exited_pid() -> int:
@@ -255,7 +256,7 @@ def test_a_piece_announced_with_an_event_decode_cannot_wait_for_fails_the_room(p
     server, peer = pair.server, sender.peer
     server.io.call(lambda: server.send(peer, forged))
     wait_until(lambda: receiver.poll() is TransferState.FAILED, "the check", 10)
-    assert "carries a 3-byte event for cpu" in receiver.failure.message
+    assert "KV piece 0: a 3-byte event for cpu" in receiver.failure.message
     wait_until(lambda: receiver.pages_settled, "prefill's RoomReleased", 10)
 
 
