@@ -36,6 +36,7 @@ class KVStager:
             raise StagingError("at least one KV pool is needed")
         self.pools = pools
         self.device = pools[0].device
+        self._pool_rows = [_rows(pool.storage) for pool in pools]  # NOTE: views, made once
 
     @property
     def page_bytes(self) -> list[int]:
@@ -77,10 +78,10 @@ class KVStager:
         # NOTE: everything is checked before the first copy is queued: a write either runs
         # whole or not at all.
         copies = []
-        for pool, ids, peer_pool, peer in zip(
-            self.pools, page_ids, peer_pools, peer_ids, strict=True
+        for pool, src, ids, peer_pool, peer in zip(
+            self.pools, self._pool_rows, page_ids, peer_pools, peer_ids, strict=True
         ):
-            src, dst = _rows(pool.storage), _rows(peer_pool)
+            dst = _rows(peer_pool)
             if len(ids) != len(peer) or src.shape[0] != dst.shape[0] or src.dtype != dst.dtype:
                 raise StagingError(
                     f"{len(ids)} pages of {tuple(src.shape)} to write into {len(peer)} of "
@@ -94,7 +95,7 @@ class KVStager:
             # NOTE: both lists in one upload, without blocking (see `_index`).
             index = torch.tensor([ids, peer], dtype=torch.int64).to(self.device, non_blocking=True)
             if src.is_cuda:
-                copy_pages(src, dst, index[0], index[1])
+                copy_pages(src, dst, index)
             else:
                 dst.index_copy_(1, index[1], src.index_select(1, index[0]))
 

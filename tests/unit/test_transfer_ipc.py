@@ -221,13 +221,17 @@ def test_copy_pages_equals_index_copies():
     for words, dtype in ((40, torch.int64), (3000, torch.int64), (33, torch.uint8)):
         src = torch.randint(0, 100, (4, 6, words), generator=g).to(dtype)
         dst = torch.zeros(4, 9, words, dtype=dtype)
-        src_pages, dst_pages = torch.tensor([0, 3, 5]), torch.tensor([8, 1, 2])
-        copy_pages(src, dst, src_pages, dst_pages)
+        pages = torch.tensor([[0, 3, 5], [8, 1, 2]])
+        copy_pages(src, dst, pages)
         expected = torch.zeros_like(dst)
-        expected[:, dst_pages] = src[:, src_pages]
+        expected[:, pages[1]] = src[:, pages[0]]
         assert torch.equal(dst, expected)
     with pytest.raises(ValueError, match="different shapes"):
-        copy_pages(src, torch.zeros(4, 9, 34, dtype=torch.uint8), src_pages, dst_pages)
+        copy_pages(src, torch.zeros(4, 9, 34, dtype=torch.uint8), pages)
+    with pytest.raises(ValueError, match=r"\[2, n\]"):
+        copy_pages(src, dst, pages[0])
+    with pytest.raises(ValueError, match="contiguous"):
+        copy_pages(src, dst, pages.t().contiguous().t())
 
 
 def test_a_pool_handle_that_does_not_fit_ours_is_refused_before_anything_is_mapped():
