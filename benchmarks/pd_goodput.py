@@ -13,6 +13,10 @@ completions with logprobs so that every token is a chunk):
 - mix: each request prefill-heavy or decode-heavy, half each, in seeded random order.
 Each runs at every swept rate with Poisson arrivals (rate x --duration requests, at least
 --min-prompts; or --num-prompts), the same prompts and arrival times on both deployments.
+The requests are spread over --client-processes client processes keeping one schedule
+(`pdserve.bench.processes`): one process reads ~10k streamed tokens/s at most, and a client
+that falls behind shows as TTFT. Each run records the busiest one's CPU share
+(`client_cpu_fraction`): near 1, the client, not the server, set the pace.
 
 SLOs (flags): prefill-heavy TTFT <= 2000 ms and TPOT <= 50 ms; decode-heavy TTFT <= 1000 ms
 and TPOT <= 50 ms; a mix request is judged by its own class's SLOs.
@@ -93,19 +97,12 @@ from pd_goodput_report import finish_report, print_report, write_outputs
 from pdserve.bench.client import BenchClient, ClientSettings, RequestRecord, served_models
 from pdserve.bench.goodput import attainment, meets
 from pdserve.bench.metrics import SLO, summarize
-from pdserve.bench.runner import Load, arrival_offsets, run_load, warm_up
+from pdserve.bench.processes import run_load_in_processes
+from pdserve.bench.runner import Load, arrival_offsets, warm_up
 from pdserve.bench.workloads import Conversation, Turn
 
 WARMUP_TOKENS = 4
 IDLE_DEADLINE_S = 120.0
-
-
-async def _drive(settings: ClientSettings, batch: Batch, rate: float, seed: int, deadline_s):
-    client = BenchClient(settings)
-    try:
-        return await run_load(client, batch.conversations, Load(rate), seed, deadline_s=deadline_s)
-    finally:
-        await client.aclose()
 
 
 def run_rate(
@@ -122,9 +119,12 @@ def run_rate(
     waited = time.monotonic() - waited
     offsets = arrival_offsets(len(batch.conversations), rate, seed)
     deadline = run_deadline_s(plan, batch, offsets)
-    cpu_before = time.process_time()
-    result = asyncio.run(_drive(settings, batch, rate, seed, deadline))
-    client_cpu = (time.process_time() - cpu_before) / max(result.duration_s, 1e-9)
+    spread = run_load_in_processes(
+        settings, batch.conversations, Load(rate), plan.client_processes, seed, deadline
+    )
+    result = spread.run
+    # NOTE: the busiest client process's share of the run: near 1, the client set the pace.
+    client_cpu = max(spread.cpu_s, default=0.0) / max(result.duration_s, 1e-9)
     records = result.records
     summary = summarize(records, result.duration_s, SLO())
     within = sum(map(batch.judge(), records))

@@ -35,6 +35,7 @@ DEFAULTS = {
     "decode_heavy_tpot_slo_ms": (50.0, 200.0),
     "devices": (("cuda:0", "cuda:1"), ("cpu", "cpu")),
     "transfer_backend": ("nccl", "tcp"),
+    "client_processes": (4, 2),
 }
 # A cut-off run's deadline leaves this much beyond the SLO horizon: client-side lag.
 DEADLINE_SLACK_S, DEADLINE_SLACK_FRACTION = 2.0, 0.05
@@ -70,6 +71,7 @@ class Plan:
     target: float
     full_sweep: bool
     seed: int
+    client_processes: int
 
     def prompts_at(self, rate: float) -> int:
         if self.num_prompts is not None:
@@ -157,6 +159,12 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     load.add_argument("--num-prompts", type=int, help="requests a rate, whatever the rate")
     load.add_argument("--full-sweep", action="store_true", help="run the rates past a miss too")
     load.add_argument("--seed", type=int, default=0)
+    load.add_argument(
+        "--client-processes",
+        type=int,
+        help="processes the benchmark client's requests are spread over: one reads about "
+        f"10k streamed tokens/s at most ({_shown('client_processes')})",
+    )
     slos = parser.add_argument_group("SLOs (defaults: benchmark; smoke)")
     for kind in CLASSES:
         for metric in ("ttft", "tpot"):
@@ -209,6 +217,8 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
             parser.error(f"--{name} must be > 0")
     if args.min_prompts < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         parser.error("--min-prompts and --num-prompts must be >= 1")
+    if args.client_processes < 1:
+        parser.error("--client-processes must be >= 1")
     return args
 
 
@@ -236,4 +246,5 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         target=args.attainment,
         full_sweep=args.full_sweep,
         seed=args.seed,
+        client_processes=args.client_processes,
     )

@@ -76,11 +76,29 @@ async def run_load(
     """Every turn of every conversation at `load`; `on_record` sees each record as it ends.
     A failed turn ends its conversation: the turns after it are recorded as failed, unsent.
     `deadline_s`: seconds from the start after which the run is cut off (module docstring)."""
+    offsets = arrival_offsets(len(conversations), load.request_rate, seed)
+    start = time.perf_counter()
+    scheduled = [
+        (i, c, offset) for i, (c, offset) in enumerate(zip(conversations, offsets, strict=True))
+    ]
+    records = await run_scheduled(client, scheduled, load, start, on_record, deadline_s)
+    return RunResult(load, records, time.perf_counter() - start)
+
+
+async def run_scheduled(
+    client: BenchClient,
+    scheduled: list[tuple[int, Conversation, float]],
+    load: Load,
+    start: float,
+    on_record: Callable[[RequestRecord], None] | None = None,
+    deadline_s: float | None = None,
+) -> list[RequestRecord]:
+    """`run_load`'s work: each (index, conversation, offset) started `offset` s after
+    `start` (a `time.perf_counter()` reading); its records sorted."""
     if deadline_s is not None and not deadline_s > 0:
         raise ValueError(f"deadline {deadline_s} s: must be > 0")
     records: list[RequestRecord] = []
     gate = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
-    start = time.perf_counter()
 
     def keep(record: RequestRecord) -> None:
         records.append(record)
@@ -111,12 +129,9 @@ async def run_load(
             for later in range(len(answers) + 1, len(conversation.turns)):
                 keep(_unsent(conversation, index, later, deadline_s))
 
-    offsets = arrival_offsets(len(conversations), load.request_rate, seed)
-    scheduled = enumerate(zip(conversations, offsets, strict=True))
-    await asyncio.gather(*(converse(i, c, offset) for i, (c, offset) in scheduled))
-    duration = time.perf_counter() - start
+    await asyncio.gather(*(converse(*item) for item in scheduled))
     records.sort(key=lambda r: (r.conversation, r.turn))
-    return RunResult(load, records, duration)
+    return records
 
 
 async def warm_up(client: BenchClient, conversations: list[Conversation]) -> list[RequestRecord]:
