@@ -58,7 +58,7 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         model = args.model_path or str(make_tiny_model(Path(scratch) / "tiny", "llama"))
-        worker = ["serve", "--model-path", model, "--device", args.device]
+        worker = ["serve", "--model-path", model, "--device", args.device, "--max-model-len", "512"]
         server = LocalServer([*worker, "--max-running-requests", str(args.streams)])
         try:
             url = server.wait_healthy(600).url

@@ -20,7 +20,7 @@ import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import zmq
@@ -239,10 +239,23 @@ class EngineClient:
         finished = False
         try:
             self._send(GenerateRequest(request_id, prompt_token_ids, sampling, bootstrap))
-            while not finished:
-                output = await queue.get()
+            output = await queue.get()
+            while True:
+                # NOTE: a stream that fell behind the engine gets what piled up as one output
+                # (one SSE event where it would have had several): its per-event work is
+                # most of what a front end spends on a token, so it catches up instead of
+                # falling further behind. A stream that keeps up still gets every step.
+                later = None
+                while not output.finished and output.failure is None and not queue.empty():
+                    later = queue.get_nowait()
+                    if later.failure is not None:
+                        break  # NOTE: the tokens before a failure still go out before it
+                    output, later = joined(output, later), None
                 finished = output.finished
                 yield output
+                if finished:
+                    break
+                output = later or await queue.get()
         finally:
             self._queues.pop(request_id, None)
             if not finished:
@@ -343,6 +356,22 @@ class EngineClient:
     def _fail_all(self, reason: str) -> None:
         for request_id, queue in list(self._queues.items()):
             queue.put_nowait(_failed(request_id, reason))
+
+
+def joined(first: TokenOutput, later: TokenOutput) -> TokenOutput:
+    """Two consecutive outputs of one request (the first neither finished nor failed) as
+    one: the new tokens (and their logprobs) of both, the state of the later."""
+    logprobs, top = first.new_logprobs, first.new_top_logprobs
+    if later.new_logprobs is not None:
+        logprobs = (logprobs or []) + later.new_logprobs
+    if later.new_top_logprobs is not None:
+        top = (top or []) + later.new_top_logprobs
+    return replace(
+        later,
+        new_token_ids=first.new_token_ids + later.new_token_ids,
+        new_logprobs=logprobs,
+        new_top_logprobs=top,
+    )
 
 
 def _failed(request_id: str, reason: str) -> TokenOutput:

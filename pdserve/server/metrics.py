@@ -81,7 +81,9 @@ class ServerMetrics:
             "time_to_first_token_seconds", "Time from request arrival to its first token"
         )
         self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Time between consecutive output tokens"
+            "inter_token_latency_seconds",
+            "Time between a request's consecutive outputs (one per engine step; several tokens "
+            "with speculative decoding, or when its stream fell behind)",
         )
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Time from request arrival to its last token"
