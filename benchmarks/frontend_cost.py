@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from pdserve.engine.tiny_model import make_tiny_model
-from pdserve.server.local_process import LocalServer
+from pdserve.server.local_process import LocalServer, engine_pid_of
 
 
 def cpu_seconds(pid: int) -> float:
@@ -34,17 +34,6 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def engine_pid(front_pid: int) -> int:
-    """The worker's engine process: the child started by multiprocessing's spawn."""
-    with open(f"/proc/{front_pid}/task/{front_pid}/children") as f:
-        children = [int(p) for p in f.read().split()]
-    for pid in children:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                return pid
-    raise RuntimeError(f"no engine process among {children}")
 
 
 def main() -> int:
@@ -62,7 +51,7 @@ def main() -> int:
         server = LocalServer([*worker, "--max-running-requests", str(args.streams)])
         try:
             url = server.wait_healthy(600).url
-            pids = {"front_end": server.process.pid, "engine": engine_pid(server.process.pid)}
+            pids = {"front_end": server.process.pid, "engine": engine_pid_of(server.process.pid)}
             before = {name: cpu_seconds(pid) for name, pid in pids.items()}
             result = Path(scratch) / "bench.json"
             command = [

@@ -180,6 +180,18 @@ class LocalServer:
             self.process.wait(timeout=10)
 
 
+def engine_pid_of(server_pid: int) -> int:
+    """The pid of a worker's engine process: the child its front end (`server_pid`) started
+    with multiprocessing's spawn. Linux (/proc)."""
+    with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
+        children = [int(pid) for pid in f.read().split()]
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                return pid
+    raise LookupError(f"no engine process among {children}, the children of {server_pid}")
+
+
 def _kill_group(pgid: int, deadline_s: float) -> None:
     """SIGKILL every process left in group `pgid` and wait until none is."""
     deadline = time.monotonic() + deadline_s

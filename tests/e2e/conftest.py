@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.server.local_process import LocalServer
+from pdserve.server.local_process import LocalServer, engine_pid_of
 
 START_DEADLINE_S = 120.0
 
@@ -43,14 +43,7 @@ class Server:
 
 def engine_pid(server: Server) -> int:
     """The pid of a worker's engine process (its spawned child)."""
-    children = f"/proc/{server.process.pid}/task/{server.process.pid}/children"
-    with open(children) as f:
-        pids = [int(p) for p in f.read().split()]
-    for pid in pids:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                return pid
-    raise AssertionError(f"no engine process among {pids}")
+    return engine_pid_of(server.process.pid)
 
 
 def rank_pids(worker_pid: int) -> list[int]:
