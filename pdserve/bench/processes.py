@@ -12,6 +12,7 @@ offsets. Children get their share and give their records back as JSON over a pip
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -103,14 +104,14 @@ def _expect(pipe: Connection, deadline_s: float, what: str):
 
 def _child(pipe: Connection, request_json: str) -> None:
     """A client process: its share of the run, from the start the parent names."""
-    import asyncio
-
     try:
         request = json.loads(request_json)
         settings = ClientSettings(**request["settings"])
         rate, cap = request["load"]
         scheduled = [(i, _conversation(c), offset) for i, c, offset in request["scheduled"]]
         pipe.send_bytes(b'"ready"')
+        if not pipe.poll(2 * READY_DEADLINE_S):  # NOTE: the other processes' starts, at most
+            raise TimeoutError("the run's start never came")
         start_wall = json.loads(pipe.recv_bytes())
         cpu = time.process_time()
         start = time.perf_counter() + (start_wall - time.time())
