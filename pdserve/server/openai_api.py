@@ -328,7 +328,10 @@ async def _stream(state, jobs, view: _View, include_usage: bool, bootstrap) -> A
     def event(body: dict) -> str:
         return f"data: {json.dumps(body)}\n\n"
 
-    text_length = [0] * len(jobs)
+    # NOTE: a completions stream's text_offset counts each token's own text, as the
+    # non-streamed answer does, so it does not depend on how the tokens were grouped into
+    # events (a stream that falls behind gets several per event) or on detokenizer holdback.
+    token_offset = [0] * len(jobs)
     completion_tokens = [0] * len(jobs)
     cached_tokens = [0] * len(jobs)
     # NOTE: chat's role chunk goes out with the first output, not before: a stream whose
@@ -346,9 +349,12 @@ async def _stream(state, jobs, view: _View, include_usage: bool, bootstrap) -> A
             cached_tokens[index] = output.num_cached_tokens
             if not (new_text or output.finished or (view.logprobs and output.new_token_ids)):
                 continue
+            logprobs = view.logprob_block([output], token_offset[index])
+            if logprobs is not None and not view.chat:
+                token_offset[index] += sum(map(len, logprobs["tokens"]))
             choice: dict[str, Any] = {
                 "index": index,
-                "logprobs": view.logprob_block([output], text_length[index]),
+                "logprobs": logprobs,
                 "finish_reason": output.finish_reason if output.finished else None,
             }
             if view.chat:
@@ -357,7 +363,6 @@ async def _stream(state, jobs, view: _View, include_usage: bool, bootstrap) -> A
                 choice["text"] = new_text
             if output.finished and output.stop_reason is not None:
                 choice["stop_reason"] = output.stop_reason
-            text_length[index] += len(new_text)
             yield event(view.envelope(True, [choice]))
         if include_usage:
             prompt_tokens = sum(

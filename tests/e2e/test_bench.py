@@ -89,8 +89,10 @@ def test_a_random_run_agrees_with_the_servers_metrics(cluster, tmp_path):
     assert summary["output_tokens"] == sum(r["max_tokens"] for r in run["requests"])  # ignore_eos
     for request in run["requests"]:
         assert request["output_tokens"] == request["max_tokens"]
-        assert len(request["itl_s"]) == request["output_tokens"] - 1
+        # NOTE: gaps between chunks; a stream that fell behind gets several tokens in one.
+        assert len(request["itl_s"]) <= request["output_tokens"] - 1
         assert 0 < request["ttft_s"] <= request["e2e_s"]
+        assert 0 <= sum(request["itl_s"]) <= request["e2e_s"] - request["ttft_s"]
     assert_counts_agree(cluster, before, report, "/v1/completions")
     assert (tmp_path / "plots" / "latency_cdf.png").read_bytes()[:8] == PNG_MAGIC
 

@@ -37,11 +37,15 @@ def test_completion_with_usage(client, model):
 
 
 def test_streamed_completion_equals_non_streamed(client, model):
-    kwargs = dict(model=model, prompt="Once upon a time", max_tokens=20, temperature=0)
-    whole = client.completions.create(**kwargs).choices[0].text
+    kwargs = dict(model=model, prompt="Once upon a time", max_tokens=20, temperature=0, logprobs=2)
+    whole = client.completions.create(**kwargs).choices[0]
     chunks = list(client.completions.create(stream=True, **kwargs))
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.text
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    # NOTE: each token's text_offset too, however the stream grouped tokens into events.
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for lp in streamed for x in getattr(lp, field)] == getattr(whole.logprobs, field)
 
 
 def test_chat_completion_and_stream(client, model):
