@@ -26,6 +26,7 @@ text at the same character.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -60,11 +61,45 @@ def decode_text(
     Space clean-up (" ." -> ".") is off: it depends on text not yet generated, so the
     incremental path cannot apply it, and a non-streaming response must read the same.
     """
+    if _decodes_with_its_backend_only(type(tokenizer)):
+        # NOTE: what transformers' decode runs for such a tokenizer with clean-up off, less
+        # its per-call argument handling (a third of a streamed token's detokenization).
+        return tokenizer.backend_tokenizer.decode(
+            list(token_ids), skip_special_tokens=skip_special_tokens
+        )
     return tokenizer.decode(
         list(token_ids),
         skip_special_tokens=skip_special_tokens,
         clean_up_tokenization_spaces=False,
     )
+
+
+@functools.cache
+def _decodes_with_its_backend_only(cls: type) -> bool:
+    """True for a `tokenizers`-backed tokenizer class whose decode is transformers' own: it
+    hands the ids to the Rust backend and, with clean-up off, returns what that gives."""
+    from transformers import PreTrainedTokenizerFast
+
+    return (
+        issubclass(cls, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerFast.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+    )
+
+
+class TokenTexts:
+    """Each token id's own text, `tokenizer.decode([id])` as logprobs show a token, decoded
+    once per id (at most the vocabulary's size) instead of once per token streamed."""
+
+    def __init__(self, tokenizer: TokenDecoder):
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id])
+        return text
 
 
 class IncrementalDetokenizer:

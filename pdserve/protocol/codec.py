@@ -11,6 +11,7 @@ import dataclasses
 import enum
 import functools
 import types
+from collections.abc import Callable
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import msgpack
@@ -122,22 +123,34 @@ def _build(cls: type[M], body: Any, where: str) -> M:
     return cls(**values)
 
 
-def _shape_matches(value: Any, hint: Any) -> bool:
-    """Cheap top-level test: could `value` be of `hint` at all (before a full check)?"""
+@functools.cache
+def _shape_test(hint: Any) -> Callable[[Any], bool]:
+    """A cheap top-level test, built once per type: could a value be of `hint` at all
+    (before its full check)? A union takes the first option whose shape matches."""
     origin = get_origin(hint) or hint
     if hint is Any:
-        return True
+        return lambda value: True
     if hint is type(None):
-        return value is None
+        return lambda value: value is None
     if hint is float:
-        return type(value) in (int, float)
+        return lambda value: type(value) is float or type(value) is int
     if origin in (list, tuple):
-        return type(value) is list
+        return lambda value: type(value) is list
     if origin is dict or hint in _REGISTRY.values():
-        return type(value) is dict
+        return lambda value: type(value) is dict
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return any(type(value) is type(member.value) for member in hint)
-    return type(value) is origin
+        value_types = frozenset(type(member.value) for member in hint)
+        return lambda value: type(value) in value_types
+    return lambda value: type(value) is origin
+
+
+# NOTE: item types whose checker returns a valid value unchanged: a list of them is checked
+# with one pass over the item types, not a checker call per item (id lists, logprobs).
+_ITEMS_KEPT_AS_THEY_ARE = {
+    int: frozenset({int}),
+    str: frozenset({str}),
+    int | float: frozenset({int, float}),
+}
 
 
 @functools.cache
@@ -163,12 +176,12 @@ def _checker(hint: Any):
 
         return check_enum
     if origin in (Union, types.UnionType):
-        options = get_args(hint)
+        options = [(_shape_test(option), _checker(option)) for option in get_args(hint)]
 
         def check_union(value, where):
-            for option in options:
-                if _shape_matches(value, option):
-                    return _checker(option)(value, where)
+            for matches, check in options:
+                if matches(value):
+                    return check(value, where)
             raise ProtocolError(f"{where}: {type(value).__name__} does not match {hint}")
 
         return check_union
@@ -179,12 +192,15 @@ def _checker(hint: Any):
         item = args[0] if args else Any
         item_check = _checker(item)
         as_tuple = origin is tuple
+        kept = _ITEMS_KEPT_AS_THEY_ARE.get(item)
+        if item is float:
+            kept = frozenset({float})  # NOTE: an int item is made a float (the slow path)
 
         def check_list(value, where):
             if type(value) is not list:
                 raise ProtocolError(f"{where}: expected an array, got {type(value).__name__}")
-            if item is Any or (item in (int, str) and all(type(v) is item for v in value)):
-                checked = value  # NOTE: fast path for id lists; bool is not an int here
+            if item is Any or (kept is not None and all(type(v) in kept for v in value)):
+                checked = value  # NOTE: bool is not an int here (exact types)
             else:
                 checked = [item_check(v, f"{where}[]") for v in value]
             return tuple(checked) if as_tuple else checked

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.detokenizer import RequestDetokenizer
+from pdserve.engine.detokenizer import RequestDetokenizer, TokenTexts
 from pdserve.engine.sampling_params import INT64_MIN, InvalidSamplingParams, SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, TokenOutput
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
@@ -51,6 +51,10 @@ class ServerState:
     started: float = field(default_factory=time.time)
     # Disaggregated requests in flight: bootstrap_room -> engine request id (see abort_room).
     rooms: dict[int, str] = field(default_factory=dict)
+    token_texts: TokenTexts = field(init=False)  # logprobs' token strings
+
+    def __post_init__(self):
+        self.token_texts = TokenTexts(self.tokenizer)
 
 
 def new_request_id(prefix: str) -> str:

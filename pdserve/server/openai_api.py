@@ -207,7 +207,7 @@ class _View:
         self.object = obj
         self.created = int(time.time())
         self.model = state.served_model_name
-        self.tokenizer = state.tokenizer
+        self.token_text = state.token_texts
         self.logprobs = logprobs
         self.chat = chat
 
@@ -229,7 +229,7 @@ class _View:
         ids = [t for o in outputs for t in o.new_token_ids]
         lps = [lp for o in outputs for lp in (o.new_logprobs or [])]
         tops = [top for o in outputs for top in (o.new_top_logprobs or [[]] * len(o.new_token_ids))]
-        tokens = [self.tokenizer.decode([t]) for t in ids]
+        tokens = [self.token_text(t) for t in ids]
         if self.chat:
             return {
                 "content": [
@@ -239,7 +239,7 @@ class _View:
                         "bytes": list(token.encode()),
                         "top_logprobs": [
                             {
-                                "token": (s := self.tokenizer.decode([int(i)])),
+                                "token": (s := self.token_text(int(i))),
                                 "logprob": v,
                                 "bytes": list(s.encode()),
                             }
@@ -256,7 +256,7 @@ class _View:
         return {
             "tokens": tokens,
             "token_logprobs": lps,
-            "top_logprobs": [{self.tokenizer.decode([int(i)]): v for i, v in top} for top in tops],
+            "top_logprobs": [{self.token_text(int(i)): v for i, v in top} for top in tops],
             "text_offset": offsets,
         }
 

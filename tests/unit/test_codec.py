@@ -20,6 +20,25 @@ def raw(tag, body, version=PROTOCOL_VERSION):
     return msgpack.packb({"t": tag, "v": version, "b": body})
 
 
+def output_body(**fields):
+    """A token output's body on the wire, with `fields` replaced."""
+    body = {
+        "request_id": "r",
+        "new_token_ids": [1],
+        "finished": False,
+        "num_prompt_tokens": 1,
+        "num_output_tokens": 1,
+    }
+    return body | fields
+
+
+def test_logprobs_keep_their_numbers_and_an_integer_logprob_becomes_a_float():
+    body = output_body(new_logprobs=[-0.5, 0], new_top_logprobs=[[[3, -0.5], [4, 0]]])
+    output = decode(raw("token_output", body))
+    assert output.new_logprobs == [-0.5, 0.0] and type(output.new_logprobs[1]) is float
+    assert output.new_top_logprobs == [[[3, -0.5], [4, 0]]]
+
+
 def test_round_trip_with_nested_messages():
     msg = StepOutputs(
         [
@@ -81,6 +100,9 @@ def test_expected_type_is_enforced():
             "unknown fields",
         ),
         (raw("rank_stop", {"reason": ["a"]}), "expected str"),
+        (raw("token_output", output_body(new_logprobs=[-0.5, "x"])), "expected a number"),
+        (raw("token_output", output_body(new_top_logprobs=[[[3, True]]])), "does not match"),
+        (raw("token_output", output_body(new_top_logprobs=[[[3, None]]])), "does not match"),
         (
             raw("rank_move_kv", {"src": [1, "x"], "dst": []}),
             "expected an integer",

@@ -17,6 +17,7 @@ from pdserve.engine.detokenizer import (
     IncrementalDetokenizer,
     InvalidStopString,
     RequestDetokenizer,
+    TokenTexts,
     decode_text,
 )
 from pdserve.engine.sampling_params import SamplingParams
@@ -137,6 +138,43 @@ def test_special_tokens_kept_when_asked(tokenizer):
     det = make(tokenizer, skip_special_tokens=False)
     stream_one_by_one(det, ids)
     assert det.text == "the lazy dog<eos>"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_text_is_the_tokenizers_own_decode(tokenizer, skip_special_tokens):
+    for text in (PROMPT, EMOJI_TEXT, CJK_TEXT):
+        ids = [tokenizer.eos_token_id, *encode(tokenizer, text), tokenizer.eos_token_id]
+        for cut in range(len(ids) + 1):  # NOTE: most cuts end inside a character
+            want = tokenizer.decode(
+                ids[:cut],
+                skip_special_tokens=skip_special_tokens,
+                clean_up_tokenization_spaces=False,
+            )
+            got = decode_text(tokenizer, ids[:cut], skip_special_tokens=skip_special_tokens)
+            assert got == want
+
+
+def test_decode_text_keeps_a_tokenizer_classs_own_decode(tokenizer):
+    class Shouting(PreTrainedTokenizerFast):
+        def decode(self, token_ids, **kwargs):
+            return super().decode(token_ids, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<eos>")
+    assert decode_text(shouting, encode(tokenizer, "the lazy dog")) == "THE LAZY DOG"
+
+
+def test_token_texts_are_each_ids_own_decode_made_once(tokenizer):
+    decoded = []
+
+    class Counting:
+        def decode(self, token_ids, **kwargs):
+            decoded.append(token_ids)
+            return tokenizer.decode(token_ids, **kwargs)
+
+    texts = TokenTexts(Counting())
+    ids = encode(tokenizer, "the lazy dog, the lazy fox")
+    assert [texts(i) for i in ids] == [tokenizer.decode([i]) for i in ids]
+    assert sorted(decoded) == sorted([i] for i in set(ids))
 
 
 def test_prompt_context_keeps_leading_space_of_first_token():
