@@ -210,6 +210,7 @@ class _View:
         self.token_text = state.token_texts
         self.logprobs = logprobs
         self.chat = chat
+        self._chunk_head: str | None = None
 
     def envelope(self, streaming: bool, choices: list, usage: dict | None = None) -> dict:
         body = {
@@ -222,6 +223,14 @@ class _View:
         if usage is not None:
             body["usage"] = usage
         return body
+
+    def chunk_event(self, choice: dict) -> str:
+        """One streamed chunk of one choice as an SSE event: `envelope(True, [choice])` in
+        JSON, the envelope's fixed part encoded once per response instead of once a chunk."""
+        if self._chunk_head is None:
+            head = json.dumps(self.envelope(True, []))
+            self._chunk_head = "data: " + head[: head.rindex("[]")]
+        return f"{self._chunk_head}[{json.dumps(choice)}]}}\n\n"
 
     def logprob_block(self, outputs: list[TokenOutput], text_start: int = 0) -> dict | None:
         if not self.logprobs:
@@ -344,7 +353,7 @@ async def _stream(state, jobs, view: _View, include_usage: bool, bootstrap) -> A
                 for i in range(len(jobs)):
                     delta = {"role": "assistant", "content": ""}
                     choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
-                    yield event(view.envelope(True, [choice]))
+                    yield view.chunk_event(choice)
             completion_tokens[index] = output.num_output_tokens
             cached_tokens[index] = output.num_cached_tokens
             if not (new_text or output.finished or (view.logprobs and output.new_token_ids)):
@@ -363,7 +372,7 @@ async def _stream(state, jobs, view: _View, include_usage: bool, bootstrap) -> A
                 choice["text"] = new_text
             if output.finished and output.stop_reason is not None:
                 choice["stop_reason"] = output.stop_reason
-            yield event(view.envelope(True, [choice]))
+            yield view.chunk_event(choice)
         if include_usage:
             prompt_tokens = sum(
                 len(ids) for i, (_, ids, _) in enumerate(jobs) if _is_first_choice(jobs, i)
