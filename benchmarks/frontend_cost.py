@@ -11,6 +11,7 @@ of `--output-len` tokens through `pdserve bench`, and reads each process's CPU t
 
     python benchmarks/frontend_cost.py                       # tiny model, CPU, logprobs 0
     python benchmarks/frontend_cost.py --logprobs none
+    python benchmarks/frontend_cost.py --stream-interval 4  # the worker's flag
     python benchmarks/frontend_cost.py --model-path M --device cuda:0
 """
 
@@ -44,10 +45,12 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=300)
     parser.add_argument("--logprobs", default="0", help="N, or none")
+    parser.add_argument("--stream-interval", type=int, default=1, help="the worker's flag")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         model = args.model_path or str(make_tiny_model(Path(scratch) / "tiny", "llama"))
         worker = ["serve", "--model-path", model, "--device", args.device, "--max-model-len", "512"]
+        worker += ["--stream-interval", str(args.stream_interval)]
         server = LocalServer([*worker, "--max-running-requests", str(args.streams)])
         try:
             url = server.wait_healthy(600).url
@@ -73,6 +76,7 @@ def main() -> int:
     report = {
         "device": args.device,
         "logprobs": args.logprobs,
+        "stream_interval": args.stream_interval,
         "streams": args.streams,
         "tokens": tokens,
         "wall_s": round(wall, 2),

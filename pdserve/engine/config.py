@@ -43,6 +43,8 @@ class EngineConfig:
     enable_two_batch_overlap: under tensor parallelism, an eager pass of at least
     `two_batch_min_tokens` tokens (a long prefill chunk) runs as two halves of its tokens,
     each half's all-reduces overlapping the other half's compute (`ModelRunner`).
+    stream_interval: a worker's engine process sends a request's tokens once this many piled
+    up (`pdserve.server.stream_interval`); `LLM` ignores it.
     """
 
     model_path: str
@@ -103,6 +105,11 @@ class EngineConfig:
         "tensor parallelism: long prefill passes run as two halves, each half's all-reduces "
         "overlapping the other's compute",
     )
+    stream_interval: int = option(
+        1,
+        "new tokens a request's output carries before the engine sends it to the front end "
+        "(its first and last go at once); more: a chunkier stream, less front-end work a token",
+    )
     two_batch_min_tokens: int = 2048
     cpu_kv_cache_cap: int = 1 << 30
     # The module a tensor-parallel worker's other ranks run (`python -m ...`): a disaggregated
@@ -136,6 +143,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.rank_worker_module not in RANK_WORKER_MODULES:
             raise ValueError(
                 f"rank_worker_module must be one of {RANK_WORKER_MODULES}, "

@@ -126,7 +126,7 @@ def _build(cls: type[M], body: Any, where: str) -> M:
 @functools.cache
 def _shape_test(hint: Any) -> Callable[[Any], bool]:
     """A cheap top-level test, built once per type: could a value be of `hint` at all
-    (before its full check)? A union takes the first option whose shape matches."""
+    (before its full check)? A union's check takes the first option whose shape matches."""
     origin = get_origin(hint) or hint
     if hint is Any:
         return lambda value: True
@@ -144,11 +144,13 @@ def _shape_test(hint: Any) -> Callable[[Any], bool]:
     return lambda value: type(value) is origin
 
 
-# NOTE: item types whose checker returns a valid value unchanged: a list of them is checked
-# with one pass over the item types, not a checker call per item (id lists, logprobs).
+# NOTE: per item type, the value types its checker returns unchanged: a list of only those is
+# checked with one pass over its items' types, not a checker call per item (id lists,
+# logprobs). An int among floats goes the slow way, to be made a float.
 _ITEMS_KEPT_AS_THEY_ARE = {
     int: frozenset({int}),
     str: frozenset({str}),
+    float: frozenset({float}),
     int | float: frozenset({int, float}),
 }
 
@@ -193,8 +195,6 @@ def _checker(hint: Any):
         item_check = _checker(item)
         as_tuple = origin is tuple
         kept = _ITEMS_KEPT_AS_THEY_ARE.get(item)
-        if item is float:
-            kept = frozenset({float})  # NOTE: an int item is made a float (the slow path)
 
         def check_list(value, where):
             if type(value) is not list:

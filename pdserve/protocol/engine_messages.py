@@ -7,6 +7,7 @@ once per step, what every request produced. Sampling settings travel as a plain 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import field
 from typing import Any
 
@@ -85,6 +86,21 @@ class TokenOutput:
     def error(self) -> str | None:
         """The failure's message, None if the request did not fail."""
         return None if self.failure is None else self.failure.message
+
+    def followed_by(self, later: TokenOutput) -> TokenOutput:
+        """This output and the request's next one (this one neither finished nor failed) as
+        one: the new tokens (and their logprobs) of both, the state of the later."""
+        logprobs, top = self.new_logprobs, self.new_top_logprobs
+        if later.new_logprobs is not None:
+            logprobs = (logprobs or []) + later.new_logprobs
+        if later.new_top_logprobs is not None:
+            top = (top or []) + later.new_top_logprobs
+        return dataclasses.replace(
+            later,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_logprobs=logprobs,
+            new_top_logprobs=top,
+        )
 
 
 @message("disagg_stats")

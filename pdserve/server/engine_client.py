@@ -20,7 +20,7 @@ import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -250,7 +250,7 @@ class EngineClient:
                     later = queue.get_nowait()
                     if later.failure is not None:
                         break  # NOTE: the tokens before a failure still go out before it
-                    output, later = joined(output, later), None
+                    output, later = output.followed_by(later), None
                 finished = output.finished
                 yield output
                 if finished:
@@ -356,22 +356,6 @@ class EngineClient:
     def _fail_all(self, reason: str) -> None:
         for request_id, queue in list(self._queues.items()):
             queue.put_nowait(_failed(request_id, reason))
-
-
-def joined(first: TokenOutput, later: TokenOutput) -> TokenOutput:
-    """Two consecutive outputs of one request (the first neither finished nor failed) as
-    one: the new tokens (and their logprobs) of both, the state of the later."""
-    logprobs, top = first.new_logprobs, first.new_top_logprobs
-    if later.new_logprobs is not None:
-        logprobs = (logprobs or []) + later.new_logprobs
-    if later.new_top_logprobs is not None:
-        top = (top or []) + later.new_top_logprobs
-    return replace(
-        later,
-        new_token_ids=first.new_token_ids + later.new_token_ids,
-        new_logprobs=logprobs,
-        new_top_logprobs=top,
-    )
 
 
 def _failed(request_id: str, reason: str) -> TokenOutput:

@@ -48,6 +48,7 @@ from pdserve.protocol.engine_messages import (
     TokenOutput,
 )
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
+from pdserve.server.stream_interval import StreamInterval
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ class EngineLoop:
         self.step_seconds = 0.0
         self.batched_tokens = 0
         self.consecutive_failures = 0
+        self.stream_interval = StreamInterval(self.engine.config.stream_interval)
 
     def tick(self, messages: list[Message]) -> StepOutputs | None:
         """One turn: the messages, the handoff's progress, a step if there is work. Returns
@@ -149,6 +151,7 @@ class EngineLoop:
         if stepped:
             produced.extend(self._hand_over(self._step()))
         outputs.extend(_to_wire(o) for o in produced)
+        outputs = self.stream_interval.pass_on(outputs, live=self.engine.requests)
         if not (stepped or outputs):
             return None
         return StepOutputs(outputs, self._stats())
@@ -248,6 +251,7 @@ class EngineLoop:
             self.handoff.fail_room(msg)
         elif isinstance(msg, AbortRequest):
             self.handoff.abort(msg.request_id)
+            self.stream_interval.drop(msg.request_id)
         else:
             return self._add(msg)
         return []

@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.protocol.engine_messages import TokenOutput
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
-from pdserve.server.engine_client import EngineClientConfig, joined
+from pdserve.server.engine_client import EngineClientConfig
 from tests.unit.test_engine_client_restarts import make_client  # noqa: F401 (a fixture)
 
 
@@ -77,8 +77,8 @@ def test_the_tokens_before_a_failure_go_out_before_it(make_client):  # noqa: F81
 
 
 def test_joining_keeps_the_later_state_and_logprobs_only_where_asked():
-    joined_output = joined(step([1], 1, spec_verify_ct=1), step([2, 3], 3, spec_verify_ct=2))
-    assert joined_output == step([1, 2, 3], 3, spec_verify_ct=2)
+    joined = step([1], 1, spec_verify_ct=1).followed_by(step([2, 3], 3, spec_verify_ct=2))
+    assert joined == step([1, 2, 3], 3, spec_verify_ct=2)
     plain = TokenOutput("r", [1], False, 4, 1)
-    assert joined(plain, TokenOutput("r", [2], True, 4, 2)).new_logprobs is None
-    assert joined(plain, TokenOutput("r", [2], True, 4, 2)).new_token_ids == [1, 2]
+    assert plain.followed_by(TokenOutput("r", [2], True, 4, 2)).new_logprobs is None
+    assert plain.followed_by(TokenOutput("r", [2], True, 4, 2)).new_token_ids == [1, 2]

@@ -48,6 +48,7 @@ SAMPLES = {
             "dist_init_addr": "10.0.0.1:29500",
             "disable_custom_all_reduce": True,
             "enable_two_batch_overlap": True,
+            "stream_interval": 4,
         },
     ),
     SpecSettings: (
