@@ -18,6 +18,7 @@ from typing import ClassVar
 
 import torch
 
+from pdserve.engine.host_ints import host_ints
 from pdserve.engine.request import Request
 
 CAPTURE_KINDS = ("none", "final", "layers")
@@ -27,7 +28,7 @@ def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
     """Host ints as an int64 tensor on `device`, without waiting for the GPU: a blocking copy
     (`torch.tensor(values, device=...)`, or indexing a GPU tensor with a list) first waits for
     every kernel queued before it, which stalls the host mid-step."""
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+    return host_ints(values).to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)

@@ -137,8 +137,7 @@ class ModelRunner:
         )
 
     def _device_ids(self, batch: ForwardBatch, device_tokens: torch.Tensor | None) -> torch.Tensor:
-        ids = torch.tensor(batch.flat_token_ids(), dtype=torch.int64)
-        ids = ids.to(self.device, non_blocking=True)
+        ids = device_ints(batch.flat_token_ids(), self.device)
         if device_tokens is not None:
             ids = resolve_placeholders(ids, device_tokens)
         return ids

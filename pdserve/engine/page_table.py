@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.host_ints import host_ints
 from pdserve.engine.request import Request, RequestStatus
 
 
@@ -60,7 +61,7 @@ class DevicePageTable:
             request.pages_changed_from = count
             rows.append(row)
         if positions:
-            writes = torch.tensor([positions, page_ids], dtype=torch.int64)
+            writes = host_ints(positions + page_ids).view(2, -1)
             writes = writes.to(self.device, non_blocking=True)
             self.table.view(-1).index_copy_(0, writes[0], writes[1])
         return rows
