@@ -54,9 +54,31 @@ def encode(msg: Any) -> bytes:
 
 def _fields(msg: Any) -> dict[str, Any]:
     """A message's body; nested messages become maps the same way (msgpack's default hook)."""
-    if not dataclasses.is_dataclass(msg) or getattr(type(msg), "TAG", None) not in _REGISTRY:
+    body = _body_maker(type(msg))
+    if body is None:
         raise ProtocolError(f"cannot encode {type(msg).__name__}")
-    return {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    return body(msg)
+
+
+@functools.cache
+def _body_maker(cls: type) -> Callable[[Any], dict[str, Any]] | None:
+    """For a registered message class, a function from a message to its body, made once per
+    class (an engine step's outputs are hundreds of messages); None for any other class."""
+    if not dataclasses.is_dataclass(cls) or getattr(cls, "TAG", None) not in _REGISTRY:
+        return None
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    count = len(names)
+
+    def body(msg: Any) -> dict[str, Any]:
+        # NOTE: a message's attributes are its fields, set in order by its __init__: then
+        # the instance's own dict is the body (msgpack only reads it). Anything else set on
+        # it later stays off the wire.
+        attributes = msg.__dict__
+        if len(attributes) == count:
+            return attributes
+        return {name: attributes[name] for name in names}
+
+    return body
 
 
 def decode(data: bytes, expected: type[M] | tuple[type, ...] | None = None) -> M:

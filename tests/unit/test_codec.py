@@ -182,3 +182,11 @@ def test_rank_forward_lists_travel_flat_and_split_back_or_name_the_mismatch():
         split([3, 4, 5], [2, 0, 2], "pages")
     with pytest.raises(ValueError, match="tokens"):
         split([1], [2, -1], "tokens")
+
+
+def test_only_a_messages_fields_go_on_the_wire():
+    output = TokenOutput("r", [1, 2], False, 3, 2)
+    object.__setattr__(output, "note", "not a field")  # NOTE: frozen: set around it
+    body = msgpack.unpackb(encode(StepOutputs([output], EngineStats(1, 0, 1, 8))))["b"]
+    assert "note" not in body["outputs"][0]
+    assert decode(encode(StepOutputs([output], EngineStats(1, 0, 1, 8)))).outputs[0] == output
