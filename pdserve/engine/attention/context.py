@@ -93,9 +93,9 @@ class AttentionContext:
         # NOTE: whole-batch tensor ops, not one per sequence: at a few hundred sequences the
         # per-sequence form cost ~1 ms of host time a step.
         table = _page_table(pages)
-        lens = host_ints(query_lens)
+        lens, starts = host_ints(query_lens), host_ints(query_starts)
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), lens)
-        first_slot_less_row = host_ints(num_computed) - host_ints(query_starts)
+        first_slot_less_row = host_ints(num_computed) - starts
         storage = torch.arange(seq_of_token.numel()) + first_slot_less_row[seq_of_token]
         slots = table[seq_of_token, storage // page_size] * page_size + storage % page_size
         if positions is not None:
@@ -113,8 +113,8 @@ class AttentionContext:
                 "table": table,
                 "table_rows": list(range(num_seqs)),
                 "decode_table_rows": decode,
-                "query_starts": query_starts,
-                "query_lens": query_lens,
+                "query_starts": starts,
+                "query_lens": lens,
                 "kv_lens": kv_lens,
                 "prefill": prefill,
                 "decode_rows": [query_starts[i] for i in decode],
