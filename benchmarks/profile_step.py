@@ -103,11 +103,12 @@ def main() -> None:
             prof.export_chrome_trace(args.trace)
 
 
+# NOTE: matched lower-cased; cuBLAS under CUDA 13 names its Hopper kernels nvjet_*.
 KERNEL_CLASSES = {
-    "matmul": ("gemm", "gemv", "cutlass", "sm90_xmma", "splitk", "matmul"),
-    "all-reduce": ("one_shot", "all_reduce", "allreduce", "AllReduce"),
-    "other collective": ("nccl", "Broadcast", "AllGather"),
-    "attention": ("attention", "attn", "flash", "decode_kernel"),
+    "matmul": ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitk", "matmul"),
+    "all-reduce": ("one_shot", "all_reduce", "allreduce"),
+    "other collective": ("nccl", "broadcast", "allgather"),
+    "attention": ("attention", "attn", "flash", "decode_chunk", "merge_chunks", "extend"),
 }
 
 
@@ -120,7 +121,7 @@ def print_kernel_classes(prof, steps: int) -> None:
     for event in prof.key_averages():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        name = event.key
+        name = event.key.lower()
         kind = next(
             (k for k, needles in KERNEL_CLASSES.items() if any(n in name for n in needles)),
             "other",

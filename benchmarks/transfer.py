@@ -135,6 +135,7 @@ def prefill_main(sizes, shape: KVShape, repeats: int, config, port_queue, timing
     port_queue.put(server.start())
     stager = KVStager([pool])
     staging = BufferPool(device)
+    copy = timing_events(device) if ipc else None
     room = 0
     for size in sizes:
         pages = list(range(1, 2 * size, 2))  # every other page
@@ -142,12 +143,13 @@ def prefill_main(sizes, shape: KVShape, repeats: int, config, port_queue, timing
             room += 1
             sender = server.sender(room)
             wait(lambda s=sender: s.poll() is TransferState.WAITING_FOR_INPUT, server.doorbell)
+            if copy is not None:
+                copy[0].record()  # NOTE: the GPU is idle: the copy's clock starts here
             start = time.monotonic()
             host_steps = {}
             if ipc:  # written straight into decode's pages, as the prefill handoff does
                 kv = None
-                host_steps = write_into_decode(server, stager, sender, pages, device)
-                sender.finish(MetadataRecord(first_token=1))
+                host_steps = write_into_decode(server, stager, sender, pages, copy)
             else:
                 # NOTE: staging comes from a pool, as a prefill worker's would: fresh memory
                 # costs page faults on every request. Success means decode acked: it is free.
@@ -155,7 +157,6 @@ def prefill_main(sizes, shape: KVShape, repeats: int, config, port_queue, timing
                 synchronize(device)
                 sender.send(kv, MetadataRecord(first_token=1))
             wait(lambda s=sender: s.poll() in ENDED, server.doorbell)
-            copy = host_steps.pop("copy_events", None)
             if copy is not None:  # when the GPU finished the copy, as a step
                 copy[1].synchronize()  # NOTE: the room may end first: decode's GPU waits
                 host_steps["copy_done"] = start + copy[0].elapsed_time(copy[1]) / 1e3
@@ -168,27 +169,33 @@ def prefill_main(sizes, shape: KVShape, repeats: int, config, port_queue, timing
     server.stop()
 
 
-def write_into_decode(server, stager: KVStager, sender, pages, device) -> dict[str, float]:
-    """The `ipc` backend's piece: the room's pages written into decode's, then handed on with
-    the event the write completes at; when each host step ended (and, on a GPU, the CUDA
-    events around the copy: `copy_events`)."""
+def timing_events(device) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+    """CUDA events that time the copy on a GPU, recorded once: torch makes an event at its
+    first record (~60 µs on a GPU host), which must not fall inside a timed handoff."""
+    if device.type != "cuda":
+        return None
+    events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for event in events:
+        event.record()
+    torch.cuda.synchronize(device)
+    return events
+
+
+def write_into_decode(server, stager: KVStager, sender, pages, copy) -> dict[str, float]:
+    """The `ipc` backend's piece: the room's pages written into decode's, then announced with
+    the event the write completes at and the room's metadata, as prefill's last piece is;
+    when each host step ended. `copy`: `timing_events`, the second recorded after the copy."""
     span = PageSpan(0, len(pages))
     peer_pools, peer_pages = sender.destination(span)
     steps = {"destination": time.monotonic()}
-    copy = None
-    if device.type == "cuda":
-        copy = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        copy[0].record()
-    steps["write_start"] = time.monotonic()
     stager.write([pages], peer_pools, peer_pages)
     steps["write_queued"] = time.monotonic()
     if copy is not None:
         copy[1].record()
-        steps["copy_events"] = copy
     ready, event = server.write_event()
     nbytes = span.nbytes(stager.page_bytes)
     piece = OutgoingPiece(span, None, ready, nbytes=nbytes, targets=peer_pools, event=event)
-    sender.send_piece(piece)
+    sender.send_piece(piece, then=MetadataRecord(first_token=1))
     return steps
 
 

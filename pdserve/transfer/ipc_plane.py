@@ -146,6 +146,7 @@ class IpcReceivePlane(_IpcPlane):
         super().__init__(endpoint, pools)
         self.handles = [export_pool(pool) for pool in pools]
         self.lane = None
+        self._read_at: float | None = None  # NOTE: when the lane packet in hand was read
         if lane_fits(metadata_bytes):
             # NOTE: a prefill peer's pid is known from its HelloReply, before it connects.
             wanted = lambda pid: any(p.pid == pid for p in endpoint.peers.values())  # noqa: E731
@@ -173,6 +174,7 @@ class IpcReceivePlane(_IpcPlane):
         if self.lane is None or not self.lane.owns(socket):
             return False
         endpoint = self.endpoint
+        self._read_at = time.monotonic()
         for pid, *received in self.lane.read(socket):
             peer = next((p for p in endpoint.peers.values() if p.registered and p.pid == pid), None)
             if peer is None:
@@ -182,6 +184,7 @@ class IpcReceivePlane(_IpcPlane):
             else:
                 peer.last_seen = time.monotonic()
                 endpoint.handle_message(peer, *received)
+        self._read_at = None
         return True
 
     def close(self) -> None:
@@ -204,6 +207,8 @@ class IpcReceivePlane(_IpcPlane):
         room = endpoint.room_of(peer, msg.room)
         if room is None:
             return True  # a room that ended: its pages stay held until it is released
+        if self._read_at is not None:
+            room.stamps.setdefault("lane_read", self._read_at)
         ready = None
         if msg.event:
             ready = self._opened(peer).open(msg.event)

@@ -252,6 +252,8 @@ def test_pieces_and_the_finish_go_over_the_lane_not_the_io_thread(pair, monkeypa
     on_the_connection = {kind for kind, way, _ in sent if way == "connection"}
     assert "RoomAck" in on_the_connection  # decode's, the other way
     assert not on_the_connection & {"KVPiece", "MetadataHeader", "RoomDone"}
+    # The step that splits the lane's hop from decode's handling of the first piece.
+    assert receiver.stamps["lane_read"] <= receiver.stamps["first_piece"]
 
 
 def _forge(address: str, room: int) -> None:
@@ -295,6 +297,7 @@ def test_without_a_lane_announcements_go_over_the_connection(monkeypatch, why):
         receiver.commit(pair.target)
         assert_written(pair, case)
         assert pair.client.metrics.malformed_messages == 0
+        assert "lane_read" not in receiver.stamps
     finally:
         pair.client.stop()
         pair.server.stop()
