@@ -24,6 +24,9 @@ from tests.waiting import wait_until
 # once missed the whole prefill).
 SLOW_PREFILL = ("--chunked-prefill-size", "1")
 LONG_PROMPT = [7] * 600
+# NOTE: with SLOW_PREFILL one step a token: a prefill of seconds, which polls ~40 ms apart on
+# a busy 2-core machine cannot miss (600 tokens once went by between two of them).
+SLOW_PROMPT = [7] * 1800
 PREFILL_MAX_LEN = 700  # the shared cluster's prefill worker: shorter than decode's
 TOO_LONG_FOR_PREFILL = [9] * (PREFILL_MAX_LEN + 100)
 ROUTER = ("--request-timeout", "60")
@@ -106,10 +109,10 @@ def shared(tiny_model_dirs):
 
 
 def long_request_while_prefilling(cluster, prefill):
-    """Send LONG_PROMPT through the router in the background; returns its `join` once the
-    prefill worker is computing it."""
+    """Send SLOW_PROMPT through the router in the background; returns its `join` once the
+    prefill worker (with SLOW_PREFILL) is computing it."""
     url = cluster.router.url + "/generate"
-    join = _in_background(lambda: httpx.post(url, json=_generate_body(LONG_PROMPT), timeout=90))
+    join = _in_background(lambda: httpx.post(url, json=_generate_body(SLOW_PROMPT), timeout=90))
     wait_until(
         lambda: cluster.state(prefill)["num_prefilling"] == 1,
         "the prefill to start",
@@ -140,7 +143,7 @@ def test_decode_alone_fails_its_room_when_prefill_dies(fresh, backend):
     fast: the dead prefill peer stops answering heartbeats."""
     cluster = fresh(prefill_args=SLOW_PREFILL, backend=backend)
     prefill, decode = cluster.prefill[0], cluster.decode[0]
-    body = _direct_body(_generate_body(LONG_PROMPT), cluster, room=12345)
+    body = _direct_body(_generate_body(SLOW_PROMPT), cluster, room=12345)
     join_decode = _in_background(lambda: decode.post("/generate", body))
     join_prefill = _in_background(lambda: prefill.post("/generate", body))
     wait_until(
