@@ -175,16 +175,21 @@ class IpcReceivePlane(_IpcPlane):
             return False
         endpoint = self.endpoint
         self._read_at = time.monotonic()
-        for pid, *received in self.lane.read(socket):
-            peer = next((p for p in endpoint.peers.values() if p.registered and p.pid == pid), None)
-            if peer is None:
-                endpoint.malformed(None, f"an announcement from process {pid}, not a prefill peer")
-            elif len(received) == 1:
-                endpoint.malformed(peer, f"on the announcement lane: {received[0]}")
-            else:
-                peer.last_seen = time.monotonic()
-                endpoint.handle_message(peer, *received)
-        self._read_at = None
+        try:
+            for pid, *received in self.lane.read(socket):
+                peer = next(
+                    (p for p in endpoint.peers.values() if p.registered and p.pid == pid), None
+                )
+                if peer is None:
+                    problem = f"an announcement from process {pid}, not a prefill peer"
+                    endpoint.malformed(None, problem)
+                elif len(received) == 1:
+                    endpoint.malformed(peer, f"on the announcement lane: {received[0]}")
+                else:
+                    peer.last_seen = time.monotonic()
+                    endpoint.handle_message(peer, *received)
+        finally:
+            self._read_at = None  # NOTE: a message over a connection has no lane step
         return True
 
     def close(self) -> None:

@@ -19,14 +19,12 @@ from tests.e2e.pd_cluster import FAST_FAILURE, start_cluster
 from tests.e2e.sse import stream_post
 from tests.waiting import wait_until
 
-# A long prompt takes one step per token to prefill: a window of hundreds of steps in which a
-# test sees the prefill running and kills it (with 8 tokens a step, a busy CI machine's polls
-# once missed the whole prefill).
+# SLOW_PROMPT takes one step per token to prefill with SLOW_PREFILL: a window of seconds in
+# which a test sees the prefill running and kills it (a busy CI machine's polls, ~40 ms apart,
+# once missed the whole prefill with 8 tokens a step, and once with 600 tokens at one a step).
 SLOW_PREFILL = ("--chunked-prefill-size", "1")
-LONG_PROMPT = [7] * 600
-# NOTE: with SLOW_PREFILL one step a token: a prefill of seconds, which polls ~40 ms apart on
-# a busy 2-core machine cannot miss (600 tokens once went by between two of them).
 SLOW_PROMPT = [7] * 1800
+LONG_PROMPT = [7] * 600
 PREFILL_MAX_LEN = 700  # the shared cluster's prefill worker: shorter than decode's
 TOO_LONG_FOR_PREFILL = [9] * (PREFILL_MAX_LEN + 100)
 ROUTER = ("--request-timeout", "60")
