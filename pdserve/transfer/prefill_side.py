@@ -34,6 +34,7 @@ from pdserve.protocol.transfer_messages import (
     RoomDone,
     TransferRequest,
 )
+from pdserve.transfer.bootstrap_connections import ConnectionLimit
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.dist_plane import DistSendPlane
 from pdserve.transfer.endpoint import Endpoint, Peer
@@ -89,6 +90,7 @@ class PrefillTransferServer(PrefillRooms, IpcWrites, DecodePeers, Endpoint):
         self.instance = secrets.randbits(63)
         self.max_room_pages = max_room_pages
         self.port: int | None = None
+        self.connections: ConnectionLimit | None = None  # once started
         self.tp_size = tp_size
         self.start_fanout(tp_size, ranks_host)
         # Rooms that ended with writes into decode's pages in flight (`ipc`), by id.
@@ -119,6 +121,13 @@ class PrefillTransferServer(PrefillRooms, IpcWrites, DecodePeers, Endpoint):
             _FROM_DECODE,
             max_message_bytes=max_decode_message_bytes(self.config.backend, self.max_room_pages),
         )
+        self.connections = ConnectionLimit(
+            self.context,
+            self.channel.socket,
+            self.config.max_bootstrap_connections,
+            self.config.peer_timeout_s,
+            self.peer_log,
+        )
         host, port = self.config.bootstrap_host, self.config.bootstrap_port
         if port == 0:
             self.port = self.channel.bind_random_port(f"tcp://{host}")
@@ -126,6 +135,8 @@ class PrefillTransferServer(PrefillRooms, IpcWrites, DecodePeers, Endpoint):
             self.channel.bind(f"tcp://{host}:{port}")
             self.port = port
         self.io.poller.register(self.channel.socket, zmq.POLLIN)
+        for socket in self.connections.sockets:
+            self.io.poller.register(socket, zmq.POLLIN)
         self.io.start(self._on_socket, self.tick, tick_s=0.05)
         return self.port
 
@@ -134,6 +145,8 @@ class PrefillTransferServer(PrefillRooms, IpcWrites, DecodePeers, Endpoint):
             self._staged.stop()
         self.io.stop()
         self.plane.close()
+        if self.connections is not None:
+            self.connections.close()
         self.channel.close()
         self.context.term()
         self.doorbell.close()
@@ -159,7 +172,7 @@ class PrefillTransferServer(PrefillRooms, IpcWrites, DecodePeers, Endpoint):
         return self.channel.frames(msg, *payload, to=peer.key)
 
     def _on_socket(self, socket: zmq.Socket) -> None:
-        if self.on_fanout(socket):
+        if self.on_fanout(socket) or self.connections.on_socket(socket):
             return
         while True:
             try:
