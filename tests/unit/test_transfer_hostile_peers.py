@@ -23,12 +23,17 @@ from pdserve.protocol.transfer_messages import (
     AbortRoom,
     Heartbeat,
     Hello,
+    HelloReply,
+    Register,
+    RegisterAck,
     RegisterRejected,
     TransferRequest,
 )
-from pdserve.transfer.peer_auth import new_nonce
+from pdserve.transfer.kv_staging import KVStager
+from pdserve.transfer.peer_auth import decode_proof, new_nonce
 from pdserve.transfer.room_state import Tombstones, TransferState
-from tests.unit.test_transfer_hardening import authenticated_dealer, finished, receive
+from tests.e2e.transfer_peers import layout, pools, record
+from tests.unit.test_transfer_hardening import CASE, authenticated_dealer, finished, receive
 from tests.unit.test_transfer_in_process import CONFIG, Case, start_pair
 from tests.waiting import wait_until
 
@@ -304,3 +309,45 @@ def test_a_connection_that_never_handshakes_is_closed():
     finally:
         pair.client.stop()
         pair.server.stop()
+
+
+# ---- a torch.distributed link that is never made ----------------------------------------------
+
+
+def test_sends_for_a_link_never_made_stop_counting_when_the_peer_is_dropped(zmq_context):
+    """A decode peer (gloo) names a store that never answers: prefill's link stays in the
+    making, the piece's send waits for it, and when the silent peer is dropped its sends go
+    with it."""
+    config = dataclasses.replace(CONFIG, backend="gloo", peer_timeout_s=1)
+    pair = start_pair(config)
+    server = pair.server
+    silent_store = socket.create_server(("127.0.0.1", 0))
+    try:
+        nonce = new_nonce()
+        raw = dealer_from(zmq_context, "127.0.0.1", server.port)
+        raw.send(encode(Hello("raw-decode", nonce)))
+        reply = decode(receive(raw)[0], HelloReply)
+        store = f"127.0.0.1:{silent_store.getsockname()[1]}"
+        register = Register(
+            "raw-decode",
+            layout(CASE),
+            decode_proof("", reply.nonce, nonce),
+            backend="gloo",
+            store_address=store,
+            pair_name="pair/never",
+        )
+        raw.send(encode(register))
+        decode(receive(raw)[0], RegisterAck)
+        sender = server.sender(61)
+        raw.send(encode(TransferRequest(61, len(CASE.decode_pages), 0)))
+        wait_until(lambda: sender.poll() is TransferState.WAITING_FOR_INPUT, "the request", 10)
+        kv = KVStager(pools(CASE, 20, seed=1)).gather([list(CASE.prefill_pages)])
+        sender.send(kv, record(CASE))
+        wait_until(lambda: server.pending_sends == 1, "the send to be posted", 10)
+        wait_until(lambda: finished(sender), "the silent peer to be dropped", 10)
+        assert server.pending_sends == 0
+        raw.close(0)
+    finally:
+        silent_store.close()
+        pair.client.stop()
+        server.stop()
