@@ -14,6 +14,7 @@ are dropped with their rooms (see endpoint); every send is non-blocking (see out
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 
@@ -54,6 +55,8 @@ _FROM_DECODE = (Hello, Register, TransferRequest, AbortRoom, RoomAck, Heartbeat)
 DEFAULT_MAX_ROOM_PAGES = 1 << 16
 
 __all__ = ["PrefillTransferServer", "SenderRoom"]
+
+logger = logging.getLogger(__name__)
 
 
 class PrefillTransferServer(PrefillRooms, IpcWrites, DecodePeers, Endpoint):
@@ -138,6 +141,15 @@ class PrefillTransferServer(PrefillRooms, IpcWrites, DecodePeers, Endpoint):
         for socket in self.connections.sockets:
             self.io.poller.register(socket, zmq.POLLIN)
         self.io.start(self._on_socket, self.tick, tick_s=0.05)
+        if not self.config.auth_token:
+            logger.warning(
+                "prefill %s has no transfer token: any host that reaches its bootstrap port "
+                "%s:%d can register as a decode worker; give every prefill and decode worker "
+                "the same --transfer-token (or $PDSERVE_TRANSFER_TOKEN)",
+                self.prefill_id,
+                host,
+                self.port,
+            )
         return self.port
 
     def stop(self) -> None:

@@ -31,8 +31,9 @@ from pdserve.protocol.transfer_messages import (
 )
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.peer_auth import decode_proof, new_nonce
+from pdserve.transfer.prefill_side import PrefillTransferServer
 from pdserve.transfer.room_state import Tombstones, TransferState
-from tests.e2e.transfer_peers import layout, pools, record
+from tests.e2e.transfer_peers import layout, metadata_spec, pools, record
 from tests.unit.test_transfer_hardening import CASE, authenticated_dealer, finished, receive
 from tests.unit.test_transfer_in_process import CONFIG, Case, start_pair
 from tests.waiting import wait_until
@@ -351,3 +352,22 @@ def test_sends_for_a_link_never_made_stop_counting_when_the_peer_is_dropped(zmq_
         silent_store.close()
         pair.client.stop()
         server.stop()
+
+
+# ---- secure by default -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", ["", "s3cret"])
+def test_a_prefill_worker_without_a_token_warns_once_at_start_up(caplog, token):
+    caplog.set_level(logging.WARNING, logger="pdserve.transfer.prefill_side")
+    config = dataclasses.replace(CONFIG, auth_token=token)
+    server = PrefillTransferServer(config, layout(CASE), metadata_spec(CASE), "p")
+    server.start()
+    server.stop()
+    warned = [r.getMessage() for r in caplog.records if "transfer token" in r.getMessage()]
+    if token:
+        assert warned == []
+    else:
+        assert len(warned) == 1
+        assert f"bootstrap port 127.0.0.1:{server.port}" in warned[0]
+        assert "--transfer-token" in warned[0]
