@@ -137,12 +137,14 @@ class PrefillRooms:
             self.refuse_room(peer, msg.room, FailureKind.TRANSFER, destination)
             return
         with self.lock:
-            limit = None if msg.room in self.rooms else self._waiting_limit(peer)
-            if limit is None:
-                room = self._room(msg.room)
-                if not room.claimed and not room.done:
-                    self.waiting_rooms[msg.room] = peer
-                    peer.waiting_rooms.add(msg.room)
+            room, limit = self.rooms.get(msg.room), None
+            if room is None:  # NOTE: only a room this request makes waits for its prefill
+                limit = self._waiting_limit(peer)
+                if limit is None:
+                    room = self._room(msg.room)
+                    if not room.done:
+                        self.waiting_rooms[msg.room] = peer
+                        peer.waiting_rooms.add(msg.room)
         if limit is not None:
             self._refuse_waiting(peer, msg.room, limit)
             return
