@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import secrets
 from collections.abc import Callable
 
 from pdserve.commands.common import (
@@ -21,6 +22,7 @@ from pdserve.commands.router import ROUTER_PORT, add_router_flags, policies_from
 from pdserve.commands.serve import add_transfer_flags, transfer_config_from_args
 from pdserve.protocol.flags import add_flags, given, settings_from_args
 from pdserve.router.config import RouterConfig
+from pdserve.transfer.config import TransferConfig
 
 # What launch decides itself, for every worker: the bootstrap port of each prefill worker.
 LAUNCH_DECIDES = ("bootstrap_port",)
@@ -42,6 +44,15 @@ def register(subparsers, formatter) -> None:
     parser.set_defaults(configure=configure)
 
 
+def with_transfer_token(transfer: TransferConfig) -> TransferConfig:
+    """Secure by default: without --transfer-token, a new random one for this launch's
+    workers (handed to them through the environment, as a given one is), so that no other
+    host reaching a bootstrap port can register with them."""
+    if transfer.auth_token:
+        return transfer
+    return dataclasses.replace(transfer, auth_token=secrets.token_urlsafe(32))
+
+
 def configure(args: argparse.Namespace) -> Callable[[], int]:
     from pdserve.launch import LaunchConfig, LaunchPlan, launch, replace_served_name
 
@@ -56,7 +67,7 @@ def configure(args: argparse.Namespace) -> Callable[[], int]:
         launch=config,
         http=replace_served_name(http, served_name),
         engine=engine_config_from_args(args, model_path),
-        transfer=transfer_config_from_args(args, "decode", http.host),
+        transfer=with_transfer_token(transfer_config_from_args(args, "decode", http.host)),
         router={**given(RouterConfig, args), **policies_from(args)},
         log_level=args.log_level,
         split_gpu_memory=args.gpu_memory_utilization is None,

@@ -92,6 +92,9 @@ class DecodeHandoff(DisaggHandoff):
         """Queue a request for pages; returns a failure output if it is refused at once."""
         if bootstrap.room in self.rooms_in_use:
             return self.room_in_use(request_id, prompt_ids, bootstrap.room)
+        early = self.failed_before_it_came(request_id, prompt_ids, bootstrap.room)
+        if early is not None:
+            return early  # NOTE: before any reservation: the prefill worker was told already
         try:
             self.engine.validate_prompt(prompt_ids)
             # NOTE: resolved once here; the address, never the name again, is contacted.
@@ -113,7 +116,7 @@ class DecodeHandoff(DisaggHandoff):
             return  # a live request owns it: not ours to fail
         failure = Failure(msg.kind, FailureStage.BOOTSTRAP, refusal_message("decode", msg))
         if msg.room not in self.ended:  # else it failed, and was counted, here already
-            self.ended.add(msg.room)
+            self.ended.add(msg.room, failure)
             self.failures[failure.label] += 1
         try:
             self.client.abort_room(msg.room, msg.host, msg.port, failure.kind, failure.message)

@@ -93,6 +93,15 @@ class DisaggHandoff(Handoff):
         self.failures[failure.label] += 1
         return failed_output(request_id, prompt_ids, failure)
 
+    def failed_before_it_came(
+        self, request_id: str, prompt_ids: list[int], room: int
+    ) -> RequestOutput | None:
+        """The output of a request whose room failed here before the request arrived (a
+        router gave up on it, or the other side's refusal came first), with that failure; it
+        was counted when the room failed. None if the room did not fail here lately."""
+        failure = self.ended.failure(room)
+        return None if failure is None else failed_output(request_id, prompt_ids, failure)
+
     def room_in_use(self, request_id: str, prompt_ids: list[int], room: int) -> RequestOutput:
         message = f"bootstrap_room {room} is already in use"
         failure = Failure(FailureKind.INVALID, FailureStage.BOOTSTRAP, message)

@@ -101,6 +101,9 @@ class PrefillHandoff(DisaggHandoff):
         failed too, so the decode side is told)."""
         if bootstrap.room in self.rooms_in_use:
             return self.room_in_use(request_id, prompt_ids, bootstrap.room)
+        early = self.failed_before_it_came(request_id, prompt_ids, bootstrap.room)
+        if early is not None:
+            return early
         sender = self.server.sender(bootstrap.room)
         try:
             self.engine.validate_prompt(prompt_ids)
@@ -118,8 +121,8 @@ class PrefillHandoff(DisaggHandoff):
         """Fail a room whose request never reached us (the front end refused it)."""
         if msg.room in self.rooms_in_use or msg.room in self.ended:
             return  # a live request owns it, or it already failed (and counted) here
-        self.ended.add(msg.room)
         failure = Failure(msg.kind, FailureStage.BOOTSTRAP, refusal_message("prefill", msg))
+        self.ended.add(msg.room, failure)
         self.server.sender(msg.room).abort(failure.kind, failure.message)
         self.server.release(msg.room)
         self.failures[failure.label] += 1

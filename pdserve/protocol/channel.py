@@ -15,7 +15,7 @@ most `max_payload_frames`, e.g. a KV chunk sent with copy=False):
     .bind(address) / .bind_random_port("tcp://host") -> port / .connect(address)
     .frames(msg, *payload, to=None) -> list   # what send puts on the wire; `to` on a ROUTER
     .send(msg, *payload, to=None, flags=0, copy=True)
-    .receive(flags=0, copy=True) -> Received(msg, sender, payload)
+    .receive(flags=0, copy=True) -> Received(msg, sender, payload, address)
     await .receive_async(flags=0, copy=True)  # the same, on a zmq.asyncio context's socket
     .socket (for pollers), .close()
 
@@ -39,6 +39,7 @@ class Received(NamedTuple):
     msg: Any
     sender: bytes | None  # the peer's identity on a ROUTER, else None
     payload: tuple  # the frames after the message: bytes, or zmq.Frame with copy=False
+    address: str | None = None  # the peer's IP address on a ROUTER received with copy=False
 
 
 class Channel:
@@ -107,12 +108,23 @@ class Channel:
         self.socket.close(linger=0)
 
     def _parse(self, frames: list) -> Received:
+        address = _peer_address(frames[0]) if self.routed and frames else None
         sender = _bytes(frames.pop(0)) if self.routed and frames else None
         if not 1 <= len(frames) <= 1 + self.max_payload_frames:
             raise ProtocolError(
                 f"a message of {len(frames)} frames (expected 1 to {1 + self.max_payload_frames})"
             )
-        return Received(decode(_bytes(frames[0]), self.accepts), sender, tuple(frames[1:]))
+        msg = decode(_bytes(frames[0]), self.accepts)
+        return Received(msg, sender, tuple(frames[1:]), address)
+
+
+def _peer_address(frame: bytes | zmq.Frame) -> str | None:
+    if isinstance(frame, bytes):
+        return None
+    try:
+        return frame.get("Peer-Address")
+    except zmq.ZMQError:  # NOTE: not a TCP connection (inproc, ipc)
+        return None
 
 
 def _bytes(frame: bytes | zmq.Frame) -> bytes:

@@ -33,7 +33,14 @@ class TransferConfig:
         registration or transfer request; it is never sent.
     bootstrap_allow: addresses/CIDRs a decode worker may contact (None: loopback and this
         host's attached networks, see peer_allow).
-    max_peers: connections to peer workers kept at once (a bound on bookkeeping).
+    max_peers: connections to peer workers kept at once (a bound on bookkeeping); on a
+        prefill worker at most `max_peers_per_host` of them from one address, and idle ones
+        (registered, serving none of this worker's rooms) give way to a new one.
+    max_waiting_rooms / max_waiting_rooms_per_peer: rooms a prefill worker holds for decode
+        peers' transfer requests whose prefill request has not arrived (in all, and per
+        peer); the excess is refused at once.
+    max_bootstrap_connections: connections to a prefill worker's bootstrap port at once
+        (more are refused at their handshake).
     heartbeat_interval_s: None sends one every quarter of `peer_timeout_s`, at most 1 s."""
 
     backend: str = option(
@@ -83,6 +90,10 @@ class TransferConfig:
         separator=",",
     )
     max_peers: int = 256
+    max_peers_per_host: int = 64
+    max_waiting_rooms: int = 4096
+    max_waiting_rooms_per_peer: int = 1024
+    max_bootstrap_connections: int = 1024
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s is None:
@@ -109,8 +120,15 @@ class TransferConfig:
             raise ValueError("heartbeat_interval_s must be shorter than peer_timeout_s")
         if self.chunk_bytes < 1 << 10:
             raise ValueError(f"chunk_bytes must be at least 1 KiB, got {self.chunk_bytes}")
-        if self.max_peers < 1:
-            raise ValueError(f"max_peers must be at least 1, got {self.max_peers}")
+        for name in (
+            "max_peers",
+            "max_peers_per_host",
+            "max_waiting_rooms",
+            "max_waiting_rooms_per_peer",
+            "max_bootstrap_connections",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.piece_bytes < 0:
             raise ValueError(
                 f"--transfer-piece-bytes must be >= 0 (0: send whole), got {self.piece_bytes}"

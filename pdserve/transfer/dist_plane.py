@@ -153,7 +153,15 @@ class DistSendPlane(DistPlane):
 
     def __init__(self, endpoint: Endpoint, device: torch.device, fanout: RankFanout | None = None):
         super().__init__(endpoint, device, fanout)
-        self.pending_sends = 0  # sends posted and not completed
+        # Sends posted and not completed, by the peer's links id. NOTE: per peer, so that a
+        # peer dropped with sends whose end never comes (its link was never created, or a
+        # rank's report is skipped) takes them with it.
+        self._pending: collections.Counter[int] = collections.Counter()
+
+    @property
+    def pending_sends(self) -> int:
+        """Sends posted and not completed."""
+        return sum(self._pending.values())
 
     def send_piece(self, room, piece: OutgoingPiece, index: int) -> bool:
         """Announce one piece and post rank 0's parts (IO thread); False if the peer could
@@ -161,10 +169,9 @@ class DistSendPlane(DistPlane):
         peer = room.peer
         if not self.endpoint.send(peer, piece.announcement(room.room, index)):
             return False
-        self.pending_sends += piece.remote
         sends = piece.sends if piece.data is None else [(0, piece.data)]
+        self._pending[peer.links.id] += piece.remote + len(sends)
         for dst, data in sends:
-            self.pending_sends += 1
             nbytes = data.numel()
             self.links.send(
                 (peer.key, dst),
@@ -176,8 +183,23 @@ class DistSendPlane(DistPlane):
             )
         return True
 
+    def forget(self, peer: Peer) -> None:
+        if peer.links is not None:
+            self._pending.pop(peer.links.id, None)
+        super().forget(peer)
+
+    def _ended(self, peer: Peer) -> None:
+        """One of the peer's sends ended (nothing if the peer was dropped meanwhile)."""
+        key = peer.links.id
+        if self._pending[key] > 1:
+            self._pending[key] -= 1
+        else:
+            self._pending.pop(key, None)
+
     def _sent(self, peer: Peer, dst: int, nbytes: int, error: str | None) -> None:
-        self.pending_sends -= 1
+        if self.endpoint.peers.get(peer.key) is not peer:
+            return  # dropped meanwhile: its sends were forgotten with it
+        self._ended(peer)
         if error is not None:
             self.endpoint.drop_peer(peer, FailureKind.TRANSFER, error)
             return
@@ -186,7 +208,7 @@ class DistSendPlane(DistPlane):
 
     def _reported(self, peer: Peer, report: RankTransferReport) -> None:
         if report.kind == "sent":
-            self.pending_sends -= 1
+            self._ended(peer)
             self.endpoint.metrics.bytes_sent += report.nbytes
             self.bytes_by_link[report.rank, report.peer_rank] += report.nbytes
 

@@ -49,6 +49,8 @@ class Peer:
     registered: bool = False
     last_seen: float = field(default_factory=time.monotonic)
     last_heartbeat: float = 0.0
+    # When it last registered or was given a room: among idle peers, the oldest gives way.
+    last_busy: float = field(default_factory=time.monotonic)
     rooms: set[int] = field(default_factory=set)
     tp_size: int = 1  # the peer worker's tensor-parallel size, from its handshake
     links: Any = None  # its torch.distributed links (`head_slices.PeerLinks`) once made
@@ -75,7 +77,9 @@ class Endpoint:
         # Rung whenever a room changes state (see doorbell); the owner closes it at stop.
         self.doorbell = Doorbell()
         self.rooms: dict[int, Any] = {}
-        self.lock = threading.Lock()  # guards `rooms` against the caller's thread
+        # NOTE: guards `rooms` against the caller's thread, and makes "is there a room or a
+        # tombstone for it" and what follows one step; the tombstones also lock themselves.
+        self.lock = threading.Lock()
         self.tombstones = Tombstones(config.tombstone_ttl_s)
         self.peers: dict[Any, Peer] = {}
         self.plane: Any = None
@@ -115,6 +119,13 @@ class Endpoint:
         with self.lock:
             self.rooms.pop(room, None)
 
+    def release_unclaimed(self, room) -> None:
+        """Forget a finished room that only a peer asked for (nobody else will); checked
+        under the lock, so a room the caller's thread claims meanwhile stays."""
+        with self.lock:
+            if not room.claimed and self.rooms.get(room.room) is room:
+                del self.rooms[room.room]
+
     # ---- IO thread -------------------------------------------------------------------
 
     def send(self, peer: Peer, msg, *payload, copy: bool = True) -> bool:
@@ -136,7 +147,8 @@ class Endpoint:
     def attach(self, room, peer: Peer) -> None:
         room.attach(peer)
         peer.rooms.add(room.room)
-        peer.last_seen = time.monotonic()  # NOTE: an idle peer's old silence does not count
+        # NOTE: an idle peer's old silence does not count
+        peer.last_seen = peer.last_busy = time.monotonic()
 
     def room_of(self, peer: Peer, room_id: int):
         """The live room `room_id` if it is `peer`'s; None for a late or foreign message."""
@@ -204,7 +216,7 @@ class Endpoint:
         for room in rooms:
             if room.done:
                 if not room.claimed:
-                    self.release(room.room)  # only a peer asked for it: nobody else will
+                    self.release_unclaimed(room)
             elif room.check_deadline():
                 self.end_room(room, notify=True)
         self.plane.tick(now)

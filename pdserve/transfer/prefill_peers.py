@@ -1,10 +1,15 @@
 """The prefill side's decode peers: the handshake, registration and a bound on their number.
 
-A connection's entry is created by `Hello` only (at most `max_peers`; the oldest that has not
-registered makes way). `Register` must carry decode's proof over both nonces (see peer_auth);
-a wrong proof drops the entry, a layout mismatch keeps it marked rejected for a while so the
-rooms it asks for fail with the reason rather than a timeout. Until a connection registered,
-anything else it sends is answered `NotRegistered` and queues nothing.
+A connection's entry is created by `Hello` only: at most `max_peers` of them, and at most
+`max_peers_per_host` from one address. At a limit, the oldest connection that has not
+registered makes way, else the registered peer idle longest (one serving none of this worker's
+rooms: it registers again when it next needs us, see decode_peers); when every one serves
+rooms, the connection is refused with `RegisterRejected`, which the decode worker reports
+naming this prefill worker and the limit. `Register` must carry decode's proof over both
+nonces (see peer_auth); a wrong proof drops the entry, a layout mismatch keeps it marked
+rejected for a while so the rooms it asks for fail with the reason rather than a timeout.
+Until a connection registered, anything else it sends is answered `NotRegistered` and queues
+nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -45,15 +50,18 @@ class DecodePeer(Peer):
     pid: int = 0  # the `ipc` backend: decode's process, which must be alive while we write
     watch: ProcessWatch | None = None  # whether it still is (`ipc`)
     lane: LaneSender | None = None  # the `ipc` backend: where announcements go (`ipc_lane`)
+    host: str = ""  # the address it connects from
+    # Rooms it asked for whose prefill request has not arrived (under the server's lock).
+    waiting_rooms: set[int] = field(default_factory=set)
 
 
 class DecodePeers:
     """Mixin of PrefillTransferServer (an Endpoint): the handshake; runs on the IO thread."""
 
-    def _on_message(self, identity: bytes, msg) -> None:
+    def _on_message(self, identity: bytes, msg, host: str = "") -> None:
         peer = self.peers.get(identity)
         if isinstance(msg, Hello):
-            self._hello(identity, msg)
+            self._hello(identity, msg, host)
         elif peer is None:
             self._not_registered(identity, getattr(msg, "room", -1))
         elif isinstance(msg, Register):
@@ -80,19 +88,23 @@ class DecodePeers:
     def _not_registered(self, identity: bytes, room: int) -> None:
         self._reply(identity, NotRegistered(self.instance, room))
 
-    def _hello(self, identity: bytes, msg: Hello) -> None:
+    def _hello(self, identity: bytes, msg: Hello, host: str) -> None:
         try:
             peer_auth.check_nonce(msg.nonce)
         except peer_auth.NonceError as e:
             self.malformed(None, str(e))
             return
-        if identity not in self.peers and not self._make_room_for_a_peer():
-            self.bad_messages.warning("refused a decode connection: %d peers", len(self.peers))
-            return
+        if identity not in self.peers:
+            refusal = self._make_room_for_a_peer(host)
+            if refusal is not None:
+                self.bad_messages.warning("refused a decode connection from %s: %s", host, refusal)
+                reason = f"prefill {self.prefill_id} refused the connection: {refusal}"
+                self._reply(identity, RegisterRejected(reason))
+                return
         # NOTE: a connection greets again only before it registered: it has no rooms yet.
         nonce = peer_auth.new_nonce()
         outbox = Outbox(self.config.peer_timeout_s)
-        peer = DecodePeer(identity, outbox, decode_nonce=msg.nonce, prefill_nonce=nonce)
+        peer = DecodePeer(identity, outbox, decode_nonce=msg.nonce, prefill_nonce=nonce, host=host)
         self.peers[identity] = peer
         proof = peer_auth.prefill_proof(self.config.auth_token, msg.nonce, nonce)
         reply = self.plane.hello_reply(
@@ -100,14 +112,29 @@ class DecodePeers:
         )
         self._reply(identity, reply)
 
-    def _make_room_for_a_peer(self) -> bool:
-        """At the peer limit, forget the oldest connection that has not registered."""
-        if len(self.peers) < self.config.max_peers:
+    def _make_room_for_a_peer(self, host: str) -> str | None:
+        """At the limit per host, then in all, close one peer to make way (see the module's
+        docstring); why the new connection is refused, if none can go."""
+        limit = self.config.max_peers_per_host
+        same_host = [p for p in self.peers.values() if p.host == host]
+        if len(same_host) >= limit and not self._make_way(same_host):
+            return f"{len(same_host)} decode peers from {host} serve rooms (limit {limit} a host)"
+        if len(self.peers) >= self.config.max_peers and not self._make_way(self.peers.values()):
+            return f"its peer table is full ({len(self.peers)} decode peers, all serving rooms)"
+        return None
+
+    def _make_way(self, peers) -> bool:
+        """Close the oldest of `peers` that has not registered, else the one idle longest;
+        False if every one serves rooms."""
+        peers = list(peers)
+        pending = [p for p in peers if not p.registered]
+        if pending:
+            del self.peers[min(pending, key=lambda p: p.last_seen).key]  # NOTE: holds nothing
             return True
-        pending = [p for p in self.peers.values() if not p.registered]
-        if not pending:
+        idle = [p for p in peers if not any(room.claimed for room in self.live_rooms(p))]
+        if not idle:
             return False
-        del self.peers[min(pending, key=lambda p: p.last_seen).key]
+        self.drop_peer(min(idle, key=lambda p: p.last_busy), FailureKind.PEER_LOST, None)
         return True
 
     def _register(self, peer: DecodePeer, msg: Register) -> None:
@@ -133,5 +160,6 @@ class DecodePeers:
                 del self.peers[peer.key]
             return
         peer.name, peer.registered, peer.tp_size = msg.decode_id, True, msg.tp_size
+        peer.last_busy = time.monotonic()
         self._reply(peer.key, RegisterAck(self.prefill_id, self.instance))
         self.plane.registered(peer, msg)

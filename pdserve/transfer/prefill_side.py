@@ -14,6 +14,7 @@ are dropped with their rooms (see endpoint); every send is non-blocking (see out
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 
@@ -22,7 +23,7 @@ import zmq
 
 from pdserve.protocol.channel import Channel
 from pdserve.protocol.codec import ProtocolError
-from pdserve.protocol.failures import Failure, FailureKind
+from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import (
     AbortRoom,
@@ -34,6 +35,7 @@ from pdserve.protocol.transfer_messages import (
     RoomDone,
     TransferRequest,
 )
+from pdserve.transfer.bootstrap_connections import ConnectionLimit
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.dist_plane import DistSendPlane
 from pdserve.transfer.endpoint import Endpoint, Peer
@@ -41,8 +43,8 @@ from pdserve.transfer.ipc_plane import IpcSendPlane
 from pdserve.transfer.ipc_writes import IpcWrites
 from pdserve.transfer.kv_piece import OutgoingPiece
 from pdserve.transfer.metrics import TransferMetrics
-from pdserve.transfer.prefill_peers import DecodePeers
-from pdserve.transfer.room_state import RoomState
+from pdserve.transfer.prefill_peers import DecodePeer, DecodePeers
+from pdserve.transfer.prefill_rooms import PrefillRooms
 from pdserve.transfer.sender_room import SenderRoom
 from pdserve.transfer.staged_sends import StagedSends
 from pdserve.transfer.tcp_plane import TcpPlane
@@ -54,8 +56,10 @@ DEFAULT_MAX_ROOM_PAGES = 1 << 16
 
 __all__ = ["PrefillTransferServer", "SenderRoom"]
 
+logger = logging.getLogger(__name__)
 
-class PrefillTransferServer(IpcWrites, DecodePeers, Endpoint):
+
+class PrefillTransferServer(PrefillRooms, IpcWrites, DecodePeers, Endpoint):
     side, peer_side = "prefill", "decode"
 
     def __init__(
@@ -89,10 +93,14 @@ class PrefillTransferServer(IpcWrites, DecodePeers, Endpoint):
         self.instance = secrets.randbits(63)
         self.max_room_pages = max_room_pages
         self.port: int | None = None
+        self.connections: ConnectionLimit | None = None  # once started
         self.tp_size = tp_size
         self.start_fanout(tp_size, ranks_host)
         # Rooms that ended with writes into decode's pages in flight (`ipc`), by id.
         self.unreleased: dict[int, SenderRoom] = {}
+        # Rooms a decode peer asked for whose prefill request has not arrived, and that peer
+        # (under the lock; bounded, see `_waiting_limit`).
+        self.waiting_rooms: dict[int, DecodePeer] = {}
         on_gpu = source_device is not None and source_device.type == "cuda"
         if config.backend == "tcp":
             self.plane = TcpPlane(self)
@@ -116,6 +124,13 @@ class PrefillTransferServer(IpcWrites, DecodePeers, Endpoint):
             _FROM_DECODE,
             max_message_bytes=max_decode_message_bytes(self.config.backend, self.max_room_pages),
         )
+        self.connections = ConnectionLimit(
+            self.context,
+            self.channel.socket,
+            self.config.max_bootstrap_connections,
+            self.config.peer_timeout_s,
+            self.peer_log,
+        )
         host, port = self.config.bootstrap_host, self.config.bootstrap_port
         if port == 0:
             self.port = self.channel.bind_random_port(f"tcp://{host}")
@@ -123,7 +138,18 @@ class PrefillTransferServer(IpcWrites, DecodePeers, Endpoint):
             self.channel.bind(f"tcp://{host}:{port}")
             self.port = port
         self.io.poller.register(self.channel.socket, zmq.POLLIN)
+        for socket in self.connections.sockets:
+            self.io.poller.register(socket, zmq.POLLIN)
         self.io.start(self._on_socket, self.tick, tick_s=0.05)
+        if not self.config.auth_token:
+            logger.warning(
+                "prefill %s has no transfer token: any host that reaches its bootstrap port "
+                "%s:%d can register as a decode worker; give every prefill and decode worker "
+                "the same --transfer-token (or $PDSERVE_TRANSFER_TOKEN)",
+                self.prefill_id,
+                host,
+                self.port,
+            )
         return self.port
 
     def stop(self) -> None:
@@ -131,35 +157,23 @@ class PrefillTransferServer(IpcWrites, DecodePeers, Endpoint):
             self._staged.stop()
         self.io.stop()
         self.plane.close()
+        if self.connections is not None:
+            self.connections.close()
         self.channel.close()
         self.context.term()
         self.doorbell.close()
 
     def sender(self, room: int) -> SenderRoom:
         """The room's sender, created in BOOTSTRAPPING if decode has not asked for it yet."""
-        return self._room(room).claim()
+        with self.lock:
+            sender = self._room(room).claim()
+            self._stop_waiting(room)
+            return sender
 
     @property
     def pending_sends(self) -> int:
         """KV pieces posted to decode whose send has not completed (torch.distributed)."""
         return self.plane.pending_sends
-
-    def _room(self, room: int) -> SenderRoom:
-        with self.lock:
-            if room not in self.rooms:
-                state = RoomState(
-                    room,
-                    progress_timeout_s=self.config.progress_timeout_s,
-                    on_change=self.doorbell.ring,
-                )
-                if room in self.tombstones:
-                    failure = self.tombstones.failure(room)
-                    if failure is None:
-                        state.fail(FailureKind.INVALID, "bootstrap_room reused: it finished")
-                    else:
-                        state.fail(failure.kind, failure.message)
-                self.rooms[room] = SenderRoom(self, room, state)
-            return self.rooms[room]
 
     # ---- IO thread -------------------------------------------------------------------
 
@@ -170,17 +184,18 @@ class PrefillTransferServer(IpcWrites, DecodePeers, Endpoint):
         return self.channel.frames(msg, *payload, to=peer.key)
 
     def _on_socket(self, socket: zmq.Socket) -> None:
-        if self.on_fanout(socket):
+        if self.on_fanout(socket) or self.connections.on_socket(socket):
             return
         while True:
             try:
-                received = self.channel.receive(zmq.NOBLOCK)
+                # NOTE: copy=False for the sender's address (a bound on peers per host).
+                received = self.channel.receive(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             except ProtocolError as e:
                 self.malformed(None, str(e))
                 continue
-            self._on_message(received.sender, received.msg)
+            self._on_message(received.sender, received.msg, received.address or "")
 
     def _handle(self, peer: Peer, msg) -> None:
         """A message from a registered peer."""
@@ -198,64 +213,6 @@ class PrefillTransferServer(IpcWrites, DecodePeers, Endpoint):
             self.send(peer, Heartbeat(self.prefill_id))
         else:
             self.plane.handle(peer, msg, None)
-
-    def _abort_from_peer(self, peer: Peer, msg: AbortRoom) -> None:
-        kind, message = self.peer_failure(msg.failure)
-        room = self.rooms.get(msg.room)
-        if room is not None:
-            self.fail_room(room, kind, message, notify=False)
-            if room.peer is not peer:  # decode asks again, on a new connection (`ipc`)
-                self._release_if_settled(peer, msg.room)
-            return
-        if msg.room not in self.tombstones:
-            # NOTE: the prefill leg may not have arrived yet; it fails when it does.
-            self.tombstones.add(msg.room, Failure(kind, msg.failure.stage, message))
-        self._release_if_settled(peer, msg.room)
-
-    def refuse_room(self, peer: Peer, room_id: int, kind: FailureKind, message: str) -> None:
-        room = self._room(room_id)
-        room.fail(kind, message)
-        self.tombstones.add(room_id, room.failure)
-        self._reply(peer.key, AbortRoom(room_id, room.failure))
-        self._release_if_settled(peer, room_id)
-
-    def _transfer_request(self, peer: Peer, msg: TransferRequest) -> None:
-        if msg.room in self.tombstones:
-            # A room that failed before decode asked (e.g. prefill rejected the prompt) still
-            # fails decode's room at once; a duplicate for a finished room is ignored.
-            failure = self.tombstones.failure(msg.room)
-            if failure is not None:
-                self.send(peer, AbortRoom(msg.room, failure))
-                self._release_if_settled(peer, msg.room)
-            return
-        # NOTE: checked before any room exists for it. Only a prompt longer than this worker's
-        # max_model_len needs more pages: the request is at fault, as when the prefill leg's
-        # rejection reaches the room first.
-        longest = max(msg.num_pages, msg.num_draft_pages)
-        if longest > self.max_room_pages:
-            message = (
-                f"prefill rejected the request: the prompt exceeds this prefill worker's context "
-                f"length (its KV needs {longest} pages, at most {self.max_room_pages})"
-            )
-            self.refuse_room(peer, msg.room, FailureKind.INVALID, message)
-            return
-        if not 0 <= msg.num_cached_pages < max(msg.num_pages, 1):
-            message = (
-                f"decode's transfer request skips {msg.num_cached_pages} cached pages of a room "
-                f"of {msg.num_pages}: at least the last page must be sent"
-            )
-            self.refuse_room(peer, msg.room, FailureKind.TRANSFER, message)
-            return
-        destination = self._decode_pages(peer, msg)
-        if isinstance(destination, str):
-            self.refuse_room(peer, msg.room, FailureKind.TRANSFER, destination)
-            return
-        room = self._room(msg.room)
-        if room.peer is None and not room.done:  # else a duplicate, or a room that ended
-            room.num_pages, room.num_draft_pages = msg.num_pages, msg.num_draft_pages
-            room.num_cached_pages = msg.num_cached_pages
-            room.decode_pages, room.decode_draft_pages = destination
-            self.attach(room, peer)
 
     def submit(self, room: SenderRoom, command, ready: torch.cuda.Event | None) -> None:
         """Run a room's send step on the IO thread, in order; with GPU pieces staged in host

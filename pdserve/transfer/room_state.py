@@ -151,43 +151,82 @@ class Room:
         return self._state.check_deadline()
 
 
+# NOTE: a tombstone keeps at most this much of a failure's message (a peer's AbortRoom names
+# its own): with the entry limit, that bounds the table's memory (~0.5 KiB an entry).
+TOMBSTONE_MESSAGE_CHARS = 256
+TOMBSTONE_CAPACITY = 65_536
+
+
 class Tombstones:
-    """Rooms that ended recently, remembered for `ttl_s` (at most `capacity` of them), with
-    the failure of those that failed (so a late peer can still be told why)."""
+    """Rooms that ended recently, remembered for `ttl_s` (at most `capacity` of them, the
+    oldest forgotten first), with the failure of those that failed (so a late peer can still
+    be told why).
+
+    Thread-safe: a worker's engine thread and its transfer IO thread both use an endpoint's
+    tombstones, and every call expires old entries, so each call runs under the table's own
+    lock (never held while calling out)."""
 
     def __init__(
-        self, ttl_s: float, capacity: int = 100_000, clock: Callable[[], float] = time.monotonic
+        self,
+        ttl_s: float,
+        capacity: int = TOMBSTONE_CAPACITY,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.ttl_s = ttl_s
         self.capacity = capacity
         self._clock = clock
+        self._lock = threading.Lock()
         self._ended: OrderedDict[int, tuple[float, Failure | None]] = OrderedDict()
 
     def add(self, room: int, failure: Failure | None = None) -> None:
+        with self._lock:
+            self._put(room, failure)
+
+    def add_new(self, room: int, failure: Failure | None = None) -> bool:
+        """Add `room` unless it ended lately already (its entry stays); True if added."""
+        with self._lock:
+            self._expire()
+            if room in self._ended:
+                return False
+            self._put(room, failure)
+            return True
+
+    def lookup(self, room: int) -> tuple[bool, Failure | None]:
+        """Whether the room ended lately, and why it failed (None: it succeeded), at once."""
+        with self._lock:
+            self._expire()
+            entry = self._ended.get(room)
+        return (False, None) if entry is None else (True, entry[1])
+
+    def failure(self, room: int) -> Failure | None:
+        """Why the room failed, or None if it succeeded or is unknown."""
+        return self.lookup(room)[1]
+
+    def __contains__(self, room: int) -> bool:
+        return self.lookup(room)[0]
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._expire()
+            return len(self._ended)
+
+    def _put(self, room: int, failure: Failure | None) -> None:
+        """Under the lock."""
+        if failure is not None and len(failure.message) > TOMBSTONE_MESSAGE_CHARS:
+            message = failure.message[: TOMBSTONE_MESSAGE_CHARS - 3] + "..."
+            failure = Failure(failure.kind, failure.stage, message)
         if failure is None and room in self._ended:
             failure = self._ended[room][1]  # NOTE: a failure stays a failure
         self._ended[room] = (self._clock(), failure)
         self._ended.move_to_end(room)
         self._expire()
 
-    def failure(self, room: int) -> Failure | None:
-        """Why the room failed, or None if it succeeded or is unknown."""
-        self._expire()
-        entry = self._ended.get(room)
-        return entry[1] if entry is not None else None
-
-    def __contains__(self, room: int) -> bool:
-        self._expire()
-        return room in self._ended
-
-    def __len__(self) -> int:
-        self._expire()
-        return len(self._ended)
-
     def _expire(self) -> None:
+        """Under the lock: forget entries past their time or over the limit, oldest first."""
         horizon = self._clock() - self.ttl_s
-        while self._ended:
-            room, (ended, _) = next(iter(self._ended.items()))
-            if ended >= horizon and len(self._ended) <= self.capacity:
+        ended = self._ended
+        while ended:
+            oldest = next(iter(ended))
+            if ended[oldest][0] >= horizon and len(ended) <= self.capacity:
                 break
-            del self._ended[room]
+            ended.popitem(last=False)

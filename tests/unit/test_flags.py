@@ -277,6 +277,19 @@ def test_launch_hands_every_worker_and_router_flag_on(monkeypatch):
     assert "k" not in everything and "t" not in everything
 
 
+def test_launch_without_a_transfer_token_makes_one_for_its_workers(monkeypatch):
+    monkeypatch.delenv("PDSERVE_TRANSFER_TOKEN", raising=False)
+    plans = [_launch_plan([], monkeypatch) for _ in range(2)]
+    tokens = [plan.transfer.auth_token for plan in plans]
+    assert all(len(token) >= 32 for token in tokens) and tokens[0] != tokens[1]
+    plan = plans[0]
+    assert plan.child_env["PDSERVE_TRANSFER_TOKEN"] == tokens[0]
+    argv = plan.worker_argv("prefill") + plan.worker_argv("decode")
+    assert not any(tokens[0] in arg for arg in argv)  # NOTE: never on a command line
+    monkeypatch.setenv("PDSERVE_TRANSFER_TOKEN", "given")
+    assert _launch_plan([], monkeypatch).transfer.auth_token == "given"
+
+
 # --- main: one error line, exit 2 -----------------------------------------------------------
 
 

@@ -379,3 +379,18 @@ def test_a_room_that_ends_before_its_kv_drops_its_cached_pages(streaming_pair):
         assert decode.stats().num_held_back == 0
     assert decode.engine.kv_pages_in_use == 0
     assert cache.num_unreferenced == cache.num_pages
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_an_abort_that_comes_before_its_request_counts_once_as_an_abort(pair, role):
+    """A router gave up on a room before the worker saw its request: the request, when it
+    comes, fails with that abort (no pages reserved), and the room counts as one abort."""
+    prefill, decode, _ = pair
+    handoff = prefill if role == "prefill" else decode
+    host, port = ("", 0) if role == "prefill" else ("127.0.0.1", prefill.bootstrap_port)
+    handoff.fail_room(FailRoom(14, "the router gave up", host, port, FailureKind.ABORTED))
+    late = generate("late", [5, 6], GREEDY, boot(prefill, 14))
+    outputs = drive(handoff, messages={handoff: [late]}, until=lambda o: finished(o, "late"))
+    assert outputs["late"][-1].failure.kind is FailureKind.ABORTED
+    assert dict(handoff.failures) == {"bootstrap/aborted": 1}
+    assert handoff.engine.kv_pages_in_use == 0

@@ -54,11 +54,12 @@ def receive(socket: zmq.Socket, timeout_s: float = 5.0) -> list[bytes]:
     return socket.recv_multipart()
 
 
-def authenticated_dealer(context, port: int, token: str) -> zmq.Socket:
-    """A raw decode connection that completes the handshake as a legitimate decode would."""
+def authenticated_dealer(context, port: int, token: str, source: str = "") -> zmq.Socket:
+    """A raw decode connection that completes the handshake as a legitimate decode would
+    (from address `source`, a 127/8 alias, if given)."""
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(f"tcp://127.0.0.1:{port}")
+    socket.connect(f"tcp://{source}:0;127.0.0.1:{port}" if source else f"tcp://127.0.0.1:{port}")
     nonce = new_nonce()
     socket.send(encode(Hello("raw-decode", nonce)))
     reply = decode(receive(socket)[0], HelloReply)
