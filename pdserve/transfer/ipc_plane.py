@@ -94,7 +94,7 @@ class IpcSendPlane(_IpcPlane):
             return f"decode shares {len(msg.pools)} KV pools, prefill has {len(self.pools)}"
         try:
             peer.pools = [
-                open_pool(handle, ours, peer="decode")
+                open_pool(handle, ours, peer="decode", pid=msg.pid)
                 for handle, ours in zip(msg.pools, self.pools, strict=True)
             ]
         except PoolMapError as e:
@@ -115,6 +115,15 @@ class IpcSendPlane(_IpcPlane):
             return False
         self.endpoint.metrics.bytes_sent += piece.nbytes
         return True
+
+    def tick(self, now: float) -> None:
+        """Drop each decode peer whose process exited (its pools die with our mapping) at
+        once, not when its silence runs out (a minute, for an idle peer)."""
+        endpoint = self.endpoint
+        for peer in list(endpoint.peers.values()):
+            if peer.pools is not None and peer.watch.gone():
+                reason = "exited (its process is gone)" if endpoint.live_rooms(peer) else None
+                endpoint.drop_peer(peer, FailureKind.PEER_LOST, reason)
 
     def forget(self, peer: Peer) -> None:
         # NOTE: a write still in flight keeps the mapping alive (`OutgoingPiece.targets`).

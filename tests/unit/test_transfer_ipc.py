@@ -6,6 +6,7 @@ or its process is gone; the handshake's and the transfer request's refusals."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -234,22 +235,29 @@ def test_copy_pages_equals_index_copies():
         copy_pages(src, dst, pages.t().contiguous().t())
 
 
-def test_a_pool_handle_that_does_not_fit_ours_is_refused_before_anything_is_mapped():
+def test_a_pool_handle_that_does_not_fit_ours_is_refused_before_anything_is_mapped(tmp_path):
     ours = pools(DRAFT, 4, seed=None)[0].storage
     theirs = pools(DRAFT, 9, seed=None)[0].storage  # NOTE: kept: its memory goes with it
     handle = export_pool(theirs)
-    mapped = open_pool(handle, ours, peer="decode")
+    pid = os.getpid()  # NOTE: "decode" is this process: the segment is opened through /proc
+    mapped = open_pool(handle, ours, peer="decode", pid=pid)
     assert list(mapped.shape[:2]) == list(ours.shape[:2]) and mapped.shape[2] == 9
-    for change, reason in (
-        ({"kind": "cuda"}, "decode's KV pool is on cuda, ours on cpu"),
-        ({"dtype": "float32"}, "decode's KV pool holds float32, ours bfloat16"),
-        ({"shape": [2, 4, 9, 16, 2, 8]}, "only the page count may differ"),
-        ({"size": handle.size * 2}, "handle says"),
-        ({"handle": b"/etc/passwd"}, "not a KV pool"),
-        ({"handle": b"/torch_../../x"}, "not a KV pool"),
-    ):
-        with pytest.raises(PoolMapError, match=re.escape(reason)):
-            open_pool(dataclasses.replace(handle, **change), ours, peer="decode")
+    mapped[1, 2, 3] = 5  # one memory: a write through the mapping is decode's
+    assert torch.equal(theirs[1, 2, 3], mapped[1, 2, 3]) and theirs[1, 2, 3].any()
+    named = tmp_path / "pool"
+    named.write_bytes(b"\0" * handle.size)
+    with open(named, "rb+") as a_file:
+        for change, reason in (
+            ({"kind": "cuda"}, "decode's KV pool is on cuda, ours on cpu"),
+            ({"dtype": "float32"}, "decode's KV pool holds float32, ours bfloat16"),
+            ({"shape": [2, 4, 9, 16, 2, 8]}, "only the page count may differ"),
+            ({"size": handle.size * 2}, "handle says"),
+            ({"fd": -1}, "names descriptor -1"),
+            ({"fd": a_file.fileno()}, f"descriptor is '{named}', not a KV pool"),
+        ):
+            with pytest.raises(PoolMapError, match=re.escape(reason)):
+                open_pool(dataclasses.replace(handle, **change), ours, peer="decode", pid=pid)
+        assert named.read_bytes() == b"\0" * handle.size  # nothing was written to the file
 
 
 def test_a_piece_announced_with_an_event_decode_cannot_wait_for_fails_the_room(pair):
