@@ -47,6 +47,7 @@ from pdserve.transfer.shared_pools import (
     export_pool,
     host_id,
     open_pool,
+    remove_counter_files,
 )
 
 if TYPE_CHECKING:
@@ -77,6 +78,7 @@ class IpcSendPlane(_IpcPlane):
         super().__init__(endpoint, pools)
         device = self.pools[0].device
         self.events = IpcEventRing(device) if device.type == "cuda" else None
+        self._handles: dict[bytes, tuple[Peer, list]] = {}  # each decode peer's pool handles
 
     def hello_reply(self, reply: HelloReply) -> HelloReply:
         events = self.events.handles if self.events is not None else []
@@ -100,6 +102,7 @@ class IpcSendPlane(_IpcPlane):
         except PoolMapError as e:
             return str(e)
         peer.pid, peer.watch = msg.pid, ProcessWatch(msg.pid)
+        self._handles[peer.key] = (peer, list(msg.pools))
         if msg.lane:
             try:
                 peer.lane = LaneSender(msg.lane, wait_s=self.endpoint.config.peer_timeout_s)
@@ -126,8 +129,16 @@ class IpcSendPlane(_IpcPlane):
                 endpoint.drop_peer(peer, FailureKind.PEER_LOST, reason)
 
     def forget(self, peer: Peer) -> None:
-        # NOTE: a write still in flight keeps the mapping alive (`OutgoingPiece.targets`).
+        """Unmap a decode peer's pools (a CUDA mapping holds the memory of a decode process
+        that exited until it is closed); if its process is gone, remove what it left in
+        /dev/shm too. NOTE: a write still in flight keeps the mapping alive until it ends
+        (`OutgoingPiece.targets`)."""
         peer.pools = None
+        owner, handles = self._handles.pop(peer.key, (None, []))
+        if owner is peer and peer.watch is not None and peer.watch.gone():
+            removed = remove_counter_files(handles, peer.pid)
+            if removed:
+                logger.info("decode %s exited: removed %s", peer, ", ".join(removed))
         _close_links(peer)
 
     def close(self) -> None:

@@ -36,6 +36,7 @@ from pdserve.protocol.transfer_messages import PoolHandle
 
 # NOTE: what /proc shows for the descriptor of a pool torch shared without a name.
 _CPU_SEGMENT = re.compile(r"/dev/shm/torch_[0-9]+_[0-9]+_[0-9]+ \(deleted\)")
+SHARED_MEMORY = "/dev/shm"
 
 
 class PoolMapError(ValueError):
@@ -182,3 +183,27 @@ def _open_cpu_segment(handle: PoolHandle, pid: int, peer: str) -> torch.UntypedS
         return torch.UntypedStorage._new_shared_fd_cpu(fd, handle.size)  # NOTE: its own dup
     finally:
         os.close(fd)
+
+
+def remove_counter_files(handles: list[PoolHandle], pid: int) -> list[str]:
+    """After the exporting process `pid` exited: remove the reference-counter files in
+    /dev/shm that torch made when it shared these CUDA pools (`PoolHandle.ref_counter`); the
+    names removed.
+
+    NOTE: torch removes such a file when the last process mapping it lets go, the exporter
+    counted, so an exporter that was killed leaves it for good (80 KB a decode restart). Only
+    a name that process made (torch names them /torch_<pid>_<n>_<n>) and that we own is
+    removed; a mapping still open is not affected (torch, releasing one whose file is gone,
+    skips the count)."""
+    made_by_it = re.compile(rf"/torch_{pid}_[0-9]+_[0-9]+")
+    names = {h.ref_counter.decode(errors="replace") for h in handles if h.kind == "cuda"}
+    removed = []
+    for name in sorted(names):
+        if pid <= 0 or not made_by_it.fullmatch(name) or not process_gone(pid):
+            continue
+        path = SHARED_MEMORY + name
+        with contextlib.suppress(FileNotFoundError):  # NOTE: it closed it itself, or a peer
+            if os.stat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(name)
+    return removed

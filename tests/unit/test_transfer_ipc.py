@@ -10,13 +10,14 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from subprocess import PIPE
 
 import pytest
 import torch
 
 from pdserve.protocol.failures import FailureKind
-from pdserve.protocol.transfer_messages import KVPiece
+from pdserve.protocol.transfer_messages import KVPiece, PoolHandle
 from pdserve.transfer.decode_side import DecodeTransferClient
 from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
 from pdserve.transfer.kv_staging import KVStager
@@ -25,11 +26,13 @@ from pdserve.transfer.page_ids import pack_page_ids, unpack_page_ids
 from pdserve.transfer.prefill_side import PrefillTransferServer
 from pdserve.transfer.room_state import TransferState
 from pdserve.transfer.shared_pools import (
+    SHARED_MEMORY,
     PoolMapError,
     ProcessWatch,
     export_pool,
     open_pool,
     process_gone,
+    remove_counter_files,
 )
 from tests.e2e.transfer_peers import Case, layout, metadata_spec, pools, record
 from tests.unit.test_transfer_in_process import CONFIG
@@ -317,3 +320,30 @@ def test_a_process_watch_sees_an_exit_before_the_process_is_reaped(monkeypatch, 
         watch.close()
         child.wait(10)
     assert watch.gone()  # closed: asks /proc, where the reaped process is gone too
+
+
+def test_an_exited_decodes_cuda_counter_files_are_removed_and_nothing_else():
+    """What torch leaves in /dev/shm for a killed exporter of CUDA pools; the files are made
+    here by hand (the GPU run is tests/gpu/test_ipc_release_gpu.py)."""
+    gone, alive = exited_pid(), os.getpid()
+    names = [f"/torch_{gone}_7_0", f"/torch_{gone}_7_1", f"/torch_{alive}_7_0"]
+    paths = [Path(SHARED_MEMORY + name) for name in names]
+    for path in paths:
+        path.write_bytes(b"\0" * 64)
+    try:
+        handle = PoolHandle("cuda", [2, 1, 1, 1, 1, 1], "float32", b"h", 4, ref_counter=b"")
+        dead = [dataclasses.replace(handle, ref_counter=name.encode()) for name in names[:2]]
+        others = [  # another process's name, one not torch's, and a CPU pool's
+            dataclasses.replace(handle, ref_counter=names[2].encode()),
+            dataclasses.replace(handle, ref_counter=f"/torch_{gone}_7_0/../x".encode()),
+            dataclasses.replace(handle, kind="cpu", ref_counter=names[0].encode()),
+        ]
+        assert remove_counter_files(others, gone) == []
+        assert remove_counter_files(dead[:1], alive) == []  # its exporter still runs
+        assert all(path.exists() for path in paths)
+        assert remove_counter_files([*dead, dead[0], *others], gone) == names[:2]
+        assert [path.exists() for path in paths] == [False, False, True]
+        assert remove_counter_files(dead, gone) == []  # already gone: nothing to do
+    finally:
+        for path in paths:
+            path.unlink(missing_ok=True)
