@@ -165,24 +165,25 @@ def open_pool(handle: PoolHandle, ours: torch.Tensor, *, peer: str, pid: int) ->
 
 def _open_cpu_segment(handle: PoolHandle, pid: int, peer: str) -> torch.UntypedStorage:
     """Map the shared memory that process `pid` holds by descriptor `handle.fd`: only a
-    segment torch shared without a name, of the handle's size (never a file of the peer's)."""
+    segment torch shared without a name, of the handle's size (never a file of the peer's),
+    looked at before it is opened (no device or pipe is opened) and after (what was opened)."""
     if handle.fd < 0 or pid <= 0:
         raise PoolMapError(f"{peer}'s KV pool handle names descriptor {handle.fd} of {pid}")
-    fd = os.open(f"/proc/{pid}/fd/{handle.fd}", os.O_RDWR | os.O_CLOEXEC)
+    link = f"/proc/{pid}/fd/{handle.fd}"
+    _check_segment(os.stat(link), os.readlink(link), handle, peer)
+    fd = os.open(link, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     try:
-        found = os.fstat(fd)
-        target = os.readlink(f"/proc/self/fd/{fd}")
-        if (
-            not stat.S_ISREG(found.st_mode)
-            or found.st_nlink != 0
-            or not _CPU_SEGMENT.fullmatch(target)
-        ):
-            raise PoolMapError(f"{peer}'s KV pool descriptor is {target!r}, not a KV pool")
-        if found.st_size != handle.size:
-            raise PoolMapError(f"{peer}'s KV pool is {found.st_size} bytes, not {handle.size}")
+        _check_segment(os.fstat(fd), os.readlink(f"/proc/self/fd/{fd}"), handle, peer)
         return torch.UntypedStorage._new_shared_fd_cpu(fd, handle.size)  # NOTE: its own dup
     finally:
         os.close(fd)
+
+
+def _check_segment(found: os.stat_result, target: str, handle: PoolHandle, peer: str) -> None:
+    if not stat.S_ISREG(found.st_mode) or found.st_nlink != 0 or not _CPU_SEGMENT.fullmatch(target):
+        raise PoolMapError(f"{peer}'s KV pool descriptor is {target!r}, not a KV pool")
+    if found.st_size != handle.size:
+        raise PoolMapError(f"{peer}'s KV pool is {found.st_size} bytes, not {handle.size}")
 
 
 def remove_counter_files(handles: list[PoolHandle], pid: int) -> list[str]:

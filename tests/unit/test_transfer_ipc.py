@@ -249,7 +249,9 @@ def test_a_pool_handle_that_does_not_fit_ours_is_refused_before_anything_is_mapp
     assert torch.equal(theirs[1, 2, 3], mapped[1, 2, 3]) and theirs[1, 2, 3].any()
     named = tmp_path / "pool"
     named.write_bytes(b"\0" * handle.size)
-    with open(named, "rb+") as a_file:
+    pipe_read, pipe_write = os.pipe()
+    os.close(pipe_write)
+    with open(named, "rb+") as a_file, open(pipe_read, "rb") as a_pipe:
         for change, reason in (
             ({"kind": "cuda"}, "decode's KV pool is on cuda, ours on cpu"),
             ({"dtype": "float32"}, "decode's KV pool holds float32, ours bfloat16"),
@@ -257,6 +259,7 @@ def test_a_pool_handle_that_does_not_fit_ours_is_refused_before_anything_is_mapp
             ({"size": handle.size * 2}, "handle says"),
             ({"fd": -1}, "names descriptor -1"),
             ({"fd": a_file.fileno()}, f"descriptor is '{named}', not a KV pool"),
+            ({"fd": a_pipe.fileno()}, "descriptor is 'pipe:["),  # NOTE: refused unopened
         ):
             with pytest.raises(PoolMapError, match=re.escape(reason)):
                 open_pool(dataclasses.replace(handle, **change), ours, peer="decode", pid=pid)
