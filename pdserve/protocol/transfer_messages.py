@@ -108,8 +108,9 @@ class Register:
 @message("pool_handle")
 class PoolHandle:
     """A KV pool another process on this host may map (the `ipc` backend): a CUDA IPC
-    handle of its allocation (`kind` "cuda"), or the name of its shared memory ("cpu", for
-    CPU workers); what the fields mean is torch's storage sharing's. `shape` is the pool's
+    handle of its allocation (`kind` "cuda"), or the descriptor by which the decode process
+    holds its shared memory ("cpu", for CPU workers: `fd`, opened through /proc); what the
+    fields mean is torch's storage sharing's. `shape` is the pool's
     `[2, layers, pages, page_size, kv_heads, head_dim]`."""
 
     kind: str
@@ -118,7 +119,7 @@ class PoolHandle:
     handle: bytes
     size: int
     offset: int = 0
-    manager: bytes = b""  # cpu: torch's shared-memory manager
+    fd: int = -1  # cpu: the decode process's descriptor of the pool's shared memory
     ref_counter: bytes = b""  # cuda: torch's IPC reference counter, and its offset
     ref_counter_offset: int = 0
     event: bytes = b""  # cuda: an event after the pool was allocated

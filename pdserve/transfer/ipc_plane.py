@@ -47,6 +47,7 @@ from pdserve.transfer.shared_pools import (
     export_pool,
     host_id,
     open_pool,
+    remove_counter_files,
 )
 
 if TYPE_CHECKING:
@@ -77,6 +78,7 @@ class IpcSendPlane(_IpcPlane):
         super().__init__(endpoint, pools)
         device = self.pools[0].device
         self.events = IpcEventRing(device) if device.type == "cuda" else None
+        self._handles: dict[bytes, tuple[Peer, list]] = {}  # each decode peer's pool handles
 
     def hello_reply(self, reply: HelloReply) -> HelloReply:
         events = self.events.handles if self.events is not None else []
@@ -94,12 +96,13 @@ class IpcSendPlane(_IpcPlane):
             return f"decode shares {len(msg.pools)} KV pools, prefill has {len(self.pools)}"
         try:
             peer.pools = [
-                open_pool(handle, ours, peer="decode")
+                open_pool(handle, ours, peer="decode", pid=msg.pid)
                 for handle, ours in zip(msg.pools, self.pools, strict=True)
             ]
         except PoolMapError as e:
             return str(e)
         peer.pid, peer.watch = msg.pid, ProcessWatch(msg.pid)
+        self._handles[peer.key] = (peer, list(msg.pools))
         if msg.lane:
             try:
                 peer.lane = LaneSender(msg.lane, wait_s=self.endpoint.config.peer_timeout_s)
@@ -116,9 +119,26 @@ class IpcSendPlane(_IpcPlane):
         self.endpoint.metrics.bytes_sent += piece.nbytes
         return True
 
+    def tick(self, now: float) -> None:
+        """Drop each decode peer whose process exited (its pools die with our mapping) at
+        once, not when its silence runs out (a minute, for an idle peer)."""
+        endpoint = self.endpoint
+        for peer in list(endpoint.peers.values()):
+            if peer.pools is not None and peer.watch.gone():
+                reason = "exited (its process is gone)" if endpoint.live_rooms(peer) else None
+                endpoint.drop_peer(peer, FailureKind.PEER_LOST, reason)
+
     def forget(self, peer: Peer) -> None:
-        # NOTE: a write still in flight keeps the mapping alive (`OutgoingPiece.targets`).
+        """Unmap a decode peer's pools (a CUDA mapping holds the memory of a decode process
+        that exited until it is closed); if its process is gone, remove what it left in
+        /dev/shm too. NOTE: a write still in flight keeps the mapping alive until it ends
+        (`OutgoingPiece.targets`)."""
         peer.pools = None
+        owner, handles = self._handles.pop(peer.key, (None, []))
+        if owner is peer and peer.watch is not None and peer.watch.gone():
+            removed = remove_counter_files(handles, peer.pid)
+            if removed:
+                logger.info("decode %s exited: removed %s", peer, ", ".join(removed))
         _close_links(peer)
 
     def close(self) -> None:

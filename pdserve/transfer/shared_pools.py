@@ -2,7 +2,9 @@
 
 The decode worker exports each of its pools once, at registration (`export_pool`): a GPU
 pool as a CUDA IPC handle of its allocation, a CPU pool (CPU workers, and the tests) by moving
-it into named shared memory in place. The prefill worker maps them (`open_pool`) and writes
+it in place into shared memory that has no name (torch's file-descriptor sharing: the segment
+is unlinked once created), held by decode's descriptor. The prefill worker maps them
+(`open_pool`; a CPU pool through `/proc/<decode pid>/fd/<fd>`) and writes
 each room's KV straight into decode's pages (`KVStager.write`): no staging buffer, no receive
 to post, one copy over NVLink. The handles are torch's storage-sharing fields carried in a
 `PoolHandle` message (msgpack, checked against our own pool's shape before anything is
@@ -11,20 +13,30 @@ mapped), never pickled.
 Both workers must be on one host, and in one PID namespace: decode frees the pages of a room
 that failed only once prefill said no write for it is in flight or will start
 (`RoomReleased`), or once the prefill process is gone (`process_gone`).
+
+NOTE: a CPU pool is not shared by name (torch's file-system sharing): a named segment outlives
+a decode process that was killed, and torch's shared-memory manager, which unlinks it, waits
+for every process that ever mapped it to disconnect, which a prefill process (torch keeps
+its connection to each manager for good) never does. A segment without a name is the
+kernel's to free: once decode exited and prefill dropped its mapping, nothing is left.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import select
 import socket
+import stat
 
 import torch
 
 from pdserve.protocol.transfer_messages import PoolHandle
 
-_CPU_NAME_PREFIX = b"/torch_"
+# NOTE: what /proc shows for the descriptor of a pool torch shared without a name.
+_CPU_SEGMENT = re.compile(r"/dev/shm/torch_[0-9]+_[0-9]+_[0-9]+ \(deleted\)")
+SHARED_MEMORY = "/dev/shm"
 
 
 class PoolMapError(ValueError):
@@ -107,15 +119,15 @@ def export_pool(storage: torch.Tensor) -> PoolHandle:
             "cuda", shape, dtype, handle, size, offset, b"", counter, counter_offset, event, sync
         )
     if storage.device.type == "cpu":
-        manager, name, size = untyped._share_filename_cpu_()
-        return PoolHandle("cpu", shape, dtype, name, size, manager=manager)
+        fd, size = untyped._share_fd_cpu_()
+        return PoolHandle("cpu", shape, dtype, b"", size, fd=fd)
     raise PoolMapError(f"a KV pool on {storage.device.type} cannot be shared")
 
 
-def open_pool(handle: PoolHandle, ours: torch.Tensor, *, peer: str) -> torch.Tensor:
-    """Map a peer's pool whose layout must match our pool `ours` but for its page count:
-    the peer's `[2, layers, pages, ...]` tensor, on our device. PoolMapError names what does
-    not fit, checked before anything is mapped."""
+def open_pool(handle: PoolHandle, ours: torch.Tensor, *, peer: str, pid: int) -> torch.Tensor:
+    """Map the pool of a peer (process `pid`) whose layout must match our pool `ours` but
+    for its page count: the peer's `[2, layers, pages, ...]` tensor, on our device.
+    PoolMapError names what does not fit, checked before anything is mapped."""
     device = ours.device
     if handle.kind != device.type:
         raise PoolMapError(f"{peer}'s KV pool is on {handle.kind}, ours on {device.type}")
@@ -145,11 +157,54 @@ def open_pool(handle: PoolHandle, ours: torch.Tensor, *, peer: str) -> torch.Ten
                 handle.event_sync,
             )
         else:
-            if not handle.handle.startswith(_CPU_NAME_PREFIX) or b"/" in handle.handle[1:]:
-                raise PoolMapError(f"{peer}'s KV pool names {handle.handle!r}, not a KV pool")
-            untyped = torch.UntypedStorage._new_shared_filename_cpu(
-                handle.manager, handle.handle, handle.size
-            )
+            untyped = _open_cpu_segment(handle, pid, peer)
     except (RuntimeError, OSError) as e:
         raise PoolMapError(f"could not map {peer}'s KV pool (same host?): {e}") from e
     return torch.empty(0, dtype=ours.dtype, device=device).set_(untyped, 0, shape)
+
+
+def _open_cpu_segment(handle: PoolHandle, pid: int, peer: str) -> torch.UntypedStorage:
+    """Map the shared memory that process `pid` holds by descriptor `handle.fd`: only a
+    segment torch shared without a name, of the handle's size (never a file of the peer's),
+    looked at before it is opened (no device or pipe is opened) and after (what was opened)."""
+    if handle.fd < 0 or pid <= 0:
+        raise PoolMapError(f"{peer}'s KV pool handle names descriptor {handle.fd} of {pid}")
+    link = f"/proc/{pid}/fd/{handle.fd}"
+    _check_segment(os.stat(link), os.readlink(link), handle, peer)
+    fd = os.open(link, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    try:
+        _check_segment(os.fstat(fd), os.readlink(f"/proc/self/fd/{fd}"), handle, peer)
+        return torch.UntypedStorage._new_shared_fd_cpu(fd, handle.size)  # NOTE: its own dup
+    finally:
+        os.close(fd)
+
+
+def _check_segment(found: os.stat_result, target: str, handle: PoolHandle, peer: str) -> None:
+    if not stat.S_ISREG(found.st_mode) or found.st_nlink != 0 or not _CPU_SEGMENT.fullmatch(target):
+        raise PoolMapError(f"{peer}'s KV pool descriptor is {target!r}, not a KV pool")
+    if found.st_size != handle.size:
+        raise PoolMapError(f"{peer}'s KV pool is {found.st_size} bytes, not {handle.size}")
+
+
+def remove_counter_files(handles: list[PoolHandle], pid: int) -> list[str]:
+    """After the exporting process `pid` exited: remove the reference-counter files in
+    /dev/shm that torch made when it shared these CUDA pools (`PoolHandle.ref_counter`); the
+    names removed.
+
+    NOTE: torch removes such a file when the last process mapping it lets go, the exporter
+    counted, so an exporter that was killed leaves it for good (80 KB a decode restart). Only
+    a name that process made (torch names them /torch_<pid>_<n>_<n>) and that we own is
+    removed; a mapping still open is not affected (torch, releasing one whose file is gone,
+    skips the count)."""
+    made_by_it = re.compile(rf"/torch_{pid}_[0-9]+_[0-9]+")
+    names = {h.ref_counter.decode(errors="replace") for h in handles if h.kind == "cuda"}
+    removed = []
+    for name in sorted(names):
+        if pid <= 0 or not made_by_it.fullmatch(name) or not process_gone(pid):
+            continue
+        path = SHARED_MEMORY + name
+        with contextlib.suppress(FileNotFoundError):  # NOTE: it closed it itself, or a peer
+            if os.stat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(name)
+    return removed

@@ -3,9 +3,12 @@ sampled, some invalid, some abandoned by their client at a random moment), while
 and one decode worker are killed (SIGKILL to the whole process group, as a crashed container)
 and restarted by the launcher on the same address.
 
+Meanwhile `/abort_room` posts with random rooms flood every worker (`soak_hostile`).
+
 It passes when no request gets a 5xx other than 503 while a killed worker is down, no request
-runs past its deadline, every invalid body gets 400, every page is free on every worker at
-the end, and no surviving process grew by more than `RSS_GROWTH_BOUND_MB` after warm-up.
+runs past its deadline, every invalid body gets 400, every abort post is taken, no engine
+restarted but with its killed worker, every page is free on every worker at the end, and no
+surviving process grew by more than `RSS_GROWTH_BOUND_MB` after warm-up.
 
     python3 -m tests.e2e.soak --requests 10000          # the full soak, prints a summary
     python3 -m pytest tests/e2e/test_soak.py            # a shorter one, in CI
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pdserve.server.local_process import free_port
+from tests.e2e.soak_hostile import AbortFlood, EngineWatch
 from tests.waiting import wait_until
 
 REQUEST_DEADLINE_S = 90.0
@@ -73,6 +77,8 @@ class SoakReport:
     problems: list[str] = field(default_factory=list)
     rss_mb: dict[str, tuple[float, float]] = field(default_factory=dict)
     restarts: int = 0
+    abort_posts: Counter = field(default_factory=Counter)  # answers to the flood's posts
+    engine_restarts: list[str] = field(default_factory=list)  # outside the planned kills
 
     @property
     def passed(self) -> bool:
@@ -82,6 +88,8 @@ class SoakReport:
         lines = [
             f"{self.requests} requests in {self.seconds:.0f} s, {self.restarts} worker restarts",
             "outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items())),
+            "abort_room flood: " + ", ".join(f"{k} {v}" for k, v in self.abort_posts.items()),
+            f"engine restarts outside the planned kills: {len(self.engine_restarts)}",
         ]
         for name, (warm, end) in sorted(self.rss_mb.items()):
             lines.append(f"RSS {name}: {warm:.0f} MB after warm-up, {end:.0f} MB at the end")
@@ -299,9 +307,12 @@ def run_soak(
     launched = Launched(model_path, num_prefill, num_decode)
     report = SoakReport(num_requests, 0.0)
     disruptions: list[Disruption] = []
+    flood = watch = None
     try:
         pools = launched.workers()
         urls = {f"{role} {k}": w["url"] for role in pools for k, w in enumerate(pools[role])}
+        watch = EngineWatch(dict(urls), lambda url: server_pid(port_of(url))).start()
+        flood = AbortFlood(list(urls.values())).start()
         urls["router"] = launched.url
         warm_up = max(1, num_requests // 10)
         # NOTE: kill k at (2 + 2k)/8 of the requests; the killed worker must be back in
@@ -329,12 +340,13 @@ def run_soak(
                         # silence and must notice the restart by the new process's identity.
                         for future in futures:
                             future.result()
-                    disruptions.append(_kill(urls[f"{kill_at[i]} 0"], report))
+                    disruptions.append(_kill(urls[f"{kill_at[i]} 0"], report, watch))
                 slots.acquire()
                 future = pool.submit(send, client, launched.url, i)
                 future.add_done_callback(lambda _: slots.release())
                 futures.append(future)
             outcomes = [f.result() for f in futures]
+        _stop_hostile(flood, watch, report)
         _check_no_retries(launched.url, retries_since_rejoin, report)
         report.seconds = time.monotonic() - started
         _judge(outcomes, disruptions, report)
@@ -342,15 +354,28 @@ def run_soak(
         for role in kills:
             _check_rejoined(urls[f"{role} 0"], num_requests * 3 // 8 // len(pools[role]), report)
     finally:
+        for hostile in (flood, watch):
+            if hostile is not None:
+                hostile.stop()  # NOTE: once stopped (`_stop_hostile`), nothing more is done
         launched.close()
     return report
 
 
-def _kill(url: str, report: SoakReport) -> Disruption:
+def _stop_hostile(flood: AbortFlood, watch: EngineWatch, report: SoakReport) -> None:
+    """End the abort flood and the engine watch; what they found goes to the report."""
+    flood.stop()
+    watch.stop()
+    report.abort_posts = flood.answers
+    report.engine_restarts = watch.restarts
+    report.problems += flood.problems() + watch.restarts
+
+
+def _kill(url: str, report: SoakReport, watch: EngineWatch) -> Disruption:
     pid = server_pid(port_of(url))
     if pid is None:
         report.problems.append(f"no process found for {url}")
         return Disruption(url, time.monotonic(), time.monotonic())
+    watch.killed(pid)
     os.killpg(pid, signal.SIGKILL)
     report.restarts += 1
     disruption = Disruption(url, time.monotonic())

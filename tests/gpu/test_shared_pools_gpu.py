@@ -53,7 +53,7 @@ def _prefill(handles, results) -> None:
 
     pool = _pool(PAGES, seed=5)
     handle = decode(handles.get(timeout=120), PoolHandle)
-    mapped = open_pool(handle, pool.storage, peer="decode")
+    mapped = open_pool(handle, pool.storage, peer="decode", pid=0)  # NOTE: CUDA IPC names none
     KVStager([pool]).write([SRC_PAGES], [mapped], [DST_PAGES])
     torch.cuda.synchronize()
     # NOTE: numpy, sent by value: a tensor would be fetched from the process, which exits.

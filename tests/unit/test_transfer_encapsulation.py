@@ -13,8 +13,7 @@ TRANSFER = Path(pdserve.transfer.__file__).parent
 # torch's own API: process-group options are private fields; a view's base is `_base`.
 TORCH_PRIVATE_API = {"_Options", "_timeout", "_devices", "_base"}
 # torch's storage sharing (the `ipc` backend's pool handles).
-TORCH_PRIVATE_API |= {"_share_cuda_", "_share_filename_cpu_", "_new_shared_cuda"}
-TORCH_PRIVATE_API |= {"_new_shared_filename_cpu"}
+TORCH_PRIVATE_API |= {"_share_cuda_", "_share_fd_cpu_", "_new_shared_cuda", "_new_shared_fd_cpu"}
 
 
 def foreign_private_accesses(source: str) -> list[tuple[int, str]]:

@@ -6,16 +6,18 @@ or its process is gone; the handshake's and the transfer request's refusals."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from subprocess import PIPE
 
 import pytest
 import torch
 
 from pdserve.protocol.failures import FailureKind
-from pdserve.protocol.transfer_messages import KVPiece
+from pdserve.protocol.transfer_messages import KVPiece, PoolHandle
 from pdserve.transfer.decode_side import DecodeTransferClient
 from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
 from pdserve.transfer.kv_staging import KVStager
@@ -24,11 +26,13 @@ from pdserve.transfer.page_ids import pack_page_ids, unpack_page_ids
 from pdserve.transfer.prefill_side import PrefillTransferServer
 from pdserve.transfer.room_state import TransferState
 from pdserve.transfer.shared_pools import (
+    SHARED_MEMORY,
     PoolMapError,
     ProcessWatch,
     export_pool,
     open_pool,
     process_gone,
+    remove_counter_files,
 )
 from tests.e2e.transfer_peers import Case, layout, metadata_spec, pools, record
 from tests.unit.test_transfer_in_process import CONFIG
@@ -234,22 +238,32 @@ def test_copy_pages_equals_index_copies():
         copy_pages(src, dst, pages.t().contiguous().t())
 
 
-def test_a_pool_handle_that_does_not_fit_ours_is_refused_before_anything_is_mapped():
+def test_a_pool_handle_that_does_not_fit_ours_is_refused_before_anything_is_mapped(tmp_path):
     ours = pools(DRAFT, 4, seed=None)[0].storage
     theirs = pools(DRAFT, 9, seed=None)[0].storage  # NOTE: kept: its memory goes with it
     handle = export_pool(theirs)
-    mapped = open_pool(handle, ours, peer="decode")
+    pid = os.getpid()  # NOTE: "decode" is this process: the segment is opened through /proc
+    mapped = open_pool(handle, ours, peer="decode", pid=pid)
     assert list(mapped.shape[:2]) == list(ours.shape[:2]) and mapped.shape[2] == 9
-    for change, reason in (
-        ({"kind": "cuda"}, "decode's KV pool is on cuda, ours on cpu"),
-        ({"dtype": "float32"}, "decode's KV pool holds float32, ours bfloat16"),
-        ({"shape": [2, 4, 9, 16, 2, 8]}, "only the page count may differ"),
-        ({"size": handle.size * 2}, "handle says"),
-        ({"handle": b"/etc/passwd"}, "not a KV pool"),
-        ({"handle": b"/torch_../../x"}, "not a KV pool"),
-    ):
-        with pytest.raises(PoolMapError, match=re.escape(reason)):
-            open_pool(dataclasses.replace(handle, **change), ours, peer="decode")
+    mapped[1, 2, 3] = 5  # one memory: a write through the mapping is decode's
+    assert torch.equal(theirs[1, 2, 3], mapped[1, 2, 3]) and theirs[1, 2, 3].any()
+    named = tmp_path / "pool"
+    named.write_bytes(b"\0" * handle.size)
+    pipe_read, pipe_write = os.pipe()
+    os.close(pipe_write)
+    with open(named, "rb+") as a_file, open(pipe_read, "rb") as a_pipe:
+        for change, reason in (
+            ({"kind": "cuda"}, "decode's KV pool is on cuda, ours on cpu"),
+            ({"dtype": "float32"}, "decode's KV pool holds float32, ours bfloat16"),
+            ({"shape": [2, 4, 9, 16, 2, 8]}, "only the page count may differ"),
+            ({"size": handle.size * 2}, "handle says"),
+            ({"fd": -1}, "names descriptor -1"),
+            ({"fd": a_file.fileno()}, f"descriptor is '{named}', not a KV pool"),
+            ({"fd": a_pipe.fileno()}, "descriptor is 'pipe:["),  # NOTE: refused unopened
+        ):
+            with pytest.raises(PoolMapError, match=re.escape(reason)):
+                open_pool(dataclasses.replace(handle, **change), ours, peer="decode", pid=pid)
+        assert named.read_bytes() == b"\0" * handle.size  # nothing was written to the file
 
 
 def test_a_piece_announced_with_an_event_decode_cannot_wait_for_fails_the_room(pair):
@@ -309,3 +323,30 @@ def test_a_process_watch_sees_an_exit_before_the_process_is_reaped(monkeypatch, 
         watch.close()
         child.wait(10)
     assert watch.gone()  # closed: asks /proc, where the reaped process is gone too
+
+
+def test_an_exited_decodes_cuda_counter_files_are_removed_and_nothing_else():
+    """What torch leaves in /dev/shm for a killed exporter of CUDA pools; the files are made
+    here by hand (the GPU run is tests/gpu/test_ipc_release_gpu.py)."""
+    gone, alive = exited_pid(), os.getpid()
+    names = [f"/torch_{gone}_7_0", f"/torch_{gone}_7_1", f"/torch_{alive}_7_0"]
+    paths = [Path(SHARED_MEMORY + name) for name in names]
+    for path in paths:
+        path.write_bytes(b"\0" * 64)
+    try:
+        handle = PoolHandle("cuda", [2, 1, 1, 1, 1, 1], "float32", b"h", 4, ref_counter=b"")
+        dead = [dataclasses.replace(handle, ref_counter=name.encode()) for name in names[:2]]
+        others = [  # another process's name, one not torch's, and a CPU pool's
+            dataclasses.replace(handle, ref_counter=names[2].encode()),
+            dataclasses.replace(handle, ref_counter=f"/torch_{gone}_7_0/../x".encode()),
+            dataclasses.replace(handle, kind="cpu", ref_counter=names[0].encode()),
+        ]
+        assert remove_counter_files(others, gone) == []
+        assert remove_counter_files(dead[:1], alive) == []  # its exporter still runs
+        assert all(path.exists() for path in paths)
+        assert remove_counter_files([*dead, dead[0], *others], gone) == names[:2]
+        assert [path.exists() for path in paths] == [False, False, True]
+        assert remove_counter_files(dead, gone) == []  # already gone: nothing to do
+    finally:
+        for path in paths:
+            path.unlink(missing_ok=True)
