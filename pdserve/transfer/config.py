@@ -39,8 +39,9 @@ class TransferConfig:
     max_waiting_rooms / max_waiting_rooms_per_peer: rooms a prefill worker holds for decode
         peers' transfer requests whose prefill request has not arrived (in all, and per
         peer); the excess is refused at once.
-    max_bootstrap_connections: connections to a prefill worker's bootstrap port at once
-        (more are refused at their handshake).
+    max_bootstrap_connections / max_bootstrap_connections_per_host: connections to a
+        prefill worker's bootstrap port at once, in all and from one source address (more are
+        refused at their handshake; the share of one host is a quarter, as for peers).
     heartbeat_interval_s: None sends one every quarter of `peer_timeout_s`, at most 1 s."""
 
     backend: str = option(
@@ -94,6 +95,7 @@ class TransferConfig:
     max_waiting_rooms: int = 4096
     max_waiting_rooms_per_peer: int = 1024
     max_bootstrap_connections: int = 1024
+    max_bootstrap_connections_per_host: int = 256
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s is None:
@@ -126,6 +128,7 @@ class TransferConfig:
             "max_waiting_rooms",
             "max_waiting_rooms_per_peer",
             "max_bootstrap_connections",
+            "max_bootstrap_connections_per_host",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -9,15 +9,23 @@ meanwhile wait in `PrefillPeer.waiting`. A prefill worker that does not know our
 send that room's request once more. Rooms whose request went to an earlier prefill instance
 fail: that process is gone, and so is their KV. A peer that fails (bad proof, rejected
 registration, silence, a full send queue) is closed and forgotten; nothing reconnects forever.
+
+A prefill worker whose bootstrap port has too many connections refuses ours at its ZMTP
+handshake (bootstrap_connections), and libzmq then never tries again: a monitor on each
+connection sees that refusal, and the peer is dropped at once with its rooms, by name, so the
+next room makes a fresh connection.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.protocol.channel import Channel
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
@@ -60,11 +68,17 @@ FROM_PREFILL = (
     KVPiece,
     RoomReleased,
 )
+# NOTE: the only handshake a prefill worker refuses (ZAP status 400 under ZMTP's NULL
+# mechanism: libzmq passes on the status, not its text) is one past its connection bounds.
+REFUSED_AT_HANDSHAKE = (
+    "refused the connection at its handshake: too many connections to its bootstrap port"
+)
 
 
 @dataclass
 class PrefillPeer(Peer):
     channel: Channel | None = None
+    monitor: zmq.Socket | None = None  # its connection's handshake refusals
     nonce: bytes = b""  # our Hello's nonce while the handshake is under way
     instance: int | None = None  # the prefill process we registered with
     pid: int = 0  # its process id (the `ipc` backend: see `shared_pools.process_gone`)
@@ -92,13 +106,43 @@ class PrefillPeers:
             max_payload_frames=1,  # a KV chunk's bytes, or a metadata record's tensors
             max_message_bytes=frame_limit,
         )
+        monitor = self._watch_handshakes(channel.socket)
         channel.connect(address)
-        peer = PrefillPeer(address, Outbox(self.config.peer_timeout_s), channel=channel)
+        peer = PrefillPeer(
+            address, Outbox(self.config.peer_timeout_s), channel=channel, monitor=monitor
+        )
         self.peers[address] = peer
-        self._by_socket[channel.socket] = peer
+        self._by_socket[channel.socket] = self._by_socket[monitor] = peer
         self.io.poller.register(channel.socket, zmq.POLLIN)
+        self.io.poller.register(monitor, zmq.POLLIN)
         self._hello(peer)
         return peer if self.peers.get(address) is peer else None
+
+    def _watch_handshakes(self, socket: zmq.Socket) -> zmq.Socket:
+        """A monitor of `socket`'s refused handshakes, connected before `socket` connects (so
+        that it misses none)."""
+        address = f"inproc://prefill-peer-monitor-{uuid.uuid4().hex}"
+        socket.monitor(address, zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        monitor = self.context.socket(zmq.PAIR)
+        monitor.setsockopt(zmq.LINGER, 0)
+        monitor.connect(address)
+        return monitor
+
+    def on_monitor(self, peer: PrefillPeer) -> None:
+        """The peer's connection was refused at its handshake: fail its rooms now."""
+        while self.peers.get(peer.key) is peer:
+            try:
+                event = parse_monitor_message(peer.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.drop_peer(peer, FailureKind.HANDSHAKE, REFUSED_AT_HANDSHAKE)
+
+    def close_sockets(self, peer: PrefillPeer) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            peer.channel.socket.disable_monitor()
+        peer.monitor.close(0)
+        peer.channel.close()
 
     def _close_an_idle_peer(self) -> bool:
         idle = [p for p in self.peers.values() if not self.live_rooms(p)]
@@ -114,9 +158,10 @@ class PrefillPeers:
         return peer.channel.frames(msg, *payload)
 
     def _closed(self, peer: PrefillPeer) -> None:
-        del self._by_socket[peer.channel.socket]
-        self.io.poller.unregister(peer.channel.socket)
-        peer.channel.close()
+        for socket in (peer.channel.socket, peer.monitor):
+            del self._by_socket[socket]
+            self.io.poller.unregister(socket)
+        self.close_sockets(peer)
 
     def _hello(self, peer: PrefillPeer) -> None:
         peer.nonce, peer.registered = peer_auth.new_nonce(), False

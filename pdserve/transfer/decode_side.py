@@ -88,7 +88,7 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         self.io.stop()
         self.plane.close()
         for peer in self.peers.values():
-            peer.channel.close()
+            self.close_sockets(peer)
         self.context.term()
         self.doorbell.close()
 
@@ -156,6 +156,9 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         if self.on_fanout(socket) or self.plane.on_socket(socket):
             return
         peer = self._by_socket.get(socket)
+        if peer is not None and socket is peer.monitor:
+            self.on_monitor(peer)
+            return
         while peer is not None and self.peers.get(peer.key) is peer:
             try:
                 received = peer.channel.receive(zmq.NOBLOCK, copy=False)

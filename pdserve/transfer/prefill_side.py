@@ -128,6 +128,7 @@ class PrefillTransferServer(PrefillRooms, IpcWrites, DecodePeers, Endpoint):
             self.context,
             self.channel.socket,
             self.config.max_bootstrap_connections,
+            self.config.max_bootstrap_connections_per_host,
             self.config.peer_timeout_s,
             self.peer_log,
         )
