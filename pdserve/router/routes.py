@@ -23,7 +23,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.errors import LegError
 from pdserve.router.fanout import Part, split
 from pdserve.router.legs import Answer, Legs
-from pdserve.router.pairing import Pair, available, choose_pair, with_bootstrap
+from pdserve.router.pairing import Pair, accepted, available, choose_pair, with_bootstrap
 from pdserve.router.policies import CacheAwareSettings, make_policy
 from pdserve.router.prefix_index import RoutingKey
 from pdserve.router.workers import Worker, WorkerPool
@@ -65,6 +65,10 @@ class PairRoute:
             max_in_flight=self.config.max_requests_per_worker,
             key=key,
         )
+
+    def accepted(self, pair: Pair, key: RoutingKey | None) -> None:
+        """The room opened on `pair` (decode answered, so prefill's KV arrived)."""
+        accepted(pair, self.prefill_policy, self.decode_policy, key)
 
     async def open(self, pair: Pair, endpoint, body, headers, stream, deadline) -> Answer:
         leg_body = with_bootstrap(body, pair)
@@ -125,6 +129,9 @@ class WorkerRoute:
     def choose(self, avoid: Worker | None, key: RoutingKey | None = None) -> Worker:
         candidates = available(self.workers, self.config.max_requests_per_worker)
         return self.policy.choose(candidates, exclude=[avoid] if avoid else [], key=key)
+
+    def accepted(self, worker: Worker, key: RoutingKey | None) -> None:
+        self.policy.accepted(worker, key)
 
     async def open(self, worker: Worker, endpoint, body, headers, stream, deadline) -> Answer:
         self.workers.acquire(worker)
