@@ -151,9 +151,7 @@ def test_a_failure_after_the_engine_died_is_unavailable(failing_worker):
         ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "temperature": 10**400}),
     ],
 )
-def test_an_integer_sampling_value_past_float_range_is_a_400_naming_it(
-    failing_worker, path, body
-):
+def test_an_integer_sampling_value_past_float_range_is_a_400_naming_it(failing_worker, path, body):
     client, _ = failing_worker
     response = client.post(path, json=body)
     assert response.status_code == 400, response.text
