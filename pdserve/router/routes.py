@@ -98,7 +98,9 @@ class PairRoute:
                     raise _timed_out()
                 if decode in done:
                     response, head, chunks = decode.result()  # raises the decode leg's LegError
-                    return Answer(pair, pair.decode, self.decode, response, head, chunks, prefill)
+                    return Answer(
+                        pair, pair.decode, self.decode, response, head, chunks, prefill, deadline
+                    )
                 prefill.result()  # raises the prefill leg's LegError; else wait for decode
                 pending = {decode}
         except BaseException:
