@@ -79,6 +79,10 @@ class LegClient(Protocol):
 
     async def post(self, url: str, content: bytes, headers: dict[str, str]) -> LegResponse: ...
 
+    def cut_worker(self, url: str) -> int:
+        """Close the connections to a worker that stopped answering (legs on them fail)."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -104,6 +108,9 @@ class TransportLegClient:
             return await self.transport.handle_async_request(request)
         except STALE_CONNECTION_ERRORS:
             return await self.fresh_transport.handle_async_request(request)
+
+    def cut_worker(self, url: str) -> int:
+        return 0  # NOTE: a transport's connections are its own
 
     async def aclose(self) -> None:
         pass  # NOTE: the transports belong to whoever made them
@@ -167,6 +174,13 @@ class Legs:
             await response.aclose()
         if response.status_code != 200:
             raise leg_error(pool.role.value, response.status_code, content)
+
+    def cut(self, worker: Worker) -> None:
+        """`worker` accepts connections but answers nothing (its health checks time out):
+        end the legs on it now rather than at their deadline. Those with nothing relayed yet
+        are retried on another worker; a started stream ends with an error event."""
+        if count := self.client.cut_worker(worker.url):
+            logger.warning("%s stopped answering: %d connections to it cut", worker.url, count)
 
     def unreachable(self, pool: WorkerPool, worker: Worker, error: Exception) -> LegError:
         """A worker we could not talk to: one failure more in a row (`note_failure`); enough
