@@ -117,7 +117,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.limits = waiting.limits
         self.header_timer: asyncio.TimerHandle | None = None
         self.awaiting_headers = True
-        self.header_bytes = 0  # NOTE: of the request's headers seen so far, read or parsed
+        # NOTE: the request's headers so far, as the parser gave them (name and value) and
+        # as they arrived while incomplete; either over the limit is a 431.
+        self.header_bytes = 0
+        self.header_bytes_read = 0
         self.header_count = 0
         self.refused = False
 
@@ -153,7 +156,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.awaiting_headers and not self.refused and not self.transport.is_closing():
             # NOTE: what the parser holds of headers not yet complete; may count the end of
             # the previous request's bytes in the same read too, at most one read more.
-            self.header_bytes += len(data)
+            self.header_bytes_read += len(data)
             self._check_header_bytes()
 
     # ---- parser callbacks -------------------------------------------------------------
@@ -163,7 +166,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         super().on_message_begin()
         self.awaiting_headers = True
-        self.header_bytes = 0
+        self.header_bytes = self.header_bytes_read = 0
         self.header_count = 0
         if self.header_timer is None:
             self._arm_header_timer()
@@ -203,11 +206,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        idle = not self.pipeline  # NOTE: else the next request, already read, starts now
         super().on_response_complete()
-        if not self.transport.is_closing() and not self.pipeline:
+        if idle and not self.transport.is_closing():
             # NOTE: idle (under uvicorn's keep-alive timeout) until the next request's first
             # byte starts its header time.
-            self.header_bytes = 0
+            self.header_bytes = self.header_bytes_read = 0
             self.waiting.wait(self)
 
     # ---- refusing ------------------------------------------------------------------------
@@ -215,17 +219,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def refuse_waiting(self) -> None:
         """Close a connection that has no request in progress (to make room for a new one,
         or when its headers took too long): 408 when it had sent part of a request."""
-        if self.header_bytes:
+        if self.header_bytes or self.header_bytes_read:
             self.refuse(408, "request headers not received in time")
         else:
-            self.refused = True
-            self.transport.close()
+            self._close()
 
     def refuse(self, status: int, message: str) -> None:
         """Answer `status` and close the connection; its request never reaches the app."""
-        self.refused = True
-        self._cancel_header_timer()
-        self.waiting.done(self)
         if status != 503:
             self.waiting.refusals.info("%s: %s", status, message, key=status)
         content = message.encode()
@@ -241,10 +241,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 ]
             )
         )
+        self._close()
+
+    def _close(self) -> None:
+        self.refused = True
+        self._cancel_header_timer()
+        self.waiting.done(self)
         self.transport.close()
 
     def _check_header_bytes(self) -> bool:
-        if self.header_bytes <= self.limits.max_header_bytes:
+        if max(self.header_bytes, self.header_bytes_read) <= self.limits.max_header_bytes:
             return True
         self.refuse(431, f"request headers over {self.limits.max_header_bytes} bytes")
         return False

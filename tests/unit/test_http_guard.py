@@ -28,7 +28,8 @@ async def app(scope, receive, send):
         holding.append(scope)
     while scope["path"] == "/hold" and not release.is_set():
         await asyncio.sleep(0.01)
-    await send({"type": "http.response.start", "status": 200, "headers": []})
+    headers = [(b"content-length", b"2")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": b"ok"})
 
 
@@ -70,6 +71,16 @@ def read_all(client: socket.socket) -> bytes:
     """Everything the server sends until it closes the connection."""
     received = b""
     while chunk := client.recv(65536):
+        received += chunk
+    return received
+
+
+def read_answer(client: socket.socket) -> bytes:
+    """One answer of the app's (its body is "ok"), the connection left open."""
+    received = b""
+    while not received.endswith(b"\r\n\r\nok"):
+        chunk = client.recv(65536)
+        assert chunk, f"closed after {received!r}"
         received += chunk
     return received
 
@@ -119,7 +130,7 @@ def test_a_prompt_request_is_answered_and_its_connection_kept_alive():
     with serving(header_timeout=0.5) as port, connect(port) as client:
         for _ in range(2):
             client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert client.recv(65536).startswith(b"HTTP/1.1 200 ")
+            assert read_answer(client).startswith(b"HTTP/1.1 200 ")
 
 
 def test_one_oversized_header_gets_431():
@@ -139,6 +150,16 @@ def test_an_oversized_header_still_arriving_is_refused_before_its_end():
             for _ in range(64):
                 client.sendall(b"a" * 1024)
         assert refused(client, b"431")
+
+
+def test_headers_under_the_limit_that_arrive_in_pieces_are_answered():
+    with serving(max_header_bytes=4096) as port, connect(port) as client:
+        client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n")
+        for i in range(10):
+            client.sendall(b"X-%d: %s\r\n" % (i, b"a" * 280))
+            time.sleep(0.02)  # NOTE: so that the server reads them one by one
+        client.sendall(b"\r\n")
+        assert read_all(client).startswith(b"HTTP/1.1 200 ")
 
 
 def test_too_many_headers_get_431():
@@ -180,7 +201,7 @@ def test_at_the_connection_cap_with_every_request_in_progress_a_new_one_gets_503
                 assert refused(client, b"503")
             release.set()
             for client in busy:
-                assert client.recv(65536).startswith(b"HTTP/1.1 200 ")
+                assert read_answer(client).startswith(b"HTTP/1.1 200 ")
         finally:
             for client in busy:
                 client.close()
