@@ -195,7 +195,22 @@ class _StopsAnswering(_Completes):
 
     def do_POST(self):
         self._hang_if_stopped()
-        super().do_POST()
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        with self.server.lock:
+            self.server.posts += 1
+        if body.get("stream") is not True:
+            self._answer(200, {"object": "text_completion", "choices": [{"text": "ok"}]})
+            return
+        # NOTE: a stream's first event, then nothing until released (stopped mid-stream)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        event = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+        self.wfile.flush()
+        self.server.released.wait(60)
+        self.close_connection = True
 
     def _hang_if_stopped(self):
         if self.server.stopped.is_set():

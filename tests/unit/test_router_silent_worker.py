@@ -42,3 +42,24 @@ def test_requests_on_a_worker_that_stopped_answering_are_retried_elsewhere_soon(
             assert [w["healthy"] for w in workers] == [False, True]
             wait_until(lambda: client.get("/workers").json()["colocated"][0]["in_flight"] == 0,
                        "the stopped worker's leg to be released")  # fmt: skip
+
+
+def test_a_stream_from_a_worker_that_stopped_answering_ends_with_an_error_event_soon():
+    with StoppableWorker() as stopping:
+        config = RouterConfig(
+            worker_urls=(stopping.url,),
+            health_check_interval_s=0.2,
+            health_check_timeout_s=0.5,
+            request_timeout_s=REQUEST_TIMEOUT_S,
+        )
+        with TestClient(build_router_app(config)) as client:
+            body = {**BODY, "stream": True}
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.iter_lines()
+                assert next(lines).startswith("data: ")  # NOTE: the stream started
+                stopping.stop()
+                started = time.monotonic()
+                rest = [line for line in lines if line]
+                took = time.monotonic() - started
+            assert took < REQUEST_TIMEOUT_S / 3, f"the stream waited {took:.1f} s"
+            assert "stopped answering" in rest[0] and rest[-1] == "data: [DONE]", rest
