@@ -13,6 +13,12 @@ import sys
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_files import refuse_remote_code, resolve_model_dir
 from pdserve.protocol.flags import add_flags, given, settings_from_args
+from pdserve.protocol.http_guard import (
+    ConnectionLimits,
+    connection_cap,
+    protocol_factory,
+    raise_open_file_limit,
+)
 from pdserve.protocol.http_settings import HttpSettings
 from pdserve.protocol.spec_settings import SpecSettings, SpeculativeConfigError
 
@@ -177,6 +183,31 @@ class StartupFailed(RuntimeError):
     """The app could not start (its engine did not come up); the message says why."""
 
 
+def uvicorn_config(app, settings: HttpSettings, log_level: str, access_log: bool):
+    """How every pdserve HTTP process serves: uvicorn with httptools (a dependency of
+    pdserve's, so never h11) through `http_guard`'s protocol, which bounds the header time,
+    size and count and the connections (the open-file limit raised to its hard limit first,
+    so that the cap can be generous)."""
+    import uvicorn
+
+    limits = ConnectionLimits(
+        header_timeout_s=settings.header_timeout,
+        max_header_bytes=settings.max_header_bytes,
+        max_header_count=settings.max_header_count,
+        max_connections=connection_cap(settings.max_connections, raise_open_file_limit()),
+    )
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        http=protocol_factory(limits),
+        log_level=log_level,
+        access_log=access_log,
+        lifespan="off",  # NOTE: run below, so that its failure is ours to report
+        timeout_graceful_shutdown=settings.shutdown_timeout,
+    )
+
+
 def serve_http(
     app,
     settings: HttpSettings,
@@ -193,15 +224,7 @@ def serve_http(
 
     if logging.getLevelName(log_level.upper()) > logging.DEBUG:
         logging.getLogger("uvicorn.access").addFilter(_not_a_probe)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=log_level,
-        access_log=access_log,
-        lifespan="off",  # NOTE: run below, so that its failure is ours to report
-        timeout_graceful_shutdown=settings.shutdown_timeout,
-    )
+    config = uvicorn_config(app, settings, log_level, access_log)
 
     async def run() -> None:
         try:

@@ -13,6 +13,7 @@ field, never a crash later in the engine.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,8 +220,9 @@ def _require_int(name: str, value: Any) -> None:
 def _require_number(name: str, value: Any) -> None:
     if not (_is_int(value) or isinstance(value, float)):
         raise InvalidSamplingParams(name, f"must be a number, got {_describe(value)}")
-    if not math.isfinite(value):
-        raise InvalidSamplingParams(name, f"must be a finite number, got {value}")
+    # NOTE: an int past float's range is no finite float (math.isfinite would overflow).
+    if (_is_int(value) and abs(value) > sys.float_info.max) or not math.isfinite(value):
+        raise InvalidSamplingParams(name, f"must be a finite number, got {_describe(value)}")
 
 
 def _stop_strings(stop: Any) -> tuple[str, ...]:

@@ -1,5 +1,6 @@
 """What every pdserve HTTP process (worker or router) is told about serving: where it binds,
-its API key, how long SIGTERM waits, and, for workers, the model name and queue bound.
+its API key, how long SIGTERM waits, what a client's connection may hold (`http_guard`), and,
+for workers, the model name and queue bound.
 Torch-free: the router reads it too."""
 
 from __future__ import annotations
@@ -27,6 +28,20 @@ class HttpSettings:
         "seconds in-flight requests may take to finish after SIGTERM (new connections are "
         "refused at once); keep it under the pod's terminationGracePeriodSeconds",
     )
+    header_timeout: float = option(
+        10.0,
+        "seconds a client may take to send a request's headers (from connecting, or from the "
+        "request's first byte); then 408 and the connection is closed",
+    )
+    max_header_bytes: int = option(
+        64 * 1024, "request line and headers over this many bytes are refused with 431"
+    )
+    max_header_count: int = option(256, "requests with more headers are refused with 431")
+    max_connections: int = option(
+        0,
+        "open client connections at most; past it a new one closes the longest-idle one "
+        "(or is refused with 503). 0: a quarter of the open-file limit, at most 16384",
+    )
     served_model_name: str | None = option(
         None, "model name the API reports and accepts (default: the model path)"
     )
@@ -39,5 +54,15 @@ class HttpSettings:
             raise ValueError(
                 f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}"
             )
+        if self.header_timeout <= 0:
+            raise ValueError(f"--header-timeout must be > 0 seconds, got {self.header_timeout}")
+        for flag, value in (
+            ("--max-header-bytes", self.max_header_bytes),
+            ("--max-header-count", self.max_header_count),
+        ):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.max_connections < 0:
+            raise ValueError(f"--max-connections must be >= 0, got {self.max_connections}")
         if self.max_queued_requests < 1:
             raise ValueError(f"--max-queued-requests must be >= 1, got {self.max_queued_requests}")

@@ -99,7 +99,7 @@ def build_router_app(
         legs = Legs(config, leg_client)
         pooled = transport or worker_transport(config.dead_worker_timeout_s)
         async with httpx.AsyncClient(timeout=timeout, transport=pooled) as client:
-            checker = HealthChecker(config, pools, client, discovery)
+            checker = HealthChecker(config, pools, client, discovery, on_silent=legs.cut)
             await checker.check_all()
             health_task = asyncio.create_task(
                 checker.run(after_round=lambda: metrics.refresh(pools)), name="health-checks"

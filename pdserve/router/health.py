@@ -1,6 +1,9 @@
 """Periodic health checks: a worker leaves rotation after `health_failure_threshold` failures
 in a row (failed `/health` checks, or requests that could not reach it, see `proxy`) and
-returns after one good check. A prefill worker whose bootstrap port was not given is asked for
+returns after one good check. A worker out of rotation whose check timed out (it accepts
+connections but answers nothing: SIGSTOP, a wedged process) has its legs cut (`on_silent`),
+so requests in flight there end within a few checks instead of at their deadline. A prefill
+worker whose bootstrap port was not given is asked for
 it (`/server_info`) until it answers. Each round first refreshes the pools from DNS
 (`discovery`; a no-op without services). Torch-free."""
 
@@ -26,11 +29,13 @@ class HealthChecker:
         pools: list[WorkerPool],
         client: httpx.AsyncClient,
         discovery: Discovery,
+        on_silent: Callable[[Worker], None] = lambda worker: None,
     ):
         self.config = config
         self.pools = pools
         self.client = client
         self.discovery = discovery
+        self.on_silent = on_silent
 
     async def run(self, after_round: Callable[[], None] = lambda: None) -> None:
         """Checks every interval; the first round is the caller's (before serving)."""
@@ -45,7 +50,7 @@ class HealthChecker:
         await asyncio.gather(*checks)
 
     async def _check(self, pool: WorkerPool, worker: Worker) -> None:
-        error = None
+        error, silent = None, False
         try:
             response = await self.client.get(
                 worker.url + "/health", timeout=self.config.health_check_timeout_s
@@ -56,12 +61,16 @@ class HealthChecker:
                 error = await self._discover_bootstrap_port(worker)
         except httpx.HTTPError as e:
             error = f"/health failed: {type(e).__name__}: {e}"
+            # NOTE: connected (or sent) but no answer in time; not a refused connection
+            silent = isinstance(e, (httpx.ReadTimeout, httpx.WriteTimeout))
         if error is None:
             if pool.mark(worker, True):
                 logger.info("%s worker %s is back in rotation", pool.role.value, worker.url)
             return
         if pool.note_failure(worker, error, self.config.health_failure_threshold):
             logger.warning("%s worker %s out of rotation: %s", pool.role.value, worker.url, error)
+        if silent and not worker.healthy:
+            self.on_silent(worker)
 
     async def _discover_bootstrap_port(self, worker: Worker) -> str | None:
         # NOTE: /server_info is behind the API key the router and its workers share.

@@ -19,6 +19,11 @@ Connections are kept alive per worker and reused. One that fails before the answ
 byte after it had served a request (the worker closed it while idle: its keep-alive timeout,
 a restart) is no failure of the worker: the request goes once more on a new connection.
 Sockets get the dead-peer options (`transport.dead_peer_socket_options`).
+
+A worker that stops answering while its host still does (SIGSTOP, a wedged event loop: its
+kernel keeps the connections up, so the dead-peer options never fire) has its connections cut
+(`cut_worker`, when its health checks time out): every leg on them fails at once with
+ReadError, which the router retries elsewhere while nothing was relayed.
 """
 
 from __future__ import annotations
@@ -49,16 +54,20 @@ class _Stale(Exception):
 
 
 class _Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, open_ones: set):
         self.reader = reader
         self.writer = writer
         self.served = 0  # answers read whole on it
+        self.cut = False  # by `Http1Pool.cut_worker`: its worker stopped answering
+        self._open_ones = open_ones  # NOTE: its worker's open connections, itself among them
+        open_ones.add(self)
 
     @property
     def usable(self) -> bool:
         return not self.reader.at_eof() and not self.writer.transport.is_closing()
 
     def close(self) -> None:
+        self._open_ones.discard(self)
         self.writer.transport.abort()  # NOTE: a half-read answer must not linger
 
 
@@ -72,6 +81,7 @@ class Http1Pool:
         self.write_timeout_s = write_timeout_s
         self.socket_options = dead_peer_socket_options(dead_worker_timeout_s)
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._open: dict[tuple[str, str, int], set[_Connection]] = {}  # idle or in use
         self._ssl: ssl.SSLContext | None = None
 
     async def post(self, url: str, content: bytes, headers: dict[str, str]) -> Http1Response:
@@ -86,6 +96,17 @@ class Http1Pool:
             except _Stale:
                 pass  # NOTE: the worker closed it while idle: once more, on a new one
         return await self._exchange(key, await self._connect(key), request)
+
+    def cut_worker(self, url: str) -> int:
+        """Close every connection to the worker at `url`, idle or in use (it stopped
+        answering): the legs reading from them fail with ReadError. How many were open."""
+        scheme, host, port, _ = _split(url)
+        open_ones = self._open.get((scheme, host, port), set())
+        count = len(open_ones)
+        for connection in list(open_ones):
+            connection.cut = True
+            connection.close()
+        return count
 
     async def aclose(self) -> None:
         for connections in self._idle.values():
@@ -124,7 +145,7 @@ class Http1Pool:
         sock = writer.get_extra_info("socket")
         for level, name, value in self.socket_options:
             sock.setsockopt(level, name, value)
-        return _Connection(reader, writer)
+        return _Connection(reader, writer, self._open.setdefault(key, set()))
 
     def _tls(self) -> ssl.SSLContext:
         if self._ssl is None:
@@ -148,6 +169,8 @@ class Http1Pool:
             return Http1Response(self, key, connection, status, headers)
         except (OSError, asyncio.IncompleteReadError) as e:  # NOTE: see _BROKEN
             connection.close()
+            if connection.cut:
+                raise httpx.ReadError("the worker stopped answering (health checks)") from None
             if connection.served and not getattr(e, "partial", b""):
                 raise _Stale() from None
             if isinstance(e, OSError):
@@ -234,7 +257,10 @@ class Http1Response:
         try:
             yield
         except _BROKEN as e:
+            cut = self._connection is not None and self._connection.cut
             self._drop()
+            if cut:
+                raise httpx.ReadError("the worker stopped answering (health checks)") from None
             if isinstance(e, OSError):
                 raise httpx.ReadError(f"{type(e).__name__}: {e}") from None
             raise httpx.RemoteProtocolError(

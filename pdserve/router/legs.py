@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import time
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -36,7 +38,6 @@ MAX_FIRST_EVENT_BYTES = 1 << 20
 # response byte, or a broken pipe while sending); not ConnectError: nothing listens there.
 STALE_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 ROOM_FIELDS = ("bootstrap_room", "bootstrap_host", "bootstrap_port")
-PREFILL_ANSWER_GRACE_S = 10.0
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Answer:
     head: bytes  # a stream's first SSE event, or the whole answer
     chunks: AsyncIterator[bytes] | None = None  # a stream's bytes after `head`
     prefill: asyncio.Task | None = None  # the prefill leg, still running or done
+    deadline: float = math.inf  # the request's (time.monotonic)
 
     def finished(self) -> bool:
         """Whether the answering worker's answer was read to its end (`http1` answers say;
@@ -77,6 +79,10 @@ class LegClient(Protocol):
 
     async def post(self, url: str, content: bytes, headers: dict[str, str]) -> LegResponse: ...
 
+    def cut_worker(self, url: str) -> int:
+        """Close the connections to a worker that stopped answering (legs on them fail)."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -102,6 +108,9 @@ class TransportLegClient:
             return await self.transport.handle_async_request(request)
         except STALE_CONNECTION_ERRORS:
             return await self.fresh_transport.handle_async_request(request)
+
+    def cut_worker(self, url: str) -> int:
+        return 0  # NOTE: a transport's connections are its own
 
     async def aclose(self) -> None:
         pass  # NOTE: the transports belong to whoever made them
@@ -166,6 +175,13 @@ class Legs:
         if response.status_code != 200:
             raise leg_error(pool.role.value, response.status_code, content)
 
+    def cut(self, worker: Worker) -> None:
+        """`worker` accepts connections but answers nothing (its health checks time out):
+        end the legs on it now rather than at their deadline. Those with nothing relayed yet
+        are retried on another worker; a started stream ends with an error event."""
+        if count := self.client.cut_worker(worker.url):
+            logger.warning("%s stopped answering: %d connections to it cut", worker.url, count)
+
     def unreachable(self, pool: WorkerPool, worker: Worker, error: Exception) -> LegError:
         """A worker we could not talk to: one failure more in a row (`note_failure`); enough
         of them take it out of rotation, a good health check brings it back."""
@@ -183,12 +199,16 @@ class Legs:
             self._forget(prefill)  # NOTE: how it ended no longer matters
         elif prefill is not None:
             # NOTE: decode answered, so the room's KV arrived: prefill's answer is only its
-            # bookkeeping, and the client is not held for it. It may finish in the background
-            # (cut, its connection would be lost: a new one for every short stream's next
-            # prefill leg), within PREFILL_ANSWER_GRACE_S.
+            # bookkeeping, and the client is not held for it. It finishes in the background
+            # by the request's deadline: cut, the prefill worker would abort a room that
+            # succeeded (counted as an abort there) and its connection would be lost (a new
+            # one for the next prefill leg). A prefill worker ends its rooms within its own
+            # --transfer-timeout, so this is rarely the bound that applies.
             self._keep(prefill)
-            timer = asyncio.get_running_loop().call_later(PREFILL_ANSWER_GRACE_S, prefill.cancel)
-            prefill.add_done_callback(lambda _: timer.cancel())
+            remaining = max(answer.deadline - time.monotonic(), 0)
+            if remaining != math.inf:
+                timer = asyncio.get_running_loop().call_later(remaining, prefill.cancel)
+                prefill.add_done_callback(lambda _: timer.cancel())
         await answer.response.aclose()
 
     def abort_rooms(self, workers: list[Worker], leg_body: dict, headers) -> None:

@@ -52,6 +52,14 @@ def choose_pair(
     )
 
 
+def accepted(
+    pair: Pair, prefill_policy: Policy, decode_policy: Policy, key: RoutingKey | None
+) -> None:
+    """The pair's room opened: both policies remember the key for their worker."""
+    prefill_policy.accepted(pair.prefill, key)
+    decode_policy.accepted(pair.decode, key)
+
+
 def available(pool: WorkerPool, max_in_flight: int) -> list[Worker]:
     """The pool's healthy workers with room for one more request (`max_in_flight` > 0);
     raises NoHealthyWorker or WorkersBusy."""

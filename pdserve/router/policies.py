@@ -5,8 +5,9 @@ this router has in flight on them) are balanced, a request goes to the worker th
 the longest prefix of it (prefix_index.py), if that covers more than `cache_threshold` of it,
 else to the worker whose index is smallest (the most room in its cache); once loads are
 imbalanced (max - min > `balance_abs_threshold` and max > min x `balance_rel_threshold`), to
-the least loaded worker. Either way the request's prefixes are remembered for the worker
-chosen, so a conversation's next turn follows its last one while that worker keeps up."""
+the least loaded worker. Either way the request's prefixes are remembered for the worker once
+it accepted the request (`accepted`), so a conversation's next turn follows its last one while
+that worker keeps up, and requests every worker refuses do not push real prefixes out."""
 
 from __future__ import annotations
 
@@ -35,6 +36,17 @@ class Policy(Protocol):
         should land elsewhere); `key` is the request's routing key (prefix_index.py), which
         only cache-aware policies read."""
 
+    def accepted(self, worker: Worker, key: RoutingKey | None) -> None:
+        """`worker` took the request with this routing key (it answered it, or its room
+        opened): what a cache-aware policy remembers."""
+
+
+class _Forgetful:
+    """A policy that does not read routing keys."""
+
+    def accepted(self, worker: Worker, key: RoutingKey | None) -> None:
+        pass
+
 
 def _candidates(workers: Sequence[Worker], exclude: Sequence[Worker]) -> list[Worker]:
     if not workers:
@@ -43,7 +55,7 @@ def _candidates(workers: Sequence[Worker], exclude: Sequence[Worker]) -> list[Wo
     return others or list(workers)
 
 
-class RoundRobin:
+class RoundRobin(_Forgetful):
     def __init__(self) -> None:
         self._counter = itertools.count()
         self._lock = threading.Lock()
@@ -54,7 +66,7 @@ class RoundRobin:
             return candidates[next(self._counter) % len(candidates)]
 
 
-class Random:
+class Random(_Forgetful):
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
@@ -62,7 +74,7 @@ class Random:
         return self._rng.choice(_candidates(workers, exclude))
 
 
-class LeastLoad:
+class LeastLoad(_Forgetful):
     """Fewest requests in flight from this router; ties go to the earliest listed."""
 
     def choose(self, workers: Sequence[Worker], *, exclude=(), key=None) -> Worker:
@@ -82,16 +94,30 @@ class CacheAware:
         self.settings = settings or CacheAwareSettings()
         self._indexes: dict[str, PrefixIndex] = {}
         self._lock = threading.Lock()
+        # NOTE: the last key's block names: `accepted` mostly follows its `choose` at once.
+        self._last: tuple[RoutingKey | None, list[int]] = (None, [])
 
     def choose(self, workers: Sequence[Worker], *, exclude=(), key=None) -> Worker:
         candidates = _candidates(workers, exclude)
-        names = block_names(key) if key is not None else []
         with self._lock:
+            names = self._names(key)
             indexes = [self._index(w) for w in candidates]
-            chosen = self._pick(candidates, indexes, names, key)
+            return self._pick(candidates, indexes, names, key)
+
+    def accepted(self, worker: Worker, key: RoutingKey | None) -> None:
+        with self._lock:
+            names = self._names(key)
             if names:
-                self._index(chosen).insert(names)
-            return chosen
+                self._index(worker).insert(names)
+
+    def _names(self, key: RoutingKey | None) -> list[int]:
+        if key is None:
+            return []
+        last_key, names = self._last
+        if last_key is not key:
+            names = block_names(key)
+            self._last = (key, names)
+        return names
 
     def _pick(self, candidates, indexes, names, key) -> Worker:
         loads = [w.in_flight for w in candidates]

@@ -7,11 +7,17 @@ without the tree. A worker's index holds the names of the prefixes sent to it, l
 used first out once it holds `capacity` of them; a key's match on a worker is how many of its
 leading blocks the worker has seen. It is an approximation of the worker's real cache (which
 evicts on its own), good enough to send a conversation's next turn where its last one went.
+
+Memory: a name is 8 bytes in one array (a dict of Python ints cost ~200 bytes a name: ~200 MB
+per worker at the default capacity of 2^20 names, 8 MB now). The array is set-associative: a
+name can only sit among the `WAYS` slots of the bucket its value picks, most recently used
+first, and a new name pushes out the bucket's least recently used one. That is LRU per bucket,
+close to LRU overall, without a linked list or any object per name.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from array import array
 from collections.abc import Sequence
 
 RoutingKey = str | tuple[int, ...]
@@ -22,6 +28,8 @@ TOKEN_BLOCK = 8  # token ids per block of a token key
 # at its end, so its beginning tells workers apart; and a huge body costs the router's event
 # loop no more hashing than this.
 MAX_BLOCKS = 1024
+WAYS = 8  # slots per bucket of an index
+EMPTY = 0  # NOTE: a free slot; a name that hashes to 0 is stored as 1 instead
 
 
 def block_names(key: RoutingKey) -> list[int]:
@@ -40,35 +48,52 @@ def block_units(key: RoutingKey) -> int:
 
 
 class PrefixIndex:
-    """The prefixes one worker was sent, by block name, least recently used first."""
+    """The prefixes one worker was sent, by block name, least recently used first out (per
+    bucket: the module docstring)."""
 
     def __init__(self, capacity: int):
         if capacity < 1:
             raise ValueError(f"a prefix index needs a capacity of at least 1, got {capacity}")
-        self.capacity = capacity
-        self._names: OrderedDict[int, None] = OrderedDict()
+        self.ways = min(WAYS, capacity)
+        self.buckets = capacity // self.ways
+        self.capacity = self.buckets * self.ways
+        self._slots = array("q", bytes(8 * self.capacity))
+        self._used = 0
 
     def __len__(self) -> int:
-        return len(self._names)
+        return self._used
 
     def match(self, names: Sequence[int]) -> int:
         """How many of the leading `names` this worker has seen."""
         count = 0
         for name in names:
-            if name not in self._names:
+            start = self._bucket(name)
+            if (name or 1) not in self._slots[start : start + self.ways]:
                 break
             count += 1
         return count
 
     def insert(self, names: Sequence[int]) -> None:
-        """Remember `names` as the most recently used; the oldest go past `capacity`."""
+        """Remember `names` as the most recently used, pushing out the least recently used
+        of their buckets."""
         # NOTE: longest prefix first, so a key's shorter prefixes end up the most recent and
         # its longest ones leave first, as a tree's leaves would.
+        slots, ways = self._slots, self.ways
         for name in reversed(names):
-            self._names[name] = None
-            self._names.move_to_end(name)
-        while len(self._names) > self.capacity:
-            self._names.popitem(last=False)
+            name = name or 1
+            start = self._bucket(name)
+            bucket = slots[start : start + ways]
+            try:
+                at = bucket.index(name)
+            except ValueError:
+                at = ways - 1  # NOTE: free slots are the bucket's last ones
+                if bucket[at] == EMPTY:
+                    self._used += 1
+            slots[start + 1 : start + at + 1] = bucket[:at]
+            slots[start] = name
+
+    def _bucket(self, name: int) -> int:
+        return ((name or 1) % self.buckets) * self.ways
 
 
 def routing_key(body: dict) -> RoutingKey | None:
@@ -94,8 +119,14 @@ def _message_text(message) -> str:
         return ""
     content = message.get("content")
     if isinstance(content, list):  # OpenAI content parts: keep the text ones
+        # NOTE: a part whose text is no string is the worker's to refuse (400); the key,
+        # built before any worker sees the body, must take any JSON.
         content = "".join(
-            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+            text
+            for p in content
+            if isinstance(p, dict)
+            and p.get("type") == "text"
+            and isinstance(text := p.get("text"), str)
         )
     if not isinstance(content, str):
         content = ""

@@ -156,7 +156,10 @@ class Proxy:
                 return error_response(429, str(e), "rate_limit_exceeded", busy)
             access.routed(room, route)
             try:
-                return await self.route.open(route, endpoint, body, headers, stream, deadline)
+                answer = await self.route.open(route, endpoint, body, headers, stream, deadline)
+                # NOTE: only now, so that refused requests leave the cache-aware index alone
+                self.route.accepted(route, key)
+                return answer
             except LegError as e:
                 request_id = headers.get("X-Request-Id")
                 if e.status < 500:

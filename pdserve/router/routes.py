@@ -23,7 +23,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.errors import LegError
 from pdserve.router.fanout import Part, split
 from pdserve.router.legs import Answer, Legs
-from pdserve.router.pairing import Pair, available, choose_pair, with_bootstrap
+from pdserve.router.pairing import Pair, accepted, available, choose_pair, with_bootstrap
 from pdserve.router.policies import CacheAwareSettings, make_policy
 from pdserve.router.prefix_index import RoutingKey
 from pdserve.router.workers import Worker, WorkerPool
@@ -66,6 +66,10 @@ class PairRoute:
             key=key,
         )
 
+    def accepted(self, pair: Pair, key: RoutingKey | None) -> None:
+        """The room opened on `pair` (decode answered, so prefill's KV arrived)."""
+        accepted(pair, self.prefill_policy, self.decode_policy, key)
+
     async def open(self, pair: Pair, endpoint, body, headers, stream, deadline) -> Answer:
         leg_body = with_bootstrap(body, pair)
         prefill_body = dict(leg_body)
@@ -94,7 +98,9 @@ class PairRoute:
                     raise _timed_out()
                 if decode in done:
                     response, head, chunks = decode.result()  # raises the decode leg's LegError
-                    return Answer(pair, pair.decode, self.decode, response, head, chunks, prefill)
+                    return Answer(
+                        pair, pair.decode, self.decode, response, head, chunks, prefill, deadline
+                    )
                 prefill.result()  # raises the prefill leg's LegError; else wait for decode
                 pending = {decode}
         except BaseException:
@@ -125,6 +131,9 @@ class WorkerRoute:
     def choose(self, avoid: Worker | None, key: RoutingKey | None = None) -> Worker:
         candidates = available(self.workers, self.config.max_requests_per_worker)
         return self.policy.choose(candidates, exclude=[avoid] if avoid else [], key=key)
+
+    def accepted(self, worker: Worker, key: RoutingKey | None) -> None:
+        self.policy.accepted(worker, key)
 
     async def open(self, worker: Worker, endpoint, body, headers, stream, deadline) -> Answer:
         self.workers.acquire(worker)

@@ -33,7 +33,7 @@ from pdserve.server.generation import (
     sampling_settings,
 )
 from pdserve.server.json_body import StrictJSONRoute
-from pdserve.server.streaming import WatchfulStreamingResponse
+from pdserve.server.streaming import WatchfulStreamingResponse, whole_unless_client_left
 
 router = APIRouter(route_class=StrictJSONRoute)
 
@@ -125,13 +125,9 @@ async def generate(body: GenerateBody, request: Request):
     check_capacity(state, len(jobs))
     if body.stream:
         return WatchfulStreamingResponse(_stream(state, jobs, boot), media_type="text/event-stream")
-    task = asyncio.ensure_future(_collect(state, jobs, boot))
-    while not task.done():
-        await asyncio.wait({task}, timeout=0.1)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            break
-    results = await task
+    results = await whole_unless_client_left(request, _collect(state, jobs, boot))
+    if isinstance(results, Response):
+        return results
     return JSONResponse(results[0] if single else results)
 
 

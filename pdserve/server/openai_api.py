@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from pdserve.engine.chat_template import chat_prompt_ids
 from pdserve.protocol.engine_messages import TokenOutput
@@ -39,7 +39,7 @@ from pdserve.server.openai_protocol import (
     CompletionRequest,
     check_supported,
 )
-from pdserve.server.streaming import WatchfulStreamingResponse
+from pdserve.server.streaming import WatchfulStreamingResponse, whole_unless_client_left
 
 router = APIRouter(route_class=StrictJSONRoute)
 
@@ -287,14 +287,9 @@ async def _respond(request, state, jobs, view: _View, body, bootstrap):
         return WatchfulStreamingResponse(
             _stream(state, jobs, view, include_usage, bootstrap), media_type="text/event-stream"
         )
-    task = asyncio.ensure_future(_collect(state, jobs, view, bootstrap))
     # NOTE: a non-streaming client that goes away must still abort its request.
-    while not task.done():
-        await asyncio.wait({task}, timeout=0.1)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            break
-    return JSONResponse(await task)
+    answer = await whole_unless_client_left(request, _collect(state, jobs, view, bootstrap))
+    return answer if isinstance(answer, Response) else JSONResponse(answer)
 
 
 async def _collect(state, jobs, view: _View, bootstrap) -> dict:

@@ -182,3 +182,54 @@ class KeepAliveDropper(_LoopbackServer):
     def __init__(self, mode: str = "drop_reused"):
         super().__init__(_DropsReusedConnections)
         self.server.mode = mode
+
+
+class _StopsAnswering(_Completes):
+    """`_Completes` until the server's `stopped` is set; from then on every request, /health
+    too, stays unanswered (the connection open, as a SIGSTOPped worker's kernel keeps it)
+    until `released`."""
+
+    def do_GET(self):
+        self._hang_if_stopped()
+        super().do_GET()
+
+    def do_POST(self):
+        self._hang_if_stopped()
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        with self.server.lock:
+            self.server.posts += 1
+        if body.get("stream") is not True:
+            self._answer(200, {"object": "text_completion", "choices": [{"text": "ok"}]})
+            return
+        # NOTE: a stream's first event, then nothing until released (stopped mid-stream)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        event = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+        self.wfile.flush()
+        self.server.released.wait(60)
+        self.close_connection = True
+
+    def _hang_if_stopped(self):
+        if self.server.stopped.is_set():
+            self.server.released.wait(60)
+            self.close_connection = True
+            raise ConnectionAbortedError("released")
+
+
+class StoppableWorker(_LoopbackServer):
+    """`_StopsAnswering` on a loopback port: `stop()` it, and it answers nothing more."""
+
+    def __init__(self):
+        super().__init__(_StopsAnswering)
+        self.server.lock, self.server.posts = threading.Lock(), 0
+        self.server.stopped, self.server.released = threading.Event(), threading.Event()
+
+    def stop(self) -> None:
+        self.server.stopped.set()
+
+    def __exit__(self, *exc) -> None:
+        self.server.released.set()
+        super().__exit__(*exc)

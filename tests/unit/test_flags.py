@@ -98,6 +98,10 @@ SAMPLES = {
             "port": 1234,
             "api_key": "key",
             "shutdown_timeout": 1.0,
+            "header_timeout": 3.0,
+            "max_header_bytes": 1000,
+            "max_header_count": 10,
+            "max_connections": 50,
             "served_model_name": "name",
             "max_queued_requests": 5,
         },
@@ -258,7 +262,13 @@ def test_launch_hands_every_worker_and_router_flag_on(monkeypatch):
         ) == dataclasses.replace(
             _sample(EngineConfig), model_path="/m", speculative=_sample(SpecSettings)
         )
-        for field in ("served_model_name", "max_queued_requests", "shutdown_timeout"):
+        for field in (
+            "served_model_name",
+            "max_queued_requests",
+            "shutdown_timeout",
+            "header_timeout",
+            "max_connections",
+        ):
             assert getattr(worker, field) == getattr(_sample(HttpSettings), field)
         sent = settings_from_args(TransferConfig, worker, skip=("bootstrap_port",))
         expected = _sample(TransferConfig)

@@ -119,6 +119,62 @@ def test_a_prefill_answer_that_comes_after_the_stream_ended_is_awaited_not_cut()
     assert fakes.cancelled == [] and fakes.aborted_rooms == []
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prefill_answer_late_after_decode_is_not_cut_before_the_request_deadline(
+    stream, monkeypatch
+):
+    """A prefill leg that answers well after its room's decode leg: cut, the prefill worker
+    would count a room that succeeded as an abort. It runs to its end, within the request's
+    deadline (the router once cut it after a fixed 10 s grace, shortened here to show it)."""
+    import pdserve.router.legs
+
+    monkeypatch.setattr(pdserve.router.legs, "PREFILL_ANSWER_GRACE_S", 0.1, raising=False)
+    answered = threading.Event()
+    released = threading.Event()
+
+    async def late_prefill(body):
+        while not released.is_set():
+            await asyncio.sleep(0.005)
+        return completion()
+
+    async def decode(body):
+        answered.set()
+        if stream:
+            return httpx.Response(200, content=b'data: {"choices": []}\n\ndata: [DONE]\n\n')
+        return completion()
+
+    fakes = FakeWorkers(prefill=late_prefill, decode=decode)
+    config = fakes.config(request_timeout_s=30.0)
+    with TestClient(build_router_app(config, fakes.transport)) as client:
+        response = client.post("/v1/completions", json={**BODY, "stream": stream})
+        assert response.status_code == 200
+        late = time.monotonic() + 1.0
+        wait_until(lambda: time.monotonic() > late, "the prefill leg to be late")
+        assert fakes.cancelled == []
+        released.set()
+        wait_until(lambda: router_in_flight(client) == [0, 0], "the prefill leg to finish")
+    assert answered.is_set() and fakes.cancelled == [] and fakes.aborted_rooms == []
+
+
+def test_a_prefill_answer_late_past_the_request_deadline_is_cut():
+    async def stuck_prefill(body):
+        await asyncio.Event().wait()
+
+    async def decode(body):
+        return completion()
+
+    fakes = FakeWorkers(prefill=stuck_prefill, decode=decode)
+    with TestClient(build_router_app(fakes.config(request_timeout_s=1.0), fakes.transport)) as c:
+        assert c.post("/v1/completions", json=BODY).status_code == 200
+        wait_until(lambda: fakes.cancelled == ["prefill"], "the prefill leg to be cut")
+        wait_until(lambda: router_in_flight(c) == [0, 0], "the prefill worker to be released")
+
+
+def router_in_flight(client) -> list[int]:
+    pools = client.get("/workers").json()
+    return [w["in_flight"] for role in ("prefill", "decode") for w in pools[role]]
+
+
 # ---- 4xx from a worker, and the router's own bound --------------------------------------
 
 

@@ -142,3 +142,18 @@ def test_a_failure_after_the_engine_died_is_unavailable(failing_worker):
     assert response.status_code == OUTCOMES[FailureKind.UNAVAILABLE].status, response.text
     error = response.json()["error"]
     assert error["code"] == "unavailable" and error["message"] == "engine unavailable: step raised"
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": 10**400}}),
+        ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "temperature": 10**400}),
+    ],
+)
+def test_an_integer_sampling_value_past_float_range_is_a_400_naming_it(failing_worker, path, body):
+    client, _ = failing_worker
+    response = client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "temperature"
