@@ -27,6 +27,7 @@ import torch
 from pdserve.disagg.handoff_base import (
     DisaggHandoff,
     PendingRequest,
+    counted_when_refused,
     ipc_pools,
     refusal_message,
 )
@@ -117,7 +118,8 @@ class DecodeHandoff(DisaggHandoff):
         failure = Failure(msg.kind, FailureStage.BOOTSTRAP, refusal_message("decode", msg))
         if msg.room not in self.ended:  # else it failed, and was counted, here already
             self.ended.add(msg.room, failure)
-            self.failures[failure.label] += 1
+            if counted_when_refused(msg.kind):
+                self.failures[failure.label] += 1
         try:
             self.client.abort_room(msg.room, msg.host, msg.port, failure.kind, failure.message)
         except PeerNotAllowed as e:

@@ -34,6 +34,14 @@ class PendingRequest:
     params: SamplingParams
 
 
+def counted_when_refused(kind: FailureKind) -> bool:
+    """Whether a room failed by `FailRoom` counts as a failure at once: a front end's refusal
+    of a request it received does; a router's abort (ABORTED) counts only once its request
+    comes (`failed_before_it_came`), so that aborts for rooms that never come here (a flood
+    of made-up ones) count nothing."""
+    return kind is not FailureKind.ABORTED
+
+
 class DisaggHandoff(Handoff):
     def __init__(self, engine, config: TransferConfig):
         super().__init__(engine)
@@ -97,10 +105,14 @@ class DisaggHandoff(Handoff):
         self, request_id: str, prompt_ids: list[int], room: int
     ) -> RequestOutput | None:
         """The output of a request whose room failed here before the request arrived (a
-        router gave up on it, or the other side's refusal came first), with that failure; it
-        was counted when the room failed. None if the room did not fail here lately."""
+        router gave up on it, or the other side's refusal came first), with that failure.
+        None if the room did not fail here lately."""
         failure = self.ended.failure(room)
-        return None if failure is None else failed_output(request_id, prompt_ids, failure)
+        if failure is None:
+            return None
+        if not counted_when_refused(failure.kind):
+            self.failures[failure.label] += 1
+        return failed_output(request_id, prompt_ids, failure)
 
     def room_in_use(self, request_id: str, prompt_ids: list[int], room: int) -> RequestOutput:
         message = f"bootstrap_room {room} is already in use"

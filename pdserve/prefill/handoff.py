@@ -31,6 +31,7 @@ import torch
 from pdserve.disagg.handoff_base import (
     DisaggHandoff,
     PendingRequest,
+    counted_when_refused,
     ipc_pools,
     refusal_message,
 )
@@ -125,7 +126,8 @@ class PrefillHandoff(DisaggHandoff):
         self.ended.add(msg.room, failure)
         self.server.sender(msg.room).abort(failure.kind, failure.message)
         self.server.release(msg.room)
-        self.failures[failure.label] += 1
+        if counted_when_refused(msg.kind):
+            self.failures[failure.label] += 1
 
     def abort(self, request_id: str) -> bool:
         for queue in (self.bootstrapping, self.prefilling, self.sending):

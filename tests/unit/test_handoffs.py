@@ -394,3 +394,18 @@ def test_an_abort_that_comes_before_its_request_counts_once_as_an_abort(pair, ro
     assert outputs["late"][-1].failure.kind is FailureKind.ABORTED
     assert dict(handoff.failures) == {"bootstrap/aborted": 1}
     assert handoff.engine.kv_pages_in_use == 0
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_an_abort_for_a_room_that_never_comes_counts_no_failure(pair, role):
+    """Aborts for rooms this worker never sees (a router's for a leg that went elsewhere, or
+    a flood of made-up ones) are remembered, but count as no failure of this worker's; a
+    front end's refusal of a request it received counts at once."""
+    prefill, decode, _ = pair
+    handoff = prefill if role == "prefill" else decode
+    host, port = ("", 0) if role == "prefill" else ("127.0.0.1", prefill.bootstrap_port)
+    for room in range(100, 110):
+        handoff.fail_room(FailRoom(room, "the router gave up", host, port, FailureKind.ABORTED))
+    assert dict(handoff.failures) == {}
+    handoff.fail_room(FailRoom(110, "prompt too long", host, port, FailureKind.INVALID))
+    assert dict(handoff.failures) == {"bootstrap/invalid": 1}
