@@ -190,10 +190,14 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest, contents: list
     ]
     try:
         return chat_prompt_ids(
-            state.tokenizer, messages, add_generation_prompt=body.add_generation_prompt
+            state.tokenizer,
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            template_kwargs=body.chat_template_kwargs,
         )
     except Exception as e:
-        raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
+        param = "chat_template_kwargs" if body.chat_template_kwargs else "messages"
+        raise bad_request(f"cannot apply the chat template: {e}", param=param) from None
 
 
 # ---- responses -------------------------------------------------------------------------

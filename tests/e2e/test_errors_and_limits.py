@@ -213,6 +213,36 @@ UNSUPPORTED_FIELDS = [
     (COMPLETIONS, "suffix", " the end"),
     (COMPLETIONS, "logit_bias", {"50": 5}),
     (COMPLETIONS, "best_of", 3),
+    (CHAT, "parallel_tool_calls", False),
+    (CHAT, "reasoning_effort", "low"),
+    (CHAT, "chat_template", "{{ messages }}"),
+    (CHAT, "continue_final_message", True),
+]
+# vLLM's and SGLang's own extensions, refused on both endpoints.
+EXTENSION_VALUES = {
+    "guided_json": {"type": "object"},
+    "guided_regex": "[a-z]+",
+    "guided_choice": ["yes", "no"],
+    "guided_grammar": 'root ::= "a"',
+    "guided_decoding_backend": "xgrammar",
+    "guided_whitespace_pattern": " ",
+    "structured_outputs": {"choice": ["yes", "no"]},
+    "structural_tag": "{}",
+    "json_schema": '{"type": "object"}',
+    "regex": "[0-9]+",
+    "ebnf": 'root ::= "a"',
+    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+    "logits_processors": ["some.module:Processor"],
+    "allowed_token_ids": [1, 2],
+    "bad_words": ["bad"],
+    "prompt_logprobs": 1,
+    "use_beam_search": True,
+    "truncate_prompt_tokens": 8,
+}
+UNSUPPORTED_FIELDS += [
+    (path, field, value)
+    for path in (CHAT, COMPLETIONS)
+    for field, value in EXTENSION_VALUES.items()
 ]
 
 
@@ -224,6 +254,14 @@ UNSUPPORTED_FIELDS = [
 def test_an_unsupported_field_is_400_naming_it(server, path, field, value):
     error = assert_error(server.post(path, {**MINIMAL[path], field: value}), 400, field)
     assert f"{field} is not supported" in error["message"], error
+
+
+@pytest.mark.parametrize("key", ["regex", "json_schema", "ebnf", "structural_tag"])
+def test_sglang_constrained_decoding_keys_are_400_naming_them(server, key):
+    sampling = {"max_new_tokens": 2, key: "x"}
+    response = server.post(GENERATE, {"text": "hi", "sampling_params": sampling})
+    error = assert_error(response, 400, f"sampling_params.{key}")
+    assert f"sampling_params.{key} is not supported" in error["message"], error
 
 
 def test_every_unsupported_field_is_tested():
