@@ -112,6 +112,9 @@ def build_router_app(
             else:
                 route = PairRoute(config, legs, *pools)
             app.state.proxy = Proxy(config, route, metrics)
+            # NOTE: streams still relayed at the shutdown timeout end well-formed
+            # (commands/http_shutdown).
+            app.state.end_requests = app.state.proxy.relay.end_streams
             app.state.client = client
             try:
                 yield

@@ -57,8 +57,11 @@ class HealthChecker:
         except httpx.HTTPError as e:
             error = f"/health failed: {type(e).__name__}: {e}"
         if error is None:
+            # NOTE: a worker out of rotation without an error has not been in it yet.
+            back = worker.last_error is not None
             if pool.mark(worker, True):
-                logger.info("%s worker %s is back in rotation", pool.role.value, worker.url)
+                where = "back in rotation" if back else "in rotation"
+                logger.info("%s worker %s is %s", pool.role.value, worker.url, where)
             return
         if pool.note_failure(worker, error, self.config.health_failure_threshold):
             logger.warning("%s worker %s out of rotation: %s", pool.role.value, worker.url, error)

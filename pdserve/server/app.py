@@ -74,6 +74,8 @@ def build_app(
             role=role,
             server_args=dict(server_args or {}),
         )
+        # NOTE: what still runs at the shutdown timeout ends well-formed (commands/http_shutdown).
+        app.state.end_requests = client.cancel_all
         logger.info(
             "%s worker ready%s: serving %s (%s on %s)%s",
             role.kind,
