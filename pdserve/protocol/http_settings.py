@@ -25,7 +25,9 @@ class HttpSettings:
     shutdown_timeout: float = option(
         5.0,
         "seconds in-flight requests may take to finish after SIGTERM (new connections are "
-        "refused at once); keep it under the pod's terminationGracePeriodSeconds",
+        "refused at once); then streams end with an SSE error event and [DONE], other "
+        "requests with 503; keep it a few seconds under the pod's "
+        "terminationGracePeriodSeconds",
     )
     served_model_name: str | None = option(
         None, "model name the API reports and accepts (default: the model path)"

@@ -39,6 +39,7 @@ from pdserve.router.legs import Legs, TransportLegClient
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.proxy import Proxy
 from pdserve.router.routes import PairRoute, WorkerRoute
+from pdserve.router.shutdown import Shutdown
 from pdserve.router.transport import worker_transport
 from pdserve.router.workers import Role, Worker, WorkerPool
 
@@ -112,9 +113,9 @@ def build_router_app(
             else:
                 route = PairRoute(config, legs, *pools)
             app.state.proxy = Proxy(config, route, metrics)
-            # NOTE: streams still relayed at the shutdown timeout end well-formed
-            # (commands/http_shutdown).
-            app.state.end_requests = app.state.proxy.relay.end_streams
+            # NOTE: what still runs at the shutdown timeout ends well-formed (router/shutdown).
+            app.state.shutdown = Shutdown(app.state.proxy.relay)
+            app.state.end_requests = app.state.shutdown.end_requests
             app.state.client = client
             try:
                 yield
@@ -258,12 +259,16 @@ class Generation:
             response = Response(status_code=499)  # NOTE: nobody is left to read it
         else:
             proxy: Proxy = scope["app"].state.proxy
+            shutdown: Shutdown = scope["app"].state.shutdown
             watch = ClientWatch(receive)
             try:
-                response = await proxy.handle(scope["path"], body, headers, watch, access)
+                with shutdown.opening():
+                    response = await proxy.handle(scope["path"], body, headers, watch, access)
                 await response(scope, receive, send)
             except asyncio.CancelledError:
-                if not watch.caught():
+                if shutdown.caught():
+                    await shutdown.response()(scope, receive, send)
+                elif not watch.caught():
                     raise
                 # NOTE: the client left mid-stream; the stream's cleanup ended its rooms.
             finally:

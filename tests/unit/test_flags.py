@@ -222,7 +222,9 @@ def test_vllm_flag_names_are_aliases_shown_in_help():
 
 def test_an_unknown_flag_gets_a_did_you_mean(capsys):
     with pytest.raises(SystemExit) as exit_:
-        build_parser().parse_args(["serve", "--max-model-length", "9", "--gpu-memory-utilisation", "1"])
+        build_parser().parse_args(
+            ["serve", "--max-model-length", "9", "--gpu-memory-utilisation", "1"]
+        )
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "--max-model-length: did you mean --max-model-len" in err, err
