@@ -23,7 +23,8 @@ class Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         parsed, unknown = self.parse_known_args(args, namespace)
         if unknown:
-            command = self._subparsers._group_actions[0].choices.get(parsed.command, self)
+            commands = self._subparsers._group_actions[0].choices if self._subparsers else {}
+            command = commands.get(getattr(parsed, "command", None), self)
             command.error(_unknown_flags(unknown, command))
         return parsed
 
