@@ -215,7 +215,7 @@ def serve_http(
             config, settings.shutdown_timeout, lambda: getattr(app.state, "end_requests", None)
         )
         # NOTE: the app shuts down (a worker stops its engine) before the signal acts.
-        with signals_held() as held:
+        with signals_held(server) as held:
             try:
                 await server.serve(sockets=sockets)
             finally:

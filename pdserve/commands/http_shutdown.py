@@ -69,12 +69,18 @@ class DrainingServer(uvicorn.Server):
 
 
 @contextlib.contextmanager
-def signals_held() -> Iterator[list[int]]:
+def signals_held(server: uvicorn.Server) -> Iterator[list[int]]:
     """The stop signals that arrive inside (uvicorn raises the one it caught again as its
     `serve` returns) are recorded in the list this yields instead of acted on; the caller
-    acts on them once the app has shut down (`exit_as_signalled`)."""
+    acts on them once the app has shut down (`exit_as_signalled`). Each is also handed to
+    `server`, so that one arriving before uvicorn installs its own handlers still stops it."""
     held: list[int] = []
-    previous = {sig: signal.signal(sig, lambda sig, _: held.append(sig)) for sig in STOP_SIGNALS}
+
+    def hold(sig: int, frame) -> None:
+        held.append(sig)
+        server.handle_exit(sig, frame)
+
+    previous = {sig: signal.signal(sig, hold) for sig in STOP_SIGNALS}
     try:
         yield held
     finally:
