@@ -19,6 +19,7 @@ from pdserve.engine.chat_template import chat_prompt_ids
 from pdserve.server.errors import bad_request
 from pdserve.server.generation import ServerState, check_model, check_text_size
 from pdserve.server.json_body import StrictJSONRoute
+from pdserve.server.openai_api import chat_contents
 from pdserve.server.openai_protocol import ChatMessage
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -76,16 +77,11 @@ async def tokenize(body: TokenizeBody, request: Request) -> dict:
 
 
 def _chat_ids(state: ServerState, body: TokenizeBody) -> list[int]:
-    messages = []
-    for message in body.messages or []:
-        content = message.content
-        if isinstance(content, list):
-            texts = [part.get("text") for part in content if part.get("type") == "text"]
-            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
-                raise bad_request("only text content parts are supported", param="messages")
-            content = "".join(texts)
-        messages.append({"role": message.role, "content": content or ""})
-    check_text_size(state, [sum(len(m["content"]) for m in messages)], param="messages")
+    contents = chat_contents(state, body.messages or [])
+    messages = [
+        {"role": message.role, "content": content}
+        for message, content in zip(body.messages or [], contents, strict=True)
+    ]
     try:
         ids = chat_prompt_ids(
             state.tokenizer,
@@ -94,7 +90,8 @@ def _chat_ids(state: ServerState, body: TokenizeBody) -> list[int]:
             template_kwargs=body.chat_template_kwargs,
         )
     except Exception as e:
-        raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
+        param = "chat_template_kwargs" if body.chat_template_kwargs else "messages"
+        raise bad_request(f"cannot apply the chat template: {e}", param=param) from None
     if body.add_special_tokens:
         ids = state.tokenizer.build_inputs_with_special_tokens(ids)
     return ids
