@@ -43,6 +43,12 @@ _EXTENSIONS: dict[str, tuple] = {
     "prompt_logprobs": (None,),
     "use_beam_search": (None, False),
     "truncate_prompt_tokens": (None,),
+    "spaces_between_special_tokens": (None, True),
+    "return_tokens_as_token_ids": (None, False),
+    "priority": (None, 0),
+    "lora_path": (None,),
+    "no_stop_trim": (None, False),
+    "return_hidden_states": (None, False),
 }
 # OpenAI's fields and the extensions above that this server does not implement, by endpoint,
 # with the values that mean "not used" (accepted; so are absent fields). Any other value is a
@@ -63,6 +69,9 @@ UNSUPPORTED: dict[str, dict[str, tuple]] = {
         "reasoning_effort": (None,),
         "chat_template": (None,),
         "continue_final_message": (None, False),
+        "echo": (None, False),
+        # NOTE: the chat prompt gets no special tokens beyond the template's, as in vLLM.
+        "add_special_tokens": (None, False),
     },
     "completions": {
         **_EXTENSIONS,
@@ -70,6 +79,7 @@ UNSUPPORTED: dict[str, dict[str, tuple]] = {
         "suffix": (None, ""),
         "logit_bias": (None, {}),
         "best_of": (None, 1, N),
+        "add_special_tokens": (None, True),
     },
 }
 

@@ -217,6 +217,9 @@ UNSUPPORTED_FIELDS = [
     (CHAT, "reasoning_effort", "low"),
     (CHAT, "chat_template", "{{ messages }}"),
     (CHAT, "continue_final_message", True),
+    (CHAT, "echo", True),
+    (CHAT, "add_special_tokens", True),
+    (COMPLETIONS, "add_special_tokens", False),
 ]
 # vLLM's and SGLang's own extensions, refused on both endpoints.
 EXTENSION_VALUES = {
@@ -238,6 +241,12 @@ EXTENSION_VALUES = {
     "prompt_logprobs": 1,
     "use_beam_search": True,
     "truncate_prompt_tokens": 8,
+    "spaces_between_special_tokens": False,
+    "return_tokens_as_token_ids": True,
+    "priority": 1,
+    "lora_path": "adapter",
+    "no_stop_trim": True,
+    "return_hidden_states": True,
 }
 UNSUPPORTED_FIELDS += [
     (path, field, value)
@@ -279,6 +288,9 @@ def test_unsupported_fields_that_ask_for_nothing_and_unknown_fields_are_accepted
             "response_format": {"type": "text"},
             "logit_bias": {},
             "modalities": ["text"],
+            "add_special_tokens": False,
+            "spaces_between_special_tokens": True,
+            "priority": 0,
             "some_extension": {"x": 1},
         },
         COMPLETIONS: {
@@ -287,6 +299,7 @@ def test_unsupported_fields_that_ask_for_nothing_and_unknown_fields_are_accepted
             "logit_bias": None,
             "best_of": 2,
             "n": 2,
+            "add_special_tokens": True,
             "some_extension": 1,
         },
     }
