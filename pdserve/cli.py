@@ -5,6 +5,7 @@ before anything slow starts."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
@@ -15,8 +16,33 @@ from pdserve.commands import bench, generate, launch, make_tiny_model, router, s
 from pdserve.commands.common import HelpFormatter, add_log_level
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, with "did you mean" for a flag it does not know: a user coming
+    from vLLM or SGLang types their names (`--max-model-length`, `--tp`)."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            commands = self._subparsers._group_actions[0].choices if self._subparsers else {}
+            command = commands.get(getattr(parsed, "command", None), self)
+            command.error(_unknown_flags(unknown, command))
+        return parsed
+
+
+def _unknown_flags(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    known = [o for action in parser._actions for o in action.option_strings]
+    lines = [f"unrecognized arguments: {' '.join(unknown)}"]
+    for word in unknown:
+        if not word.startswith("--"):
+            continue
+        close = difflib.get_close_matches(word.split("=", 1)[0], known, n=2, cutoff=0.6)
+        if close:
+            lines.append(f"{word}: did you mean {' or '.join(close)}?")
+    return "; ".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="pdserve",
         description="pdserve: prefill/decode-disaggregated LLM serving",
         formatter_class=HelpFormatter,

@@ -215,35 +215,42 @@ def serve_http(
     access_log: bool = True,
     sockets: list[socket.socket] | None = None,
 ) -> int:
-    """Serve `app` until SIGTERM/SIGINT. Its start-up (the engine process) runs before the
-    socket is bound, and a failure there is one `error:` line (the traceback at debug
-    level), exit code 1. access_log: uvicorn's line per request (the router writes its
-    own, richer one). sockets: listening sockets to serve on instead of binding
-    `settings`' host and port."""
-    import uvicorn
+    """Serve `app` until SIGTERM/SIGINT, then stop as `http_shutdown` says. Its start-up (the
+    engine process) runs before the socket is bound, and a failure there is one `error:`
+    line (the traceback at debug level), exit code 1. access_log: uvicorn's line per
+    request (the router writes its own, richer one). sockets: listening sockets to serve on
+    instead of binding `settings`' host and port."""
+
+    from pdserve.commands.http_shutdown import DrainingServer, exit_as_signalled, signals_held
 
     if logging.getLevelName(log_level.upper()) > logging.DEBUG:
         logging.getLogger("uvicorn.access").addFilter(_not_a_probe)
     config = uvicorn_config(app, settings, log_level, access_log)
 
-    async def run() -> None:
+    async def run() -> list[int]:
         try:
             lifespan = app.router.lifespan_context(app)
             await lifespan.__aenter__()
         except Exception as e:
             logger.debug("start-up failed", exc_info=True)
             raise StartupFailed(str(e)) from None
-        try:
-            await uvicorn.Server(config).serve(sockets=sockets)
-        finally:
-            await lifespan.__aexit__(None, None, None)
+        server = DrainingServer(
+            config, settings.shutdown_timeout, lambda: getattr(app.state, "end_requests", None)
+        )
+        # NOTE: the app shuts down (a worker stops its engine) before the signal acts.
+        with signals_held(server) as held:
+            try:
+                await server.serve(sockets=sockets)
+            finally:
+                await lifespan.__aexit__(None, None, None)
+        return held
 
     # NOTE: uvicorn's own loop (uvloop when installed), as uvicorn.run would pick it.
     loop_factory = config.get_loop_factory() if hasattr(config, "get_loop_factory") else None
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(run())
+            held = runner.run(run())
     except StartupFailed as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
-    return 0
+    return exit_as_signalled(held)

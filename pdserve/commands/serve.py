@@ -20,6 +20,7 @@ from pdserve.commands.common import (
     model_path_from,
     serve_http,
 )
+from pdserve.engine.chat_template import load_chat_template
 from pdserve.protocol.flags import add_flags, declared, settings_from_args
 from pdserve.protocol.spec_settings import SpecSettings
 from pdserve.transfer.config import IPC_TENSOR_PARALLEL, TransferConfig
@@ -72,6 +73,7 @@ def configure(args: argparse.Namespace, kind: str) -> Callable[[], int]:
         from pdserve.engine.node_ranks import run_node_ranks
 
         return functools.partial(run_node_ranks, engine)
+    chat_template = load_chat_template(http.chat_template) if http.chat_template else None
     check_port_free(http.host, http.port, "--port")
     if transfer is not None and transfer.bootstrap_port:
         check_port_free(transfer.bootstrap_host, transfer.bootstrap_port, "--bootstrap-port")
@@ -81,6 +83,7 @@ def configure(args: argparse.Namespace, kind: str) -> Callable[[], int]:
         served_model_name=http.served_model_name or served_name,
         api_key=http.api_key,
         max_queued_requests=http.max_queued_requests,
+        chat_template=chat_template,
         server_args=_server_args(http, engine, transfer),
     )
     return functools.partial(serve_http, app, http, args.log_level)

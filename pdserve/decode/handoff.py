@@ -36,7 +36,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.prefix_cache import PromptPages
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
-from pdserve.protocol.failures import Failure, FailureKind, FailureStage
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage, log_level
 from pdserve.speculative.state import DraftBatch
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.decode_side import DecodeTransferClient
@@ -265,7 +265,7 @@ class DecodeHandoff(DisaggHandoff):
     # ---- endings ---------------------------------------------------------------------
 
     def _fail(self, pending: _Pending, failure: Failure) -> RequestOutput:
-        logger.warning("request %s failed: %s", pending.request_id, failure.message)
+        logger.log(log_level(failure), "request %s failed: %s", pending.request_id, failure.message)
         self._end(pending)
         return self.refused(pending.request_id, pending.prompt_ids, failure)
 

@@ -61,9 +61,13 @@ class EngineConfig:
     gpu_memory_utilization: float = option(
         0.85, "fraction of GPU memory for weights, activations and KV cache"
     )
-    max_running_requests: int = option(256, "requests decoded together at most")
+    max_running_requests: int = option(
+        256, "requests decoded together at most", aliases=("--max-num-seqs",)
+    )
     chunked_prefill_size: int = option(
-        8192, "prefill tokens per step; longer prompts are split (<= 0: never split)"
+        8192,
+        "prefill tokens per step; longer prompts are split (<= 0: never split)",
+        aliases=("--max-num-batched-tokens",),
     )
     max_prefill_tokens: int = option(16384, "prefill tokens per step when chunking is off")
     max_model_len: int | None = option(
@@ -80,7 +84,10 @@ class EngineConfig:
     )
     disable_cuda_graph: bool = option(False, "run every decode step eagerly")
     disable_prefix_caching: bool = option(
-        False, "compute every prompt whole (no reuse of earlier requests' KV pages)"
+        False,
+        "compute every prompt whole (no reuse of earlier requests' KV pages)",
+        aliases=("--no-enable-prefix-caching",),
+        negation="--enable-prefix-caching",
     )
     disable_overlap_schedule: bool = option(
         False, "schedule each step after the previous one's tokens are back (no overlap)"
@@ -89,6 +96,7 @@ class EngineConfig:
         1,
         "tensor-parallel ranks (GPUs) one worker's model is split over: cuda:N.. cuda:N+size-1 "
         "from --device, or gloo processes on CPU",
+        aliases=("--tensor-parallel-size",),
     )
     nnodes: int = option(1, "nodes a tensor-parallel worker spans (--tp-size ranks split evenly)")
     node_rank: int = option(

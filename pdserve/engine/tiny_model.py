@@ -187,6 +187,10 @@ def make_tiny_model(
     save_kwargs = {} if shard_size is None else {"max_shard_size": shard_size}
     with _no_progress_bar():
         model.save_pretrained(out_dir, **save_kwargs)
+    # NOTE: safetensors writes owner-only files; a model directory is for others to read too
+    # (another user's server, a container running as another uid), as its other files are.
+    for weights in out_dir.glob("*.safetensors"):
+        weights.chmod(0o644)
     return out_dir
 
 

@@ -41,7 +41,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.page_allocator import pages_needed
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
-from pdserve.protocol.failures import Failure, FailureKind, FailureStage
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage, log_level
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
 from pdserve.transfer.kv_staging import StagingError
@@ -335,7 +335,7 @@ class PrefillHandoff(DisaggHandoff):
 
     def _fail(self, queue: dict, pending: _Pending) -> RequestOutput:
         failure = pending.sender.failure
-        logger.warning("request %s failed: %s", pending.request_id, failure.message)
+        logger.log(log_level(failure), "request %s failed: %s", pending.request_id, failure.message)
         self._end(queue, pending)
         return self.refused(pending.request_id, pending.prompt_ids, failure)
 

@@ -7,6 +7,7 @@ message changes no status and no retry. Torch-free.
 from __future__ import annotations
 
 import enum
+import logging
 from typing import NamedTuple
 
 from pdserve.protocol.codec import message
@@ -62,6 +63,17 @@ class Failure:
     def label(self) -> str:
         """The metric label, "stage/kind": a closed set."""
         return f"{self.stage.value}/{self.kind.value}"
+
+
+# Failures that are no worker's fault (the request was invalid, or someone ended it): a
+# worker logs them at INFO, so that a WARNING always means something on the server side.
+CLIENT_KINDS = frozenset({FailureKind.INVALID, FailureKind.ABORTED})
+
+
+def log_level(failure: Failure) -> int:
+    """The level a worker logs `failure` at: INFO for the client's own (`CLIENT_KINDS`),
+    WARNING for the rest."""
+    return logging.INFO if failure.kind in CLIENT_KINDS else logging.WARNING
 
 
 def outcome_of_code(code: object) -> Outcome | None:

@@ -28,12 +28,17 @@ _FLAG = "pdserve.flag"
 
 @dataclasses.dataclass(frozen=True)
 class Flag:
-    """name: the flag (default: the field's name with dashes). separator: a tuple field
+    """name: the flag (default: the field's name with dashes). aliases: other names for it
+    (vLLM's, for users who carry their command lines over); shown in `--help`, never written
+    by `to_argv`. negation: for a bool field, a flag that sets it false (vLLM's
+    `--enable-prefix-caching` for `--disable-prefix-caching`). separator: a tuple field
     given as one string split on it (else as several arguments). secret_env: the variable
     a secret is read from when the flag is not given; secrets never go onto an argv."""
 
     help: str
     name: str | None = None
+    aliases: tuple[str, ...] = ()
+    negation: str | None = None
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     required: bool = False
@@ -112,7 +117,15 @@ def add_flags(
         help_text = help_text.replace("%", "%%")
         options: dict[str, Any] = {"dest": d.dest, "default": None, "help": help_text}
         if d.kind is bool:
-            parser.add_argument(d.name, action="store_true", **options)
+            parser.add_argument(d.name, *d.flag.aliases, action="store_true", **options)
+            if d.flag.negation:
+                parser.add_argument(
+                    d.flag.negation,
+                    action="store_false",
+                    dest=d.dest,
+                    default=None,
+                    help=f"the opposite of {d.name}" + ("" if d.default else " (the default)"),
+                )
             continue
         options.update(type=d.kind, choices=d.flag.choices, metavar=d.flag.metavar)
         if d.flag.required:
@@ -121,7 +134,7 @@ def add_flags(
             options["type"] = _splitter(d.kind, d.flag.separator)
         elif d.is_tuple:
             options["nargs"] = "+"
-        parser.add_argument(d.name, **options)
+        parser.add_argument(d.name, *d.flag.aliases, **options)
 
 
 def _splitter(kind: type, separator: str) -> Callable[[str], tuple]:

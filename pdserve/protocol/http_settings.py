@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pdserve.protocol.flags import option
 
 # The flags a router has no use for (it reports its workers' model and has no queue).
-WORKER_ONLY = ("served_model_name", "max_queued_requests")
+WORKER_ONLY = ("served_model_name", "max_queued_requests", "chat_template")
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,9 @@ class HttpSettings:
     shutdown_timeout: float = option(
         5.0,
         "seconds in-flight requests may take to finish after SIGTERM (new connections are "
-        "refused at once); keep it under the pod's terminationGracePeriodSeconds",
+        "refused at once); then streams end with an SSE error event and [DONE], other "
+        "requests with 503; keep it a few seconds under the pod's "
+        "terminationGracePeriodSeconds",
     )
     header_timeout: float = option(
         10.0,
@@ -46,6 +48,10 @@ class HttpSettings:
         None, "model name the API reports and accepts (default: the model path)"
     )
     max_queued_requests: int = option(1024, "waiting requests beyond this are refused with 429")
+    chat_template: str | None = option(
+        None,
+        "the chat template: a file, or the Jinja template itself (default: the tokenizer's)",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

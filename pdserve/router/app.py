@@ -1,6 +1,7 @@
 """The router's HTTP app: OpenAI endpoints and SGLang's /generate through a prefill/decode
-pair (or, in colocated mode, one `pdserve serve` worker), /v1/models and model info from the
-workers, /health, /liveness, /workers, /metrics, /version. Torch-free.
+pair (or, in colocated mode, one `pdserve serve` worker), /v1/models, model info and vLLM's
+/tokenize and /detokenize from the workers, /health, /liveness, /workers, /metrics,
+/version. Torch-free.
 
 `/health` is 200 while at least one worker of each role is in rotation (for
 monitoring and load balancers in front of several routers); `/liveness` is 200 while this
@@ -38,6 +39,7 @@ from pdserve.router.legs import Legs, TransportLegClient
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.proxy import Proxy
 from pdserve.router.routes import PairRoute, WorkerRoute
+from pdserve.router.shutdown import Shutdown
 from pdserve.router.transport import worker_transport
 from pdserve.router.workers import Role, Worker, WorkerPool
 
@@ -46,6 +48,8 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = {"/health", "/liveness", "/metrics", "/version"}
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
 INFO_PATHS = ("/get_model_info", "/model_info", "/get_server_info", "/server_info")
+# Answered by one worker, the body passed on as it is (vLLM's tokenizer endpoints).
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")
 
 
 def build_router_app(
@@ -109,6 +113,9 @@ def build_router_app(
             else:
                 route = PairRoute(config, legs, *pools)
             app.state.proxy = Proxy(config, route, metrics)
+            # NOTE: what still runs at the shutdown timeout ends well-formed (router/shutdown).
+            app.state.shutdown = Shutdown(app.state.proxy.relay)
+            app.state.end_requests = app.state.shutdown.end_requests
             app.state.client = client
             try:
                 yield
@@ -159,14 +166,26 @@ def build_router_app(
         app.router.routes.append(Route(path, generation, methods=["POST"]))
 
     async def from_workers(request: Request) -> Response:
-        """Model and server info come from a healthy answering worker (it serves the model)."""
+        """Model and server info, and the tokenizer endpoints, come from a healthy answering
+        worker (it serves the model)."""
         workers = answering.healthy()
         if not workers:
             return error_response(503, f"no healthy {answering.role.value} worker")
         client: httpx.AsyncClient = request.app.state.client
+        body = None
+        if request.method == "POST":
+            length = header(request.scope["headers"], b"content-length")
+            try:
+                body = await read_json_body(request.receive, length, config.max_body_bytes)
+            except BadBody as e:
+                return e.response()
+            except ClientDisconnect:
+                return Response(status_code=499)  # NOTE: nobody is left to read it
         try:
-            response = await client.get(
+            response = await client.request(
+                request.method,
                 workers[0].url + request.url.path,
+                json=body,
                 headers=_leg_headers(request.scope["headers"]),
                 timeout=config.health_check_timeout_s * 5,
             )
@@ -184,6 +203,8 @@ def build_router_app(
 
     for path in ("/v1/models", *INFO_PATHS):
         app.add_api_route(path, from_workers, methods=["GET"])
+    for path in TOKENIZER_PATHS:
+        app.add_api_route(path, from_workers, methods=["POST"])
     return app
 
 
@@ -238,12 +259,16 @@ class Generation:
             response = Response(status_code=499)  # NOTE: nobody is left to read it
         else:
             proxy: Proxy = scope["app"].state.proxy
+            shutdown: Shutdown = scope["app"].state.shutdown
             watch = ClientWatch(receive)
             try:
-                response = await proxy.handle(scope["path"], body, headers, watch, access)
+                with shutdown.opening():
+                    response = await proxy.handle(scope["path"], body, headers, watch, access)
                 await response(scope, receive, send)
             except asyncio.CancelledError:
-                if not watch.caught():
+                if shutdown.caught():
+                    await shutdown.response()(scope, receive, send)
+                elif not watch.caught():
                     raise
                 # NOTE: the client left mid-stream; the stream's cleanup ended its rooms.
             finally:

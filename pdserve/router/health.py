@@ -64,8 +64,11 @@ class HealthChecker:
             # NOTE: connected (or sent) but no answer in time; not a refused connection
             silent = isinstance(e, (httpx.ReadTimeout, httpx.WriteTimeout))
         if error is None:
+            # NOTE: a worker out of rotation without an error has not been in it yet.
+            back = worker.last_error is not None
             if pool.mark(worker, True):
-                logger.info("%s worker %s is back in rotation", pool.role.value, worker.url)
+                where = "back in rotation" if back else "in rotation"
+                logger.info("%s worker %s is %s", pool.role.value, worker.url, where)
             return
         if pool.note_failure(worker, error, self.config.health_failure_threshold):
             logger.warning("%s worker %s out of rotation: %s", pool.role.value, worker.url, error)

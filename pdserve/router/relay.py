@@ -6,7 +6,8 @@ read to open it (an error there fails the attempt, which may still be retried si
 was sent), and an error event the worker ends a started stream with goes to the client as it
 is (the access line finds it in the last chunks). What the router adds is its own ending: an
 SSE error event and `[DONE]` when the worker's connection breaks or the request's deadline
-passes.
+passes, or when the router is shutting down and the stream still runs at the shutdown timeout
+(`end_streams`: each stream's deadline is brought forward to now).
 
 Several rooms (`fanout`) must be rewritten into one stream (choices renumbered, one id, usage
 summed), so their events are parsed (`fanout.StreamMerge`); one room failing ends the stream
@@ -19,6 +20,7 @@ cancels the relay, and closing the legs' connections aborts them on the workers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
@@ -37,6 +39,33 @@ class Relay:
     def __init__(self, legs: Legs, metrics: RouterMetrics):
         self.legs = legs
         self.metrics = metrics
+        # The deadlines of the streams being relayed, and why they were ended early (if so).
+        self._deadlines: set[asyncio.Timeout] = set()
+        self.ending: str | None = None
+
+    def end_streams(self, reason: str) -> None:
+        """End every stream being relayed, and any that starts later, with a 503 error event
+        saying `reason` and `[DONE]` (its rooms are closed, which aborts them)."""
+        self.ending = reason
+        now = asyncio.get_running_loop().time()
+        for deadline in self._deadlines:
+            deadline.reschedule(now)
+
+    @contextlib.contextmanager
+    def _watched(self, deadline: asyncio.Timeout):
+        if self.ending is not None:
+            deadline.reschedule(asyncio.get_running_loop().time())
+        self._deadlines.add(deadline)
+        try:
+            yield
+        finally:
+            self._deadlines.discard(deadline)
+
+    def _timed_out(self) -> tuple[str, bytes]:
+        """(status, the stream's last bytes) for a stream whose deadline passed."""
+        if self.ending is not None:
+            return "503", error_event(503, self.ending, "unavailable") + DONE
+        return "504", error_event(504, "request timed out while streaming", "timeout") + DONE
 
     async def one(
         self, endpoint: str, answer: Answer, deadline: float, started: float, access: AccessRecord
@@ -50,13 +79,14 @@ class Relay:
                 saw(0, answer.head)
                 yield answer.head
                 if not answer.finished():  # NOTE: else nothing is left to wait for
-                    async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
-                        async for chunk in answer.chunks:
-                            saw(0, chunk)
-                            yield chunk
+                    async with asyncio.timeout(max(deadline - time.monotonic(), 0)) as timer:
+                        with self._watched(timer):
+                            async for chunk in answer.chunks:
+                                saw(0, chunk)
+                                yield chunk
             except TimeoutError:
-                status = "504"
-                yield error_event(504, "request timed out while streaming", "timeout") + DONE
+                status, last = self._timed_out()
+                yield last
             except httpx.HTTPError as e:
                 status = "502"
                 self.legs.unreachable(answer.pool, answer.worker, e)
@@ -101,40 +131,41 @@ class Relay:
 
         pumps = [asyncio.ensure_future(pump(i, answer)) for i, answer in enumerate(rooms)]
         try:
-            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
-                while not merge.done:
-                    index, item = await queue.get()
-                    if isinstance(item, httpx.HTTPError):
-                        status = "502"
-                        self.legs.unreachable(rooms[index].pool, rooms[index].worker, item)
-                        reason = f"{type(item).__name__}: {item}".rstrip(": ")
-                        message = f"a decode worker failed mid-stream ({reason})"
-                        yield error_event(502, message, "worker_failed") + DONE
-                        return
-                    if item is None:
-                        if merge.finished(index):
-                            continue
-                        status = "502"
-                        message = "a decode worker ended its stream without [DONE]"
-                        yield error_event(502, message, "worker_failed") + DONE
-                        return
-                    access.saw(index, item)
-                    try:
-                        events = merge.feed(index, item)
-                    except RoomFailed as e:
-                        status = str(e.status)
-                        yield e.event + DONE
-                        return
-                    except BadAnswer as e:
-                        status = "502"
-                        yield error_event(502, str(e), "worker_failed") + DONE
-                        return
-                    if events:
-                        yield events
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0)) as timer:
+                with self._watched(timer):
+                    while not merge.done:
+                        index, item = await queue.get()
+                        if isinstance(item, httpx.HTTPError):
+                            status = "502"
+                            self.legs.unreachable(rooms[index].pool, rooms[index].worker, item)
+                            reason = f"{type(item).__name__}: {item}".rstrip(": ")
+                            message = f"a decode worker failed mid-stream ({reason})"
+                            yield error_event(502, message, "worker_failed") + DONE
+                            return
+                        if item is None:
+                            if merge.finished(index):
+                                continue
+                            status = "502"
+                            message = "a decode worker ended its stream without [DONE]"
+                            yield error_event(502, message, "worker_failed") + DONE
+                            return
+                        access.saw(index, item)
+                        try:
+                            events = merge.feed(index, item)
+                        except RoomFailed as e:
+                            status = str(e.status)
+                            yield e.event + DONE
+                            return
+                        except BadAnswer as e:
+                            status = "502"
+                            yield error_event(502, str(e), "worker_failed") + DONE
+                            return
+                        if events:
+                            yield events
             yield merge.end()
         except TimeoutError:
-            status = "504"
-            yield error_event(504, "request timed out while streaming", "timeout") + DONE
+            status, last = self._timed_out()
+            yield last
         finally:
             for task in pumps:
                 task.cancel()

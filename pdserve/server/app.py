@@ -21,7 +21,7 @@ from pdserve import __version__
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_files import resolve_model_dir
 from pdserve.protocol.api_key import ApiKeyMiddleware
-from pdserve.server import native_api, openai_api
+from pdserve.server import native_api, openai_api, tokenize_api
 from pdserve.server.engine_client import EngineClient, EngineClientConfig
 from pdserve.server.errors import (
     APIError,
@@ -47,11 +47,12 @@ def build_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_queued_requests: int = 1024,
+    chat_template: str | None = None,
     server_args: dict[str, Any] | None = None,
     client_options: EngineClientConfig | None = None,
 ) -> FastAPI:
     """A worker's HTTP app; `role` says whether it is colocated, prefill or decode, and
-    builds its engine."""
+    builds its engine. chat_template: replaces the tokenizer's (`--chat-template`)."""
     name = served_model_name or engine_config.model_path
 
     @contextlib.asynccontextmanager
@@ -60,9 +61,12 @@ def build_app(
         ready = await client.start()
         metrics = ServerMetrics(name, disaggregated=role.disaggregated)
         client.stats_listeners.append(metrics.observe_stats)
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(engine_config.model_path))
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
         app.state.pdserve = ServerState(
             client=client,
-            tokenizer=AutoTokenizer.from_pretrained(resolve_model_dir(engine_config.model_path)),
+            tokenizer=tokenizer,
             served_model_name=name,
             max_model_len=ready.max_model_len,
             metrics=metrics,
@@ -70,6 +74,8 @@ def build_app(
             role=role,
             server_args=dict(server_args or {}),
         )
+        # NOTE: what still runs at the shutdown timeout ends well-formed (commands/http_shutdown).
+        app.state.end_requests = client.cancel_all
         logger.info(
             "%s worker ready%s: serving %s (%s on %s)%s",
             role.kind,
@@ -113,6 +119,7 @@ def build_app(
 
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
+    app.include_router(tokenize_api.router)
     return app
 
 

@@ -287,6 +287,12 @@ class EngineClient:
         queue.put_nowait(_failed(request_id, reason))
         return True
 
+    def cancel_all(self, reason: str) -> None:
+        """End every request in flight (`cancel`), e.g. at the shutdown timeout: each
+        stream gets its error event and its end, and the engine frees their pages."""
+        for request_id in list(self._queues):
+            self.cancel(request_id, reason)
+
     def _send(self, msg) -> None:
         if self.failure is not None:
             # NOTE: a failed (or restarting) engine holds none of our requests any more.

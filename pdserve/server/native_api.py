@@ -54,6 +54,9 @@ _SAMPLING_KEYS = {
     "skip_special_tokens",
     "seed",
 }
+# SGLang's constrained-decoding keys, not implemented: refused (400 naming the key) rather
+# than answered with unconstrained text.
+UNSUPPORTED_SAMPLING_KEYS = ("regex", "json_schema", "ebnf", "structural_tag")
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
@@ -100,8 +103,15 @@ async def generate(body: GenerateBody, request: Request):
     )
     if body.rid is not None and len(body.rid) > MAX_REQUEST_ID_CHARS:
         raise bad_request(f"rid: at most {MAX_REQUEST_ID_CHARS} characters", param="rid")
-    # NOTE: like SGLang, keys this server does not use are ignored.
-    raw = {k: v for k, v in (body.sampling_params or {}).items() if k in _SAMPLING_KEYS}
+    given = body.sampling_params or {}
+    for key in UNSUPPORTED_SAMPLING_KEYS:
+        if given.get(key) is not None:
+            raise bad_request(
+                f"sampling_params.{key} is not supported by this server; omit it",
+                param=f"sampling_params.{key}",
+            )
+    # NOTE: like SGLang, other keys this server does not use are ignored.
+    raw = {k: v for k, v in given.items() if k in _SAMPLING_KEYS}
     raw.setdefault("max_new_tokens", 128)
     logprobs = body.top_logprobs_num if body.return_logprob else None
     # Checked (types included) before any prompt is tokenized or measured against them.

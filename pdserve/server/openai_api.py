@@ -36,6 +36,7 @@ from pdserve.server.generation import (
 from pdserve.server.json_body import StrictJSONRoute
 from pdserve.server.openai_protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     check_supported,
 )
@@ -98,7 +99,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     check_supported(body)
     if not body.messages:
         raise bad_request("messages must not be empty", param="messages")
-    contents = _chat_contents(state, body)
+    contents = chat_contents(state, body.messages)
     prompt_ids = await asyncio.to_thread(_chat_prompt, state, body, contents)
     top = body.top_logprobs
     if top is not None and not body.logprobs:
@@ -161,15 +162,15 @@ def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
     return [list(p) for p in prompt]
 
 
-def _chat_contents(state: ServerState, body: ChatCompletionRequest) -> list[str]:
+def chat_contents(state: ServerState, messages: list[ChatMessage]) -> list[str]:
     """Each message's text, checked for size before the template and tokenizer see it."""
-    if len(body.messages) > state.max_model_len:
+    if len(messages) > state.max_model_len:
         raise bad_request(
-            f"{len(body.messages)} messages cannot fit the {state.max_model_len}-token context",
+            f"{len(messages)} messages cannot fit the {state.max_model_len}-token context",
             param="messages",
         )
     contents = []
-    for message in body.messages:
+    for message in messages:
         content = message.content
         if isinstance(content, list):
             texts = [part.get("text") for part in content if part.get("type") == "text"]
@@ -190,10 +191,14 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest, contents: list
     ]
     try:
         return chat_prompt_ids(
-            state.tokenizer, messages, add_generation_prompt=body.add_generation_prompt
+            state.tokenizer,
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            template_kwargs=body.chat_template_kwargs,
         )
     except Exception as e:
-        raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
+        param = "chat_template_kwargs" if body.chat_template_kwargs else "messages"
+        raise bad_request(f"cannot apply the chat template: {e}", param=param) from None
 
 
 # ---- responses -------------------------------------------------------------------------

@@ -3,9 +3,11 @@
 Types are strict, as OpenAI's API is typed: `"4"`, `true` or `4.0` where an integer belongs,
 `"0.5"` or `true` where a number belongs and `"true"` or `1` where a boolean belongs are
 refused by pydantic's strict mode (an integer is a number: `temperature: 1` is fine), which
-becomes a 400 naming the field. OpenAI fields this server does not implement are refused
-(`UNSUPPORTED`) rather than silently ignored; other unknown fields are ignored, as vLLM and
-SGLang do. Range checks live in `SamplingParams`, so every API shares one set of rules.
+becomes a 400 naming the field. OpenAI's fields, and vLLM's and SGLang's own extensions, that
+this server does not implement are refused (`UNSUPPORTED`) rather than silently ignored: a
+client that asks for structured output or tool calls must not get unconstrained text with a
+200. Other unknown fields are ignored. Range checks live in `SamplingParams`, so every API
+shares one set of rules.
 """
 
 from __future__ import annotations
@@ -19,26 +21,65 @@ from pdserve.server.errors import bad_request
 
 # The value of `n`, where a field may equal it (best_of).
 N = object()
-# OpenAI fields this server does not implement, by endpoint, with the values that mean "not
-# used" (accepted; so are absent fields). Any other value is a 400 naming the field.
+# vLLM's and SGLang's request extensions this server does not implement (structured outputs,
+# reasoning and tool-call settings, logits shaping, beam search), both endpoints: any value
+# but null (or what asks for nothing) is a 400 naming the field.
+_EXTENSIONS: dict[str, tuple] = {
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structured_outputs": (None,),
+    "structural_tag": (None,),
+    "json_schema": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "response_format": (None, {"type": "text"}),
+    "logits_processors": (None, []),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "prompt_logprobs": (None,),
+    "use_beam_search": (None, False),
+    "truncate_prompt_tokens": (None,),
+    "spaces_between_special_tokens": (None, True),
+    "return_tokens_as_token_ids": (None, False),
+    "priority": (None, 0),
+    "lora_path": (None,),
+    "no_stop_trim": (None, False),
+    "return_hidden_states": (None, False),
+}
+# OpenAI's fields and the extensions above that this server does not implement, by endpoint,
+# with the values that mean "not used" (accepted; so are absent fields). Any other value is a
+# 400 naming the field.
 UNSUPPORTED: dict[str, dict[str, tuple]] = {
     "chat": {
+        **_EXTENSIONS,
         "tools": (None, []),
         "tool_choice": (None, "none"),
         "functions": (None, []),
         "function_call": (None, "none"),
-        "response_format": (None, {"type": "text"}),
         "logit_bias": (None, {}),
         "audio": (None,),
         "modalities": (None, ["text"]),
         "prediction": (None,),
         "web_search_options": (None,),
+        "parallel_tool_calls": (None,),
+        "reasoning_effort": (None,),
+        "chat_template": (None,),
+        "continue_final_message": (None, False),
+        "echo": (None, False),
+        # NOTE: the chat prompt gets no special tokens beyond the template's, as in vLLM.
+        "add_special_tokens": (None, False),
     },
     "completions": {
+        **_EXTENSIONS,
         "echo": (None, False),
         "suffix": (None, ""),
         "logit_bias": (None, {}),
         "best_of": (None, 1, N),
+        "add_special_tokens": (None, True),
     },
 }
 
@@ -111,6 +152,8 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Variables for the chat template (vLLM's and SGLang's name), e.g. `enable_thinking`.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def check_supported(body: _Request) -> None:

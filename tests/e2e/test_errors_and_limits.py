@@ -213,6 +213,45 @@ UNSUPPORTED_FIELDS = [
     (COMPLETIONS, "suffix", " the end"),
     (COMPLETIONS, "logit_bias", {"50": 5}),
     (COMPLETIONS, "best_of", 3),
+    (CHAT, "parallel_tool_calls", False),
+    (CHAT, "reasoning_effort", "low"),
+    (CHAT, "chat_template", "{{ messages }}"),
+    (CHAT, "continue_final_message", True),
+    (CHAT, "echo", True),
+    (CHAT, "add_special_tokens", True),
+    (COMPLETIONS, "add_special_tokens", False),
+]
+# vLLM's and SGLang's own extensions, refused on both endpoints.
+EXTENSION_VALUES = {
+    "guided_json": {"type": "object"},
+    "guided_regex": "[a-z]+",
+    "guided_choice": ["yes", "no"],
+    "guided_grammar": 'root ::= "a"',
+    "guided_decoding_backend": "xgrammar",
+    "guided_whitespace_pattern": " ",
+    "structured_outputs": {"choice": ["yes", "no"]},
+    "structural_tag": "{}",
+    "json_schema": '{"type": "object"}',
+    "regex": "[0-9]+",
+    "ebnf": 'root ::= "a"',
+    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+    "logits_processors": ["some.module:Processor"],
+    "allowed_token_ids": [1, 2],
+    "bad_words": ["bad"],
+    "prompt_logprobs": 1,
+    "use_beam_search": True,
+    "truncate_prompt_tokens": 8,
+    "spaces_between_special_tokens": False,
+    "return_tokens_as_token_ids": True,
+    "priority": 1,
+    "lora_path": "adapter",
+    "no_stop_trim": True,
+    "return_hidden_states": True,
+}
+UNSUPPORTED_FIELDS += [
+    (path, field, value)
+    for path in (CHAT, COMPLETIONS)
+    for field, value in EXTENSION_VALUES.items()
 ]
 
 
@@ -224,6 +263,14 @@ UNSUPPORTED_FIELDS = [
 def test_an_unsupported_field_is_400_naming_it(server, path, field, value):
     error = assert_error(server.post(path, {**MINIMAL[path], field: value}), 400, field)
     assert f"{field} is not supported" in error["message"], error
+
+
+@pytest.mark.parametrize("key", ["regex", "json_schema", "ebnf", "structural_tag"])
+def test_sglang_constrained_decoding_keys_are_400_naming_them(server, key):
+    sampling = {"max_new_tokens": 2, key: "x"}
+    response = server.post(GENERATE, {"text": "hi", "sampling_params": sampling})
+    error = assert_error(response, 400, f"sampling_params.{key}")
+    assert f"sampling_params.{key} is not supported" in error["message"], error
 
 
 def test_every_unsupported_field_is_tested():
@@ -241,6 +288,9 @@ def test_unsupported_fields_that_ask_for_nothing_and_unknown_fields_are_accepted
             "response_format": {"type": "text"},
             "logit_bias": {},
             "modalities": ["text"],
+            "add_special_tokens": False,
+            "spaces_between_special_tokens": True,
+            "priority": 0,
             "some_extension": {"x": 1},
         },
         COMPLETIONS: {
@@ -249,6 +299,7 @@ def test_unsupported_fields_that_ask_for_nothing_and_unknown_fields_are_accepted
             "logit_bias": None,
             "best_of": 2,
             "n": 2,
+            "add_special_tokens": True,
             "some_extension": 1,
         },
     }

@@ -11,7 +11,8 @@ import threading
 
 import httpx
 
-from tests.e2e.conftest import start_server, stop_server
+from pdserve.server.local_process import LocalServer
+from tests.e2e.conftest import START_DEADLINE_S, Server, start_server, stop_server
 from tests.waiting import wait_until
 
 MAX_TOKENS = 1200
@@ -75,3 +76,70 @@ def test_a_stream_in_flight_finishes_after_sigterm(tiny_model_dirs):
         wait_until(lambda: _group_gone(server.process.pid), "the engine process to exit", 20)
     finally:
         stop_server(server)
+
+
+# A prompt prefilled a token a step (--chunked-prefill-size 1): its request is still running
+# whenever a short shutdown timeout passes.
+SLOW_PREFILL = ("--chunked-prefill-size", "1", "--max-model-len", "2048")
+SHORT_TIMEOUT = ("--shutdown-timeout", "0.5")
+
+
+def _slow_body(token: int) -> dict:
+    return {"prompt": [token] * 1800, "max_tokens": 8, "stream": True, "ignore_eos": True}
+
+
+def _in_flight(worker: Server) -> float:
+    return worker.metric("num_requests_running") + worker.metric("num_requests_waiting")
+
+
+def _log_problems(path) -> list[str]:
+    """Lines that would alarm an operator: errors, and uvicorn cancelling tasks."""
+    lines = path.read_text().splitlines()
+    return [line for line in lines if line.startswith(("ERROR", "CRITICAL")) or "Cancel" in line]
+
+
+def test_what_still_runs_at_the_shutdown_timeout_ends_well_formed(tiny_model_dirs, tmp_path):
+    """Router, then worker: SIGTERM while a request runs past --shutdown-timeout. The router's
+    request, still waiting for its first token, gets a 503; the worker's stream an SSE error
+    event and [DONE], its body ended cleanly; nothing is logged at ERROR (no "Cancel 1
+    running task(s)", no "front end process is gone" from the worker's engine)."""
+    model = tiny_model_dirs("llama")
+    logs = {name: tmp_path / f"{name}.log" for name in ("worker", "router")}
+    worker_args = ["serve", "--model-path", model, "--device", "cpu", *SLOW_PREFILL]
+    local = LocalServer([*worker_args, *SHORT_TIMEOUT], log_level="info", log_path=logs["worker"])
+    worker = Server(local.wait_healthy(START_DEADLINE_S), model)
+    router_args = ["router", "--worker-urls", worker.url, *SHORT_TIMEOUT]
+    router = LocalServer(router_args, log_level="info", log_path=logs["router"])
+    try:
+        router.wait_healthy(START_DEADLINE_S)
+        answers: list[httpx.Response] = []
+        url = router.url + "/v1/completions"
+        sending = threading.Thread(
+            target=lambda: answers.append(httpx.post(url, json=_slow_body(7), timeout=60))
+        )
+        sending.start()
+        wait_until(lambda: _in_flight(worker) == 1, "the request to reach the worker", 30)
+        os.kill(router.process.pid, signal.SIGTERM)
+        sending.join(30)
+        assert answers[0].status_code == 503, answers[0].text
+        assert answers[0].json()["error"]["code"] == "unavailable"
+        router.process.wait(timeout=30)
+        wait_until(lambda: _in_flight(worker) == 0, "the worker to abort the request", 30)
+
+        events = []
+        url = worker.url + "/v1/completions"
+        with httpx.stream("POST", url, json=_slow_body(8), timeout=60) as reply:
+            assert reply.status_code == 200
+            wait_until(lambda: _in_flight(worker) == 1, "the request to reach the engine", 30)
+            os.kill(worker.process.pid, signal.SIGTERM)
+            events = [line[5:].strip() for line in reply.iter_lines() if line.startswith("data:")]
+        assert len(events) == 2 and events[1] == "[DONE]", events
+        error = json.loads(events[0])["error"]
+        assert error["code"] == "unavailable" and "shutting down" in error["message"], error
+        assert worker.process.wait(timeout=30) in (0, -signal.SIGTERM)
+        wait_until(lambda: _group_gone(worker.process.pid), "the engine process to exit", 20)
+    finally:
+        router.stop()
+        stop_server(worker)
+    for name, path in logs.items():
+        assert _log_problems(path) == [], f"the {name} logged:\n{path.read_text()}"

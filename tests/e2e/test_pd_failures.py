@@ -411,3 +411,41 @@ def test_router_passes_request_ids_lists_models_and_counts(shared):
     )
     metrics = shared.router.get("/metrics").text
     assert 'pdserve_router:requests_total{endpoint="/v1/completions",status="200"}' in metrics
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("/v1/chat/completions", "guided_json", {"type": "object"}),
+        ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("/v1/chat/completions", "reasoning_effort", "low"),
+        ("/v1/completions", "guided_choice", ["yes", "no"]),
+    ],
+)
+def test_a_refused_field_is_the_same_400_through_the_router(shared, path, field, value):
+    minimal = {"max_tokens": 2, **_MINIMAL_INPUT[path], field: value}
+    response = shared.router.post(path, minimal)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and f"{field} is not supported" in error["message"], error
+    shared.wait_all_free()
+
+
+_MINIMAL_INPUT = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+    "/v1/completions": {"prompt": "hi"},
+}
+
+
+def test_tokenize_and_detokenize_through_the_router(shared):
+    decode = shared.decode[0]
+    body = {"prompt": "once upon a time"}
+    tokens = shared.router.post("/tokenize", body)
+    assert tokens.status_code == 200, tokens.text
+    assert tokens.json() == decode.post("/tokenize", body).json()
+    ids = tokens.json()["tokens"]
+    text = shared.router.post("/detokenize", {"tokens": ids})
+    assert text.status_code == 200 and text.json() == {"prompt": "once upon a time"}, text.text
+    refused = shared.router.post("/detokenize", {"tokens": "abc"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens"

@@ -104,6 +104,7 @@ SAMPLES = {
             "max_connections": 50,
             "served_model_name": "name",
             "max_queued_requests": 5,
+            "chat_template": "{{ messages }}",
         },
     ),
     TrainConfig: (
@@ -207,6 +208,45 @@ def test_help_shows_each_default():
     assert "(default: 16)" in text  # --page-size, from EngineConfig
     assert "(default: 30000)" in text  # --port, a worker's
     assert "(default: $PDSERVE_API_KEY)" in text
+
+
+def test_vllm_flag_names_are_aliases_shown_in_help():
+    vllm = ["--tensor-parallel-size", "2", "--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
+    parsed = build_parser().parse_args(["serve", *vllm, "--no-enable-prefix-caching"])
+    engine = settings_from_args(EngineConfig, parsed, model_path="m")
+    assert (engine.tp_size, engine.max_running_requests, engine.chunked_prefill_size) == (2, 8, 512)
+    assert engine.disable_prefix_caching
+    on = build_parser().parse_args(["serve", "--enable-prefix-caching"])
+    assert not settings_from_args(EngineConfig, on, model_path="m").disable_prefix_caching
+    text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for alias in ("--tensor-parallel-size", "--max-num-seqs", "--max-num-batched-tokens"):
+        assert alias in text
+    assert "--enable-prefix-caching" in text and "--no-enable-prefix-caching" in text
+
+
+def test_an_unknown_flag_gets_a_did_you_mean(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(
+            ["serve", "--max-model-length", "9", "--gpu-memory-utilisation", "1"]
+        )
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--max-model-length: did you mean --max-model-len" in err, err
+    assert "--gpu-memory-utilisation: did you mean --gpu-memory-utilization" in err, err
+
+
+def test_chat_template_is_a_file_or_the_template_itself(tmp_path):
+    from pdserve.engine.chat_template import ChatTemplateError, load_chat_template
+
+    inline = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    file = tmp_path / "t.jinja"
+    file.write_text(inline)
+    assert load_chat_template(inline) == inline
+    assert load_chat_template(str(file)) == inline
+    with pytest.raises(ChatTemplateError, match="no such file, and not a Jinja template"):
+        load_chat_template(str(tmp_path / "absent.jinja"))
+    with pytest.raises(ChatTemplateError, match="not a valid Jinja template"):
+        load_chat_template("{% for m in messages %}")
 
 
 # --- launch hands every flag on -------------------------------------------------------------
@@ -319,6 +359,7 @@ def test_launch_without_a_transfer_token_makes_one_for_its_workers(monkeypatch):
         (["launch", "--request-timeout", "0"], "request_timeout_s must be positive"),
         (["router", "--decode", "http://d:2"], "--prefill-service"),
         (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
+        (["serve", "--chat-template", "absent.jinja"], "--chat-template 'absent.jinja': no such"),
     ],
 )
 def test_bad_settings_are_one_error_line_and_exit_2(argv, message, capsys):

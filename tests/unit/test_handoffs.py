@@ -6,6 +6,7 @@ room."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 
 import pytest
@@ -409,3 +410,19 @@ def test_an_abort_for_a_room_that_never_comes_counts_no_failure(pair, role):
     assert dict(handoff.failures) == {}
     handoff.fail_room(FailRoom(110, "prompt too long", host, port, FailureKind.INVALID))
     assert dict(handoff.failures) == {"bootstrap/invalid": 1}
+
+
+def test_a_request_refused_for_its_own_fault_is_logged_at_info_not_warning(pair, caplog):
+    """A client's too-long prompt is the client's error: neither worker warns about it."""
+    prefill, decode, _ = pair
+    too_long = [7] * prefill.engine.max_model_len
+    with caplog.at_level(logging.INFO):
+        decode.add("d", [5, 6], GREEDY, boot(prefill, 14))
+        prefill.add("p", too_long, GREEDY, boot(prefill, 14))
+        drive(prefill, decode, until=lambda o: finished(o, "d"), deadline_s=2)
+        prefill.add("p2", [5, 6], GREEDY, boot(prefill, 15))
+        decode.fail_room(FailRoom(15, "too many tokens", "127.0.0.1", prefill.bootstrap_port))
+        drive(prefill, decode, until=lambda o: finished(o, "p2"), deadline_s=2)
+    failed = {r.getMessage().split()[1]: r.levelno for r in caplog.records if "failed:" in r.msg}
+    assert failed == {"d": logging.INFO, "p2": logging.INFO}, caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

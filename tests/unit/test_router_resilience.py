@@ -18,6 +18,8 @@ from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.router.access_log import AccessRecord
 from pdserve.router.app import build_router_app
 from pdserve.router.config import RouterConfig
+from pdserve.router.discovery import Discovery
+from pdserve.router.health import HealthChecker
 from pdserve.router.intake import ClientWatch
 from pdserve.router.legs import Legs, TransportLegClient
 from pdserve.router.metrics import RouterMetrics
@@ -408,3 +410,29 @@ def test_repeated_warnings_are_rate_limited_per_key(caplog):
         "other key",
         "leg failed: d (2 similar lines suppressed)",
     ]
+
+
+def test_a_worker_is_in_rotation_at_first_and_back_in_rotation_after_leaving(caplog):
+    answers = iter([200, 503, 200])
+
+    def health(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(next(answers))
+
+    worker = Worker("http://w", Role.COLOCATED, healthy=False)
+    pool = WorkerPool(Role.COLOCATED, [worker])
+    config = RouterConfig(worker_urls=("http://w",), health_failure_threshold=1)
+
+    async def three_rounds() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(health)) as client:
+            checker = HealthChecker(config, [pool], client, Discovery([], timeout_s=1))
+            for _ in range(3):
+                await checker.check_all()
+
+    with caplog.at_level(logging.INFO, logger="pdserve.router.health"):
+        asyncio.run(three_rounds())
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "colocated worker http://w is in rotation",
+        "colocated worker http://w out of rotation: /health answered 503",
+        "colocated worker http://w is back in rotation",
+    ], lines

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import threading
 from pathlib import Path
 
@@ -372,3 +374,19 @@ def test_random_tensor_depends_only_on_seed_and_name() -> None:
 def test_unknown_preset_lists_presets(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"qwen2\.5-7b"):
         make_random_model(tmp_path, "llama-2-7b")
+
+
+def test_make_tiny_model_writes_files_others_can_read(tmp_path: Path) -> None:
+    from pdserve.cli import main
+
+    previous = os.umask(0o022)
+    try:
+        assert main(["--log-level", "error", "make-tiny-model", str(tmp_path / "m")]) == 0
+    finally:
+        os.umask(previous)
+    out = tmp_path / "m"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    written = list(out.iterdir())
+    assert any(p.suffix == ".safetensors" for p in written)
+    for path in written:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path.name
