@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -38,6 +39,8 @@ from pdserve.server.local_process import LocalServer, ServerStartError, free_por
 from pdserve.transfer.config import IPC_TENSOR_PARALLEL, TransferConfig
 
 RESTART_WINDOW_S = 600.0
+# A --gpus entry: an index (as CUDA_VISIBLE_DEVICES takes it) or a GPU/MIG UUID.
+GPU_ID = re.compile(r"\d+|(GPU|MIG)-[0-9A-Za-z/-]+")
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,11 @@ class LaunchConfig:
         for name, size in (("prefill", self.prefill_tp_size), ("decode", self.decode_tp_size)):
             if size is not None and size < 1:
                 raise ValueError(f"--{name}-tp-size must be >= 1, got {size}")
+        if self.gpus is not None and not all(GPU_ID.fullmatch(gpu) for gpu in self.gpus or ("",)):
+            raise ValueError(
+                f"--gpus {','.join(self.gpus)!r}: each GPU id is an index (0,1) or a "
+                "GPU-/MIG- UUID, as CUDA_VISIBLE_DEVICES takes them"
+            )
 
 
 @dataclass(frozen=True)

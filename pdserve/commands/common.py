@@ -114,6 +114,23 @@ def engine_config_from_args(args: argparse.Namespace, model_path: str) -> Engine
     )
 
 
+def check_cuda_visible(device: str, gpus: tuple[str, ...] | None = None) -> None:
+    """Refuse `--device cuda[:N]` (or `--gpus`) on a machine where torch sees no CUDA GPU, in
+    one line before any process starts: else the engine fails in its own process, later."""
+    if gpus and device == "cpu":
+        raise ValueError(f"--gpus {','.join(gpus)} picks GPUs, but --device cpu uses none")
+    if not (device.startswith("cuda") or gpus):
+        return
+    import torch
+
+    if torch.cuda.device_count() > 0:
+        return
+    asked = f"--gpus {','.join(gpus)}" if gpus else f"--device {device}"
+    fix = "leave --gpus out" if gpus else "use --device cpu"
+    why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+    raise ValueError(f"{asked}: CUDA is not available on this machine ({why}); {fix}")
+
+
 def spec_settings_from_args(args: argparse.Namespace) -> SpecSettings | None:
     """SpecSettings from the --speculative-* flags, None when speculation is off. The
     algorithm is looked up (and its draft checked) here, before any worker process starts."""

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
 from pdserve.server.local_process import free_port
 from tests.e2e.launched import Launch
@@ -129,6 +130,24 @@ def test_a_worker_that_cannot_start_is_one_error_line_naming_it(tiny_model_dirs,
     assert "no *.safetensors files" in mine[0]
     assert f"full log: {tmp_path / 'logs' / 'prefill-0.log'}" in mine[0]
     assert "Traceback" not in done.stderr + done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--device", "cuda"), "error: --device cuda: CUDA is not available on this machine"),
+        (("--gpus", "0,1"), "error: --gpus 0,1: CUDA is not available on this machine"),
+        (("--gpus", "abc"), "error: --gpus 'abc': each GPU id is an index (0,1) or a GPU-/MIG-"),
+    ],
+)
+def test_gpu_settings_this_machine_cannot_honour_are_one_error_line(
+    tiny_model_dirs, flags, message
+):
+    done = _launch_once(tiny_model_dirs("llama"), *flags, device="auto", timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(message) and done.stderr.count("\n") == 1, done.stderr
+    assert "starting" not in done.stdout  # refused before any worker started
 
 
 def test_launch_hands_the_api_key_and_model_name_to_every_process(tiny_model_dirs, tmp_path):

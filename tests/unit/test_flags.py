@@ -227,6 +227,7 @@ def _launch_plan(argv: list[str], monkeypatch):
     import pdserve.commands.launch as launch_command
 
     monkeypatch.setattr(launch_command, "check_port_free", lambda *a: None)
+    monkeypatch.setattr(launch_command, "check_cuda_visible", lambda *a: None)
     monkeypatch.setattr(launch_command, "model_path_from", lambda args: ("/m", "/m"))
     args = build_parser().parse_args(["launch", *argv])
     return launch_command.configure(args).args[0]
