@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import httpx
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu_threads import default_cpu_threads
 from pdserve.protocol.flags import option, secret_env, to_argv
 from pdserve.protocol.http_settings import WORKER_ONLY, HttpSettings
 from pdserve.protocol.restart_budget import RestartBudget
@@ -154,11 +155,21 @@ class LaunchPlan:
         start = sum(sizes[:k])
         return tuple(gpus[(start + i) % len(gpus)] for i in range(sizes[k])) if gpus else ()
 
+    @property
+    def cpu_threads(self) -> int:
+        """Each engine process's torch threads on CPU: every worker's ranks share this
+        machine's cores (less one for the front ends and the router, `engine.cpu_threads`)."""
+        return default_cpu_threads(sum(self.worker_tp_sizes))
+
     def worker_argv(self, kind: str, sharing: int = 1) -> list[str]:
         """sharing: workers on this worker's GPU. Unless --gpu-memory-utilization was given,
         they split its share of the GPU's memory evenly, so `pdserve launch` works on one GPU."""
         skip = ("bootstrap_port",) if kind == "decode" else ("bootstrap_port", "bootstrap_allow")
-        engine = dataclasses.replace(self.engine, tp_size=self.tp_size(kind))
+        engine = dataclasses.replace(
+            self.engine,
+            tp_size=self.tp_size(kind),
+            cpu_threads=self.engine.cpu_threads or self.cpu_threads,
+        )
         if self.split_gpu_memory and sharing > 1:
             share = round(engine.gpu_memory_utilization / sharing, 4)
             engine = dataclasses.replace(engine, gpu_memory_utilization=share)
