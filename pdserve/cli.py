@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import pdserve
 from pdserve.commands import bench, generate, launch, make_tiny_model, router, serve, train_eagle
-from pdserve.commands.common import HelpFormatter, add_log_level
+from pdserve.commands.common import CommandParser, HelpFormatter, add_log_level
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"pdserve {pdserve.__version__}")
     add_log_level(parser, default="info")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=CommandParser
+    )
     launch.register(sub, HelpFormatter)
     for kind in ("serve", "prefill", "decode"):
         serve.register(sub, kind, HelpFormatter)

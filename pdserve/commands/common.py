@@ -34,6 +34,17 @@ class HelpFormatter(argparse.HelpFormatter):
         return text
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser that refuses flags it does not know itself, with its own usage
+    (`pdserve bench`'s for a bench flag), not the top-level parser's (which names none)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def add_log_level(parser: argparse.ArgumentParser, default: str | None = None) -> None:
     """`--log-level`, on the top-level parser (default) and on each subcommand (given there,
     it wins)."""
