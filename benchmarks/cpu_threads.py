@@ -7,6 +7,9 @@ an engine's torch threads suffer from sharing their cores (`pdserve.engine.cpu_t
 PYTHONPATH; every figure is one timed generation after an untimed warm-up.
 
     python benchmarks/cpu_threads.py --load 2 --rounds 3 --output $OUT/cpu_threads.json
+    pdserve make-tiny-model /tmp/small --hidden-size 512 --num-layers 8 --num-heads 8 \
+        --num-kv-heads 4 --intermediate-size 1536
+    python benchmarks/cpu_threads.py --model-path /tmp/small --load 2 --rounds 3
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ def _busy(seconds: float) -> None:
         pass
 
 
-def offline_seconds(rounds: int) -> tuple[int, list[float]]:
-    llm = LLM(device="cpu")
+def offline_seconds(model: str | None, rounds: int) -> tuple[int, list[float]]:
+    llm = LLM(model, device="cpu")
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     llm.generate([PROMPT], params, use_tqdm=False)
     times = []
@@ -46,8 +49,9 @@ def offline_seconds(rounds: int) -> tuple[int, list[float]]:
     return torch.get_num_threads(), times
 
 
-def serve_seconds(rounds: int) -> list[float]:
-    server = LocalServer(["serve", "--device", "cpu"]).wait_healthy(300)
+def serve_seconds(model: str | None, rounds: int) -> list[float]:
+    model_args = ["--model-path", model] if model else []
+    server = LocalServer(["serve", *model_args, "--device", "cpu"]).wait_healthy(300)
     body = {
         "messages": [{"role": "user", "content": PROMPT}],
         "max_tokens": NEW_TOKENS,
@@ -71,6 +75,7 @@ def serve_seconds(rounds: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", help="default: the built-in tiny model")
     parser.add_argument("--load", type=int, default=2, help="busy processes beside the run")
     parser.add_argument("--load-seconds", type=float, default=300.0)
     parser.add_argument("--rounds", type=int, default=3)
@@ -83,13 +88,14 @@ def main() -> None:
     for process in load:
         process.start()
     try:
-        threads, offline = offline_seconds(args.rounds)
-        served = serve_seconds(args.rounds)
+        threads, offline = offline_seconds(args.model_path, args.rounds)
+        served = serve_seconds(args.model_path, args.rounds)
     finally:
         for process in load:
             process.terminate()
     result = {
         "cores": len(os.sched_getaffinity(0)),
+        "model": args.model_path or "built-in tiny",
         "load_processes": args.load,
         "offline_threads": threads,
         "offline_s": [round(t, 2) for t in offline],
