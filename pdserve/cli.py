@@ -5,7 +5,6 @@ before anything slow starts."""
 from __future__ import annotations
 
 import argparse
-import difflib
 import logging
 import os
 import sys
@@ -13,7 +12,7 @@ from collections.abc import Sequence
 
 import pdserve
 from pdserve.commands import bench, generate, launch, make_tiny_model, router, serve, train_eagle
-from pdserve.commands.common import HelpFormatter, add_log_level
+from pdserve.commands.common import CommandParser, HelpFormatter, add_log_level, unknown_flags
 
 
 class Parser(argparse.ArgumentParser):
@@ -25,20 +24,8 @@ class Parser(argparse.ArgumentParser):
         if unknown:
             commands = self._subparsers._group_actions[0].choices if self._subparsers else {}
             command = commands.get(getattr(parsed, "command", None), self)
-            command.error(_unknown_flags(unknown, command))
+            command.error(unknown_flags(unknown, command))
         return parsed
-
-
-def _unknown_flags(unknown: list[str], parser: argparse.ArgumentParser) -> str:
-    known = [o for action in parser._actions for o in action.option_strings]
-    lines = [f"unrecognized arguments: {' '.join(unknown)}"]
-    for word in unknown:
-        if not word.startswith("--"):
-            continue
-        close = difflib.get_close_matches(word.split("=", 1)[0], known, n=2, cutoff=0.6)
-        if close:
-            lines.append(f"{word}: did you mean {' or '.join(close)}?")
-    return "; ".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"pdserve {pdserve.__version__}")
     add_log_level(parser, default="info")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=CommandParser
+    )
     launch.register(sub, HelpFormatter)
     for kind in ("serve", "prefill", "decode"):
         serve.register(sub, kind, HelpFormatter)

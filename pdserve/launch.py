@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import httpx
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu_threads import default_cpu_threads
 from pdserve.protocol.flags import option, secret_env, to_argv
 from pdserve.protocol.http_settings import WORKER_ONLY, HttpSettings
 from pdserve.protocol.restart_budget import RestartBudget
@@ -38,6 +40,8 @@ from pdserve.server.local_process import LocalServer, ServerStartError, free_por
 from pdserve.transfer.config import IPC_TENSOR_PARALLEL, TransferConfig
 
 RESTART_WINDOW_S = 600.0
+# A --gpus entry: an index (as CUDA_VISIBLE_DEVICES takes it) or a GPU/MIG UUID.
+GPU_ID = re.compile(r"\d+|(GPU|MIG)-[0-9A-Za-z/-]+")
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,11 @@ class LaunchConfig:
         for name, size in (("prefill", self.prefill_tp_size), ("decode", self.decode_tp_size)):
             if size is not None and size < 1:
                 raise ValueError(f"--{name}-tp-size must be >= 1, got {size}")
+        if self.gpus is not None and not all(GPU_ID.fullmatch(gpu) for gpu in self.gpus or ("",)):
+            raise ValueError(
+                f"--gpus {','.join(self.gpus)!r}: each GPU id is an index (0,1) or a "
+                "GPU-/MIG- UUID, as CUDA_VISIBLE_DEVICES takes them"
+            )
 
 
 @dataclass(frozen=True)
@@ -146,11 +155,21 @@ class LaunchPlan:
         start = sum(sizes[:k])
         return tuple(gpus[(start + i) % len(gpus)] for i in range(sizes[k])) if gpus else ()
 
+    @property
+    def cpu_threads(self) -> int:
+        """Each engine process's torch threads on CPU: every worker's ranks share this
+        machine's cores (less one for the front ends and the router, `engine.cpu_threads`)."""
+        return default_cpu_threads(sum(self.worker_tp_sizes))
+
     def worker_argv(self, kind: str, sharing: int = 1) -> list[str]:
         """sharing: workers on this worker's GPU. Unless --gpu-memory-utilization was given,
         they split its share of the GPU's memory evenly, so `pdserve launch` works on one GPU."""
         skip = ("bootstrap_port",) if kind == "decode" else ("bootstrap_port", "bootstrap_allow")
-        engine = dataclasses.replace(self.engine, tp_size=self.tp_size(kind))
+        engine = dataclasses.replace(
+            self.engine,
+            tp_size=self.tp_size(kind),
+            cpu_threads=self.engine.cpu_threads or self.cpu_threads,
+        )
         if self.split_gpu_memory and sharing > 1:
             share = round(engine.gpu_memory_utilization / sharing, 4)
             engine = dataclasses.replace(engine, gpu_memory_utilization=share)

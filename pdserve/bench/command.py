@@ -1,14 +1,16 @@
 """`pdserve bench`: load any OpenAI-compatible server (pdserve, vLLM, SGLang) with a seeded
 workload and report latency, throughput and goodput.
 
-`add_arguments` defines the flags, `plan_from_args` turns them into validated settings (bad
-ones: a one-line `error:` and exit status 2), `run` runs one benchmark per rate.
+`add_arguments` defines the flags (`vllm bench serve`'s common ones too, `vllm_flags`),
+`plan_from_args` turns them into validated settings (bad ones: a one-line `error:` and exit
+status 2), `run` runs one benchmark per rate.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import math
 import os
@@ -30,7 +32,22 @@ from pdserve.bench.client import (
 )
 from pdserve.bench.metrics import SLO, format_summary, summarize
 from pdserve.bench.runner import Load, RunResult, run_load, warm_up
-from pdserve.bench.workloads import WORKLOADS, LengthRange, WorkloadSpec, build_workload
+from pdserve.bench.vllm_flags import (
+    add_vllm_arguments,
+    base_url_from,
+    check_result_flags,
+    lengths_from,
+    result_path,
+    slo_from,
+    vllm_metrics,
+)
+from pdserve.bench.workloads import (
+    WORKLOADS,
+    LengthRange,
+    WorkloadSpec,
+    build_workload,
+    load_sharegpt,
+)
 
 # Per workload: (endpoint, input length, output length) when not given.
 DEFAULTS = {
@@ -41,7 +58,9 @@ DEFAULTS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    parser.add_argument(
+        "--base-url", help="the server, e.g. http://127.0.0.1:8000 (default: --host, --port)"
+    )
     parser.add_argument("--model", help="model name to send (default: the first of /v1/models)")
     parser.add_argument("--api-key", help="sent as a Bearer token (default: $OPENAI_API_KEY)")
     parser.add_argument(
@@ -50,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="default: completions for random (token-id prompts), chat for the others",
     )
     w = parser.add_argument_group("workload")
-    w.add_argument("--workload", choices=WORKLOADS, default="random")
+    w.add_argument("--workload", "--dataset-name", choices=WORKLOADS, default="random")
     w.add_argument(
         "--num-prompts", type=int, default=100, help="requests (conversations for multi-turn)"
     )
@@ -110,6 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--result-json", type=Path, help="config, summaries and every request")
     o.add_argument("--plot-dir", type=Path, help="latency CDFs (and a sweep plot) as PNG")
     o.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    add_vllm_arguments(parser)
 
 
 def _resolve_model(settings: ClientSettings, given: str | None) -> str:
@@ -145,13 +165,17 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     """Validated settings; ValueError naming the flag for anything wrong."""
     if args.num_prompts < 1 or args.warmup_requests < 0:
         raise ValueError("--num-prompts must be >= 1 and --warmup-requests >= 0")
-    endpoint, input_len, output_len = DEFAULTS[args.workload]
-    chat = (args.endpoint or endpoint) == "chat"
+    _, input_len, output_len = DEFAULTS[args.workload]
+    chat = _endpoint(args) == "chat"
+    given_input_len, given_output_len = lengths_from(args)
+    check_result_flags(args)
+    if args.dataset_path is not None and args.workload != "sharegpt":
+        raise ValueError(f"--dataset-path is read by --dataset-name sharegpt, not {args.workload}")
     workload = WorkloadSpec(
         name=args.workload,
         chat=chat,
-        input_len=LengthRange.parse(args.input_len or input_len or "1"),
-        output_len=LengthRange.parse(args.output_len or output_len or "1"),
+        input_len=LengthRange.parse(given_input_len or input_len or "1"),
+        output_len=LengthRange.parse(given_output_len or output_len or "1"),
         token_id_min=args.token_id_min,
         token_id_max=args.token_id_max,
         max_input_len=args.max_input_len,
@@ -159,9 +183,12 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         num_turns=args.num_turns,
         system_prompt_len=args.system_prompt_len,
         shared_prefix_len=args.shared_prefix_len,
+        dataset=()
+        if args.dataset_path is None
+        else load_sharegpt(args.dataset_path, args.max_input_len, args.max_output_len),
     )
     client = ClientSettings(
-        base_url=args.base_url,
+        base_url=base_url_from(args),
         model=args.model or "",
         endpoint="chat" if chat else "completions",
         api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
@@ -170,7 +197,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
     )
-    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+    slo = SLO(**{name.removeprefix("slo_"): value for name, value in slo_from(args).items()})
     return BenchPlan(
         workload, client, _loads(args), slo, args.num_prompts, args.warmup_requests, args.seed
     )
@@ -208,15 +235,17 @@ def run(args: argparse.Namespace) -> int:
         outcome = asyncio.run(_run(plan, progress=not args.disable_tqdm))
     except WarmupFailed as e:
         return _error(str(e))
-    if args.result_json is not None:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+    report_path = result_path(args, model)
+    if report_path is not None:
+        report_path.parent.mkdir(parents=True, exist_ok=True)
         report = result_report(args, model, outcome)
-        args.result_json.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
-        print(f"results: {args.result_json}")
+        report_path.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
+        print(f"results: {report_path}")
     if args.plot_dir is not None:
-        from pdserve.bench.plots import write_plots  # matplotlib loads only when asked
+        from pdserve.bench.plots import PlotTitle, write_plots  # matplotlib only when asked
 
-        for path in write_plots(args.plot_dir, outcome.results, outcome.summaries):
+        title = PlotTitle(plan.client.base_url, model, describe_workload(plan, args))
+        for path in write_plots(args.plot_dir, outcome.results, outcome.summaries, title):
             print(f"plot: {path}")
     return 0
 
@@ -278,7 +307,7 @@ def result_report(args: argparse.Namespace, model: str, outcome: BenchOutcome) -
         if key not in ("api_key", "func") and not callable(value)
     }
     config["model"] = model
-    return {
+    report = {
         "config": config,
         "definitions": {
             "percentiles": "linear interpolation between closest ranks",
@@ -292,11 +321,42 @@ def result_report(args: argparse.Namespace, model: str, outcome: BenchOutcome) -
                 "request_rate": _json_safe(result.load.request_rate),
                 "max_concurrency": result.load.max_concurrency,
                 "summary": summary,
+                "vllm_metrics": vllm_metrics(summary),
                 "requests": [record.to_json() for record in result.records],
             }
             for result, summary in zip(outcome.results, outcome.summaries, strict=True)
         ],
     }
+    if len(outcome.results) == 1:
+        # NOTE: a single run's file also reads as `vllm bench serve --save-result`'s does.
+        load = outcome.results[0].load
+        report = {
+            "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+            "backend": "openai-chat" if _endpoint(args) == "chat" else "openai",
+            "model_id": model,
+            "num_prompts": args.num_prompts,
+            "request_rate": _json_safe(load.request_rate),
+            "max_concurrency": load.max_concurrency,
+            **vllm_metrics(outcome.summaries[0]),
+            **report,
+        }
+    return report
+
+
+def describe_workload(plan: BenchPlan, args: argparse.Namespace) -> str:
+    """The workload in a few words, for plot titles."""
+    spec = plan.workload
+    if spec.name == "sharegpt":
+        source = Path(args.dataset_path).name if args.dataset_path else "imitated lengths"
+        what = f"sharegpt ({source})"
+    else:
+        unit = "words" if spec.chat else "tokens"
+        what = f"{spec.name}: input {spec.input_len} {unit}, output {spec.output_len} tokens"
+    return f"{what}, {plan.num_prompts} prompts, {plan.client.endpoint}"
+
+
+def _endpoint(args: argparse.Namespace) -> str:
+    return args.endpoint or DEFAULTS[args.workload][0]
 
 
 def _json_safe(value: Any) -> Any:

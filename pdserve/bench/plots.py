@@ -1,5 +1,7 @@
-"""PNG plots of a benchmark: latency CDFs per run and, for a rate sweep, latency and
-throughput against the rate.
+"""PNG plots of a benchmark: latency CDFs per run and, for a rate sweep, latency (TTFT and
+TPOT) and throughput against the rate. Every figure's title names the server, the model and
+the workload; inter-token gaps span orders of magnitude (a batch's stall beside sub-ms
+chunks), so their CDF has a log axis.
 
 Figures are drawn on matplotlib's Agg canvas directly (no pyplot, no display, no global
 state), so plotting works headless and in threads.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,30 +27,52 @@ CDF_PANELS = (
     ("e2e_s", "End-to-end latency (ms)"),
 )
 
+LOG_AXIS = ("itl_s",)
+
+
+@dataclass(frozen=True)
+class PlotTitle:
+    """What was measured: the server's URL, the model and the workload in a few words."""
+
+    server: str
+    model: str
+    workload: str
+
+    def __str__(self) -> str:
+        return f"{self.model} on {self.server}\n{self.workload}"
+
 
 def write_plots(
-    directory: Path, results: Sequence[RunResult], summaries: Sequence[dict[str, Any]]
+    directory: Path,
+    results: Sequence[RunResult],
+    summaries: Sequence[dict[str, Any]],
+    title: PlotTitle,
 ) -> list[Path]:
     """latency_cdf.png always; sweep.png when there are several runs. Returns the paths."""
     directory.mkdir(parents=True, exist_ok=True)
-    written = [_save(latency_cdfs(results), directory / "latency_cdf.png")]
+    written = [_save(latency_cdfs(results, title), directory / "latency_cdf.png")]
     if len(results) > 1:
-        written.append(_save(sweep(results, summaries), directory / "sweep.png"))
+        written.append(_save(sweep(results, summaries, title), directory / "sweep.png"))
     return written
 
 
-def latency_cdfs(results: Sequence[RunResult]) -> Figure:
-    figure = Figure(figsize=(11, 8), layout="constrained")
-    for axes, (field, title) in zip(figure.subplots(2, 2).flat, CDF_PANELS, strict=True):
+def latency_cdfs(results: Sequence[RunResult], title: PlotTitle) -> Figure:
+    figure = Figure(figsize=(11, 8.5), layout="constrained")
+    figure.suptitle(str(title))
+    for axes, (field, panel) in zip(figure.subplots(2, 2).flat, CDF_PANELS, strict=True):
         for result in results:
             values = sorted(v * 1e3 for v in _values(result, field))
+            if field in LOG_AXIS:
+                values = [v for v in values if v > 0]  # NOTE: no place on a log axis
             if values:
                 # The empirical CDF: 0 up to the smallest value, i/n from the i-th.
                 fractions = [i / len(values) for i in range(len(values) + 1)]
                 values.insert(0, values[0])
                 axes.step(values, fractions, where="post", label=result.load.label)
-        axes.set_title(title)
-        axes.set_xlabel("ms")
+        axes.set_title(panel)
+        axes.set_xlabel("ms (log scale)" if field in LOG_AXIS else "ms")
+        if field in LOG_AXIS and axes.has_data():
+            axes.set_xscale("log")
         axes.set_ylabel("fraction of requests" if field != "itl_s" else "fraction of gaps")
         axes.set_ylim(0, 1.02)
         axes.grid(alpha=0.3)
@@ -56,18 +81,26 @@ def latency_cdfs(results: Sequence[RunResult]) -> Figure:
     return figure
 
 
-def sweep(results: Sequence[RunResult], summaries: Sequence[dict[str, Any]]) -> Figure:
-    """TPOT P50/P90 and throughput/goodput by run, the runs in sweep order (categorical x:
-    an infinite rate has no place on a numeric axis)."""
-    figure = Figure(figsize=(11, 4.5), layout="constrained")
-    latency, throughput = figure.subplots(1, 2)
+def sweep(
+    results: Sequence[RunResult], summaries: Sequence[dict[str, Any]], title: PlotTitle
+) -> Figure:
+    """TTFT and TPOT P50/P90 and throughput/goodput by run, the runs in sweep order
+    (categorical x: an infinite rate has no place on a numeric axis)."""
+    figure = Figure(figsize=(15, 4.8), layout="constrained")
+    figure.suptitle(str(title))
+    ttft, tpot, throughput = figure.subplots(1, 3)
     labels = [_rate_label(r.load.request_rate) for r in results]
     positions = range(len(results))
-    for stat, name, style in (("median", "P50", "o-"), ("p90", "P90", "s--")):
-        values = [_nan_if_none(s["tpot_ms"][stat]) for s in summaries]
-        latency.plot(positions, values, style, label=f"TPOT {name}")
-    latency.set_ylabel("ms")
-    latency.set_title("Time per output token")
+    for axes, key, name in (
+        (ttft, "ttft_ms", "Time to first token"),
+        (tpot, "tpot_ms", "Time per output token"),
+    ):
+        short = key.removesuffix("_ms").upper()
+        for stat, label, style in (("median", "P50", "o-"), ("p90", "P90", "s--")):
+            values = [_nan_if_none(s[key][stat]) for s in summaries]
+            axes.plot(positions, values, style, label=f"{short} {label}")
+        axes.set_ylabel("ms")
+        axes.set_title(name)
     throughput.plot(
         positions, [s["request_throughput"] for s in summaries], "o-", label="throughput"
     )
@@ -76,7 +109,7 @@ def sweep(results: Sequence[RunResult], summaries: Sequence[dict[str, Any]]) -> 
         throughput.plot(positions, goodput, "s--", label="goodput (SLOs met)")
     throughput.set_ylabel("requests/s")
     throughput.set_title("Completed requests per second")
-    for axes in (latency, throughput):
+    for axes in (ttft, tpot, throughput):
         axes.set_xticks(list(positions), labels)
         axes.set_xlabel("request rate (req/s)")
         axes.grid(alpha=0.3)

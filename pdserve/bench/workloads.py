@@ -7,7 +7,9 @@ with common BPE tokenizers. What the server counted comes back in each answer's 
 
 - `random`: input and output lengths uniform in inclusive ranges; token-id prompts for
   completions (ids uniform in [token_id_min, token_id_max)), text of that many words for chat.
-- `sharegpt`: see `sharegpt_lengths`; one user message per conversation.
+- `sharegpt`: one user message per conversation: from a ShareGPT JSON file when given
+  (`load_sharegpt`: its first human turns, each with its answer's length), else text of the
+  imitated lengths `sharegpt_lengths` draws.
 - `multi-turn`: a system prompt per conversation (optionally after one shared by every
   conversation), then several user turns; each turn's messages are the previous turn's
   messages plus the answer it got plus the new user message (`Conversation.messages`).
@@ -15,9 +17,11 @@ with common BPE tokenizers. What the server counted comes back in each answer's 
 
 from __future__ import annotations
 
+import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 WORKLOADS = ("random", "sharegpt", "multi-turn")
 
@@ -116,6 +120,8 @@ class WorkloadSpec:
     num_turns: int = 4  # multi-turn
     system_prompt_len: int = 32  # words, per conversation
     shared_prefix_len: int = 0  # words every conversation's system prompt starts with
+    # sharegpt from a file: (prompt, output length) pairs, `load_sharegpt`; () imitates them
+    dataset: tuple[tuple[str, int], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
@@ -138,6 +144,8 @@ def build_workload(spec: WorkloadSpec, count: int, seed: int) -> list[Conversati
     rng = random.Random(seed)
     if spec.name == "random":
         return [_random_conversation(spec, rng) for _ in range(count)]
+    if spec.name == "sharegpt" and spec.dataset:
+        return _sharegpt_file_conversations(spec, rng, count)
     if spec.name == "sharegpt":
         return [_sharegpt_conversation(spec, rng) for _ in range(count)]
     # NOTE: the shared prefix comes from its own generator, so every seed (each run of a
@@ -172,6 +180,51 @@ def _random_conversation(spec: WorkloadSpec, rng: random.Random) -> Conversation
 def _sharegpt_conversation(spec: WorkloadSpec, rng: random.Random) -> Conversation:
     prompt, output = sharegpt_lengths(rng, spec.max_input_len, spec.max_output_len)
     return Conversation((Turn(words(rng, prompt), output),))
+
+
+def load_sharegpt(path: str | Path, max_input: int, max_output: int) -> tuple[tuple[str, int], ...]:
+    """(prompt, output length) of each usable conversation of a ShareGPT JSON file (a list of
+    {"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}, ...]}): its
+    first turn, asked by a human and answered, with the answer's length in words (about its
+    tokens) clipped to [1, max_output]. As vLLM does, conversations whose prompt is under 4
+    or over `max_input` words are left out, not clipped."""
+    try:
+        entries = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"--dataset-path {str(path)!r}: cannot read it as JSON: {e}") from None
+    if not isinstance(entries, list):
+        raise ValueError(f"--dataset-path {str(path)!r}: not a ShareGPT file (a JSON list)")
+    usable = []
+    for entry in entries:
+        turns = entry.get("conversations") if isinstance(entry, dict) else None
+        if not isinstance(turns, list) or len(turns) < 2:
+            continue
+        asked, answered = turns[0], turns[1]
+        if not all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in turns[:2]):
+            continue
+        if asked.get("from") != "human":
+            continue
+        prompt_words = len(asked["value"].split())
+        if 4 <= prompt_words <= max_input:
+            output = min(max(len(answered["value"].split()), 1), max_output)
+            usable.append((asked["value"], output))
+    if not usable:
+        raise ValueError(
+            f"--dataset-path {str(path)!r}: no conversation with a human first turn of 4 to "
+            f"{max_input} words and an answer"
+        )
+    return tuple(usable)
+
+
+def _sharegpt_file_conversations(
+    spec: WorkloadSpec, rng: random.Random, count: int
+) -> list[Conversation]:
+    """`count` of the file's conversations in a seeded random order; drawn again (with
+    repeats) when the file has fewer, as vLLM oversamples."""
+    order = list(spec.dataset)
+    rng.shuffle(order)
+    chosen = order[:count] + [rng.choice(order) for _ in range(count - len(order))]
+    return [Conversation((Turn(prompt, output),)) for prompt, output in chosen]
 
 
 def _multi_turn_conversation(spec: WorkloadSpec, rng: random.Random, shared: str) -> Conversation:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import logging
 import os
 import socket
@@ -38,6 +39,31 @@ class HelpFormatter(argparse.HelpFormatter):
         if shown and "default" not in text and action.option_strings:
             text += " (default: %(default)s)"
         return text
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser that refuses flags it does not know itself, with its own usage
+    (`pdserve bench`'s for a bench flag), not the top-level parser's (which names none)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(unknown_flags(extras, self))
+        return namespace, extras
+
+
+def unknown_flags(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """What argparse says of flags it does not know, with "did you mean" for each close to a
+    known one: a user coming from vLLM or SGLang types their names (`--max-model-length`)."""
+    known = [o for action in parser._actions for o in action.option_strings]
+    lines = [f"unrecognized arguments: {' '.join(unknown)}"]
+    for word in unknown:
+        if not word.startswith("--"):
+            continue
+        close = difflib.get_close_matches(word.split("=", 1)[0], known, n=2, cutoff=0.6)
+        if close:
+            lines.append(f"{word}: did you mean {' or '.join(close)}?")
+    return "; ".join(lines)
 
 
 def add_log_level(parser: argparse.ArgumentParser, default: str | None = None) -> None:
@@ -118,6 +144,23 @@ def engine_config_from_args(args: argparse.Namespace, model_path: str) -> Engine
     return settings_from_args(
         EngineConfig, args, model_path=model_path, speculative=spec_settings_from_args(args)
     )
+
+
+def check_cuda_visible(device: str, gpus: tuple[str, ...] | None = None) -> None:
+    """Refuse `--device cuda[:N]` (or `--gpus`) on a machine where torch sees no CUDA GPU, in
+    one line before any process starts: else the engine fails in its own process, later."""
+    if gpus and device == "cpu":
+        raise ValueError(f"--gpus {','.join(gpus)} picks GPUs, but --device cpu uses none")
+    if not (device.startswith("cuda") or gpus):
+        return
+    import torch
+
+    if torch.cuda.device_count() > 0:
+        return
+    asked = f"--gpus {','.join(gpus)}" if gpus else f"--device {device}"
+    fix = "leave --gpus out" if gpus else "use --device cpu"
+    why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+    raise ValueError(f"{asked}: CUDA is not available on this machine ({why}); {fix}")
 
 
 def spec_settings_from_args(args: argparse.Namespace) -> SpecSettings | None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pdserve.commands.common import (
     add_engine_flags,
     add_http_flags,
+    check_cuda_visible,
     check_port_free,
     engine_config_from_args,
     http_settings_from_args,
@@ -73,5 +74,6 @@ def configure(args: argparse.Namespace) -> Callable[[], int]:
         split_gpu_memory=args.gpu_memory_utilization is None,
     )
     plan.router_argv([("http://127.0.0.1:1", 1)], ["http://127.0.0.1:2"])  # NOTE: checks it
+    check_cuda_visible(plan.engine.device, config.gpus)
     check_port_free(http.host, http.port, "--port")
     return functools.partial(launch, plan)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pdserve.commands.common import (
     add_engine_flags,
     add_http_flags,
+    check_cuda_visible,
     check_port_free,
     engine_config_from_args,
     http_settings_from_args,
@@ -73,6 +74,7 @@ def configure(args: argparse.Namespace, kind: str) -> Callable[[], int]:
         from pdserve.engine.node_ranks import run_node_ranks
 
         return functools.partial(run_node_ranks, engine)
+    check_cuda_visible(engine.device)
     chat_template = load_chat_template(http.chat_template) if http.chat_template else None
     check_port_free(http.host, http.port, "--port")
     if transfer is not None and transfer.bootstrap_port:

@@ -118,6 +118,11 @@ class EngineConfig:
         "new tokens a request's output carries before the engine sends it to the front end "
         "(its first and last go at once); more: a chunkier stream, less front-end work a token",
     )
+    cpu_threads: int | None = option(
+        None,
+        "torch threads of each engine process on CPU (default: this machine's cores less one, "
+        "split between the engine processes of a worker or launch; or OMP_NUM_THREADS)",
+    )
     two_batch_min_tokens: int = 2048
     cpu_kv_cache_cap: int = 1 << 30
     # The module a tensor-parallel worker's other ranks run (`python -m ...`): a disaggregated
@@ -176,6 +181,8 @@ class EngineConfig:
                 f"two_batch_min_tokens must be >= 2 (a pass splits in two), "
                 f"got {self.two_batch_min_tokens}"
             )
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

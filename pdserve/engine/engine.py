@@ -15,7 +15,6 @@ where a plain step would sample.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +22,7 @@ from transformers import AutoTokenizer
 
 from pdserve.engine.attention import make_attention_backend
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu_threads import set_engine_threads
 from pdserve.engine.decode_graphs import build_decode_graphs, graph_batch_size
 from pdserve.engine.detokenizer import RequestDetokenizer
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
@@ -69,11 +69,10 @@ class Engine:
         if self.device.type == "cuda":
             # NOTE: cuda:N for everything this thread launches without naming a device.
             torch.cuda.set_device(self.device)
-        if self.device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
-            # NOTE: on GPU the host's tensor work is small bookkeeping; a full OpenMP pool only
-            # contends with the other processes of a server (measured on an H100: engine steps
-            # 2x slower beside a busy HTTP front end). OMP_NUM_THREADS overrides this.
-            torch.set_num_threads(1)
+        # NOTE: one thread on GPU (a full OpenMP pool only contended with the server's other
+        # processes: engine steps 2x slower on an H100 beside a busy HTTP front end); on CPU
+        # the cores less one, split between the TP ranks (`cpu_threads`).
+        set_engine_threads(self.device, config.cpu_threads, config.ranks_per_node)
         torch.manual_seed(config.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         limit = self.model_config.max_position_embeddings

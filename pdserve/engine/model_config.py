@@ -20,6 +20,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 
+# Where a checkpoint's config.json describes its quantization (compressed-tensors' older name).
+QUANTIZATION_KEYS = ("quantization_config", "compression_config")
+
 
 class UnsupportedModelError(ValueError):
     """The checkpoint's architecture (or a feature of it) is not implemented."""
@@ -89,6 +92,7 @@ class ModelConfig:
                 f"architecture {arch!r} is not supported; supported: "
                 + ", ".join(SUPPORTED_ARCHITECTURES)
             )
+        _refuse_quantized(hf)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = int(hf.get("head_dim") or hidden // num_heads)
@@ -115,6 +119,22 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             hf_config=hf,
         )
+
+
+def _refuse_quantized(hf: dict[str, Any]) -> None:
+    """A quantized checkpoint (awq, gptq, fp8, bitsandbytes, compressed-tensors...) says so
+    in config.json; pdserve runs dense weights only, so it is refused here, at start-up,
+    rather than loaded as if unquantized or failing on its scale tensors later."""
+    for key in QUANTIZATION_KEYS:
+        quantization = hf.get(key)
+        if quantization:
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+            named = f"{method!r} " if method else ""
+            raise UnsupportedModelError(
+                f"{named}quantized checkpoints are not supported (config.json has a {key}); "
+                "pdserve runs unquantized weights (float32, float16, bfloat16) only: serve the "
+                "model's unquantized release"
+            )
 
 
 def _merge_ids(*values: int | list[int] | None) -> list[int]:

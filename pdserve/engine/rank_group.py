@@ -372,8 +372,10 @@ def spawn_rank(
 ) -> subprocess.Popen:
     """Start rank `rank` of `size` (a `rank_worker` process), which meets the others at the
     store at `store_address` (HOST:PORT)."""
+    # NOTE: -P: the current directory cannot shadow the package (`local_process.child_python`).
     command = [
         sys.executable,
+        "-P",
         "-m",
         config.rank_worker_module,
         "--rank",

@@ -30,6 +30,7 @@ import zmq
 
 from pdserve.engine.attention import make_attention_backend
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu_threads import set_engine_threads
 from pdserve.engine.decode_graphs import build_decode_graphs, graph_batch_size
 from pdserve.engine.forward_batch import Capture, ForwardBatch, ForwardOutput
 from pdserve.engine.loader import build_kv_pool, load_model, resolve_dtype
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None, extension: type[RankExtension] | None = 
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        torch.set_num_threads(1)
+    set_engine_threads(device, config.cpu_threads, config.ranks_per_node)
     host, port = args.store.rsplit(":", 1)
     store = dist.TCPStore(
         host,

@@ -104,8 +104,9 @@ class Channel:
         """`receive` for a socket of a zmq.asyncio context."""
         return self._parse(await self.socket.recv_multipart(flags, copy=copy))
 
-    def close(self) -> None:
-        self.socket.close(linger=0)
+    def close(self, linger_ms: int = 0) -> None:
+        """linger_ms: how long messages still queued may take to leave (0: dropped)."""
+        self.socket.close(linger=linger_ms)
 
     def _parse(self, frames: list) -> Received:
         address = _peer_address(frames[0]) if self.routed and frames else None

@@ -127,7 +127,18 @@ class EngineClient:
         self._process.start()
         deadline = time.monotonic() + self.options.start_timeout_s
         while True:
-            if not self._process.is_alive():
+            # NOTE: exited is read before the poll: a process that sent its reason and exited
+            # has the reason waiting, read below before its exit is reported.
+            exited = not self._process.is_alive()
+            if await self._pull.socket.poll(timeout=0 if exited else 200):
+                msg = (await self._pull.receive_async()).msg
+                if isinstance(msg, EngineFailed):
+                    raise EngineUnavailable(f"engine failed to start: {msg.reason}")
+                if isinstance(msg, EngineReady):
+                    self._last_message = time.monotonic()
+                    return msg
+                continue
+            if exited:
                 raise EngineUnavailable(
                     f"engine process exited with code {self._process.exitcode} while starting"
                 )
@@ -135,13 +146,6 @@ class EngineClient:
                 raise EngineUnavailable(
                     f"engine not ready after {self.options.start_timeout_s:.0f} s"
                 )
-            if await self._pull.socket.poll(timeout=200):
-                msg = (await self._pull.receive_async()).msg
-                if isinstance(msg, EngineFailed):
-                    raise EngineUnavailable(f"engine failed to start: {msg.reason}")
-                if isinstance(msg, EngineReady):
-                    self._last_message = time.monotonic()
-                    return msg
 
     async def _restart(self) -> None:
         """Replace a failed engine process, unless it failed too often lately."""

@@ -81,7 +81,9 @@ def run_engine_process(
         # NOTE: the front end reports the one line; the traceback is for --log-level debug.
         logger.debug("engine failed to start", exc_info=True)
         outbox.send(EngineFailed(short_reason(e)))
-        outbox.close()
+        # NOTE: the reason is still queued: without a linger, closing drops it and the
+        # front end only learns that the process exited.
+        outbox.close(linger_ms=SEND_TIMEOUT_MS)
         inbox.close()
         context.term()
         sys.exit(1)

@@ -59,6 +59,16 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
+def child_python() -> list[str]:
+    """The interpreter command a child `python -m pdserve...` starts with.
+
+    NOTE: `-m` puts the current directory first on sys.path, where a `pdserve/` directory (a
+    clone's parent, or a checkout without an install) would shadow the installed package;
+    `-P` (Python 3.11+) leaves it out. PYTHONPATH still applies. The child's own children
+    inherit the flag (multiprocessing's spawn passes the interpreter's flags on)."""
+    return [sys.executable, "-P"]
+
+
 class LocalServer:
     """`pdserve <role> ... --port PORT` in its own process group."""
 
@@ -80,7 +90,7 @@ class LocalServer:
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         command = [
-            sys.executable,
+            *child_python(),
             "-m",
             "pdserve.cli",
             "--log-level",

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
 from pdserve.server.local_process import free_port
 from tests.e2e.launched import Launch
@@ -89,8 +90,11 @@ def test_workers_exit_when_the_launcher_is_killed(launched):
         wait_until(lambda url=url: not _listening(url), f"{url} to exit by itself", 30)
 
 
-def _launch_once(*argv: str, env: dict[str, str] | None = None, timeout: float = 240):
-    command = [sys.executable, "-m", "pdserve.cli", "launch", "--device", "cpu"]
+def _launch_once(
+    *argv: str, env: dict[str, str] | None = None, timeout: float = 240, cwd=None, device="cpu"
+):
+    # NOTE: -P: started as the `pdserve` script starts it, the current directory off sys.path.
+    command = [sys.executable, "-P", "-m", "pdserve.cli", "launch", "--device", device]
     return subprocess.run(
         [*command, "--port", str(free_port()), *argv],
         capture_output=True,
@@ -98,7 +102,19 @@ def _launch_once(*argv: str, env: dict[str, str] | None = None, timeout: float =
         timeout=timeout,
         env={**os.environ, **(env or {})},
         check=False,
+        cwd=cwd,
     )
+
+
+def _shadowing_folder(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A folder holding a `pdserve/` package that is not pdserve (a clone's parent holds the
+    clone's `pdserve/`): a child started with the current directory on sys.path imports it."""
+    folder = tmp_path / "clone-parent"
+    (folder / "pdserve").mkdir(parents=True)
+    (folder / "pdserve" / "__init__.py").write_text(
+        'raise ImportError("the pdserve/ of the current directory was imported")\n'
+    )
+    return folder
 
 
 def test_a_worker_that_cannot_start_is_one_error_line_naming_it(tiny_model_dirs, tmp_path):
@@ -116,7 +132,26 @@ def test_a_worker_that_cannot_start_is_one_error_line_naming_it(tiny_model_dirs,
     assert "Traceback" not in done.stderr + done.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--device", "cuda"), "error: --device cuda: CUDA is not available on this machine"),
+        (("--gpus", "0,1"), "error: --gpus 0,1: CUDA is not available on this machine"),
+        (("--gpus", "abc"), "error: --gpus 'abc': each GPU id is an index (0,1) or a GPU-/MIG-"),
+    ],
+)
+def test_gpu_settings_this_machine_cannot_honour_are_one_error_line(
+    tiny_model_dirs, flags, message
+):
+    done = _launch_once(tiny_model_dirs("llama"), *flags, device="auto", timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(message) and done.stderr.count("\n") == 1, done.stderr
+    assert "starting" not in done.stdout  # refused before any worker started
+
+
 def test_launch_hands_the_api_key_and_model_name_to_every_process(tiny_model_dirs, tmp_path):
+    """...started from a folder whose `pdserve/` would shadow the package in every child."""
     done = _launch_once(
         tiny_model_dirs("llama"),
         "--check",
@@ -125,6 +160,7 @@ def test_launch_hands_the_api_key_and_model_name_to_every_process(tiny_model_dir
         "--log-dir",
         str(tmp_path),
         env={"PDSERVE_API_KEY": "sesame"},
+        cwd=_shadowing_folder(tmp_path),
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert '"model":"my-model"' in done.stdout  # the check went through with the key

@@ -8,10 +8,11 @@ import signal
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from pdserve.colocated.worker import build_worker
 from pdserve.engine.config import EngineConfig
-from pdserve.server.engine_client import EngineClient, EngineClientConfig
+from pdserve.server.engine_client import EngineClient, EngineClientConfig, EngineUnavailable
 from pdserve.server.role import WorkerRole
 
 
@@ -87,3 +88,24 @@ def test_an_engine_stopped_by_sigterm_is_not_restarted(client):
     _die(client, -signal.SIGTERM)
     assert client.gave_up
     assert client.health_detail == "engine down, not restarting: engine process stopped by SIGTERM"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_an_engine_that_fails_to_start_reports_why(tiny_model_dirs):
+    """Its one-line reason reaches the front end although the process exits right after
+    sending it (it used to be dropped: 'exited with code 1 while starting')."""
+    config = EngineConfig(model_path=tiny_model_dirs("llama"), device="cuda")
+    client = EngineClient(config, WorkerRole("colocated", build_worker), EngineClientConfig())
+    try:
+        with pytest.raises(EngineUnavailable) as failed:
+            asyncio.run(client.start())
+        assert str(failed.value) == (
+            "engine failed to start: "
+            "RuntimeError: device 'cuda' requested but CUDA is not available"
+        )
+    finally:
+        asyncio.run(client._stop_process())
+        client._close_sockets()
+        client._sync_context.term()
+        client._async_context.term()
+        client._scratch.cleanup()

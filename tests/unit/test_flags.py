@@ -49,6 +49,7 @@ SAMPLES = {
             "disable_custom_all_reduce": True,
             "enable_two_batch_overlap": True,
             "stream_interval": 4,
+            "cpu_threads": 3,
         },
     ),
     SpecSettings: (
@@ -271,6 +272,7 @@ def _launch_plan(argv: list[str], monkeypatch):
     import pdserve.commands.launch as launch_command
 
     monkeypatch.setattr(launch_command, "check_port_free", lambda *a: None)
+    monkeypatch.setattr(launch_command, "check_cuda_visible", lambda *a: None)
     monkeypatch.setattr(launch_command, "model_path_from", lambda args: ("/m", "/m"))
     args = build_parser().parse_args(["launch", *argv])
     return launch_command.configure(args).args[0]
@@ -417,6 +419,21 @@ def test_workers_sharing_a_gpu_split_its_memory_unless_told_otherwise(monkeypatc
     assert utilization([], 1) == default
     assert utilization([], 2) == pytest.approx(default / 2, abs=1e-4)
     assert utilization(["--gpu-memory-utilization", "0.4"], 2) == 0.4
+
+
+def test_launch_splits_the_cores_less_one_between_every_workers_ranks(monkeypatch):
+    import os
+
+    def cpu_threads(argv: list[str], kind: str) -> int:
+        worker = _launch_plan(argv, monkeypatch).worker_argv(kind)
+        parsed = build_parser().parse_args([*worker, "--port", "1"])
+        return settings_from_args(EngineConfig, parsed, model_path="/m").cpu_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(9)), raising=False)
+    assert cpu_threads([], "prefill") == 4  # (9 - 1) cores // 2 engine processes
+    three_workers_four_ranks = ["--num-prefill", "2", "--decode-tp-size", "2"]
+    assert cpu_threads(three_workers_four_ranks, "decode") == 2
+    assert cpu_threads(["--cpu-threads", "3"], "decode") == 3
 
 
 def test_launch_gives_each_tensor_parallel_worker_its_own_run_of_gpus(monkeypatch):

@@ -63,3 +63,19 @@ def test_sliding_window_only_when_used():
 def test_unsupported_architecture_names_supported_ones():
     with pytest.raises(UnsupportedModelError, match="MistralForCausalLM"):
         ModelConfig.from_dict({**BASE, "architectures": ["FalconForCausalLM"]})
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "fp8", "bitsandbytes", "compressed-tensors"])
+def test_a_quantized_config_is_refused_naming_its_method(method):
+    config = {**BASE, "quantization_config": {"quant_method": method, "bits": 4}}
+    with pytest.raises(UnsupportedModelError) as refused:
+        ModelConfig.from_dict(config)
+    assert str(refused.value).startswith(f"'{method}' quantized checkpoints are not supported")
+    assert "\n" not in str(refused.value)
+
+
+def test_compression_config_and_a_method_less_quantization_config_are_refused_too():
+    with pytest.raises(UnsupportedModelError, match="has a compression_config"):
+        ModelConfig.from_dict({**BASE, "compression_config": {"format": "float-quantized"}})
+    with pytest.raises(UnsupportedModelError, match=r"^quantized checkpoints are not supported"):
+        ModelConfig.from_dict({**BASE, "quantization_config": {"bits": 4}})
