@@ -106,8 +106,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def export_pool(storage: torch.Tensor) -> PoolHandle:
     """A handle another process on this host maps `storage` by (a KV pool's whole
-    `[2, layers, pages, ...]` tensor). A CPU pool moves into named shared memory, in place:
-    its views stay valid."""
+    `[2, layers, pages, ...]` tensor). A CPU pool moves into shared memory without a name, in
+    place: its views stay valid."""
     if not storage.is_contiguous() or storage.storage_offset() != 0:
         raise PoolMapError("only a whole, contiguous KV pool can be shared")
     shape, dtype = list(storage.shape), dtype_name(storage.dtype)
@@ -116,7 +116,16 @@ def export_pool(storage: torch.Tensor) -> PoolHandle:
         # NOTE: (device, handle, size, offset, ref counter, its offset, event, event sync)
         _, handle, size, offset, counter, counter_offset, event, sync = untyped._share_cuda_()
         return PoolHandle(
-            "cuda", shape, dtype, handle, size, offset, b"", counter, counter_offset, event, sync
+            "cuda",
+            shape,
+            dtype,
+            handle,
+            size,
+            offset,
+            ref_counter=counter,
+            ref_counter_offset=counter_offset,
+            event=event,
+            event_sync=sync,
         )
     if storage.device.type == "cpu":
         fd, size = untyped._share_fd_cpu_()
