@@ -26,6 +26,8 @@ so everything but the capture itself is exercised on CPU.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 from collections import Counter
@@ -456,17 +458,35 @@ def capture_graphs(
     torch.cuda.synchronize(device)
     stream = torch.cuda.Stream(device)
     graphs = {}
-    for bucket in sorted(buckets, reverse=True):
-        # NOTE: one eager run first, on the capture stream: Triton compiles its kernels and
-        # cuBLAS picks its algorithms outside the capture.
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            forward(bucket)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            forward(bucket)
-        pool = graph.pool()
-        graphs[bucket] = graph
+    with _no_garbage_collection():
+        for bucket in sorted(buckets, reverse=True):
+            # NOTE: one eager run first, on the capture stream: Triton compiles its kernels
+            # and cuBLAS picks its algorithms outside the capture.
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                forward(bucket)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                forward(bucket)
+            pool = graph.pool()
+            graphs[bucket] = graph
     torch.cuda.synchronize(device)
     return graphs, pool
+
+
+@contextlib.contextmanager
+def _no_garbage_collection():
+    """Python's cyclic collector off while graphs are captured (what was garbage before is
+    collected first). NOTE: a collection in the middle of a capture may free the CUDA graphs
+    of an engine this process made before (an `LLM` made twice in one process), and a graph
+    reset while a stream captures invalidates the capture ("operation not permitted when
+    stream is capturing"): the engine then fails to start."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
