@@ -338,6 +338,15 @@ def test_a_streamed_answer_outlasting_the_body_deadline_is_not_cut():
         assert answer.endswith(b"2\r\nok\r\n0\r\n\r\n")
 
 
+def test_a_stream_begun_before_its_body_arrived_is_not_cut_and_then_closes():
+    with serving(keep_alive_s=60, body_timeout=0.2) as port, connect(port) as client:
+        client.sendall(post_head("/stream", 1_000_000))  # NOTE: the body never comes
+        answer = read_all(client)
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        assert answer.count(b"1\r\n.\r\n") == STREAM_CHUNKS
+        assert answer.endswith(b"2\r\nok\r\n0\r\n\r\n")
+
+
 def test_at_the_connection_cap_a_new_client_closes_the_longest_waiting_slow_body():
     with serving(max_connections=4, body_timeout=60) as port:
         slow = [connect(port) for _ in range(4)]
