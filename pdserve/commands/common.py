@@ -229,12 +229,13 @@ class StartupFailed(RuntimeError):
 def uvicorn_config(app, settings: HttpSettings, log_level: str, access_log: bool):
     """How every pdserve HTTP process serves: uvicorn with httptools (a dependency of
     pdserve's, so never h11) through `http_guard`'s protocol, which bounds the header time,
-    size and count and the connections (the open-file limit raised to its hard limit first,
-    so that the cap can be generous)."""
+    size and count, the body time and the connections (the open-file limit raised to its
+    hard limit first, so that the cap can be generous)."""
     import uvicorn
 
     limits = ConnectionLimits(
         header_timeout_s=settings.header_timeout,
+        body_timeout_s=settings.body_timeout,
         max_header_bytes=settings.max_header_bytes,
         max_header_count=settings.max_header_count,
         max_connections=connection_cap(settings.max_connections, raise_open_file_limit()),

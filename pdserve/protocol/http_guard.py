@@ -1,23 +1,31 @@
 """What a client may make an HTTP process (router or worker) hold before its request reaches
-the app: how long it may take to send a request's headers, how large and how many they may be,
-and how many connections are open at once. Torch-free: the router serves through it too.
+the app: how long it may take to send a request's headers and its body, how large and how many
+the headers may be, and how many connections are open at once. Torch-free: the router serves
+through it too.
 
 uvicorn bounds none of these with httptools (the parser it picks, and the one pdserve always
-uses): a client sending headers a byte at a time holds its connection (a file descriptor)
-forever, and one 64 MiB header is read whole into memory. `GuardedHttpToolsProtocol` is
-uvicorn's protocol with those bounds:
+uses): a client sending headers, or a body, a byte at a time holds its connection (a file
+descriptor) forever, and one 64 MiB header is read whole into memory.
+`GuardedHttpToolsProtocol` is uvicorn's protocol with those bounds:
 
 - header time: from the connection's start (or, on a kept-alive connection, from a request's
   first byte) to the end of its headers; past it, 408 (or, with nothing received, a plain
   close). Between requests uvicorn's own keep-alive timeout applies.
+- body time: from the end of a request's headers to the end of its body (Content-Length or
+  chunked); past it, 408 and the connection is closed, and the app, which may be waiting for
+  the body, sees the client leave (`http.disconnect`). One deadline for the whole body, not a
+  rate: a byte every few seconds keeps any per-read timer happy. A response is never cut: if
+  the app has begun answering, the connection closes when the answer ends; the response's
+  own time (a stream) is never bounded here.
 - header size and count: over either, 431 and the connection is closed. Bytes of headers
   still incomplete are counted as they arrive, so a connection holds at most the limit plus
   one read before it is refused.
 - connections: at the cap, a new connection closes the oldest one that has no request in
-  progress (idle, or still sending its headers: what slowloris holds), so probes and real
-  clients still get in; only when every connection has a request in progress is the new one
-  refused with 503. The cap stays well under the open-file limit (`connection_cap`), so the
-  router's own legs to its workers always have file descriptors.
+  progress (idle, or still sending its headers or its body: what slowloris holds; until its
+  body has arrived a request has cost its app nothing), so probes and real clients still get
+  in; only when every connection has a request in progress is the new one refused with 503.
+  The cap stays well under the open-file limit (`connection_cap`), so the router's own legs
+  to its workers always have file descriptors.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import functools
 import logging
 import resource
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -44,6 +53,7 @@ MAX_AUTO_CONNECTIONS = 16384
 @dataclass(frozen=True)
 class ConnectionLimits:
     header_timeout_s: float
+    body_timeout_s: float
     max_header_bytes: int
     max_header_count: int
     max_connections: int
@@ -115,7 +125,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.waiting = waiting
         self.limits = waiting.limits
-        self.header_timer: asyncio.TimerHandle | None = None
+        # NOTE: one deadline at a time: the headers' (connection made or message begun to
+        # headers complete), then the body's (to message complete).
+        self.deadline: asyncio.TimerHandle | None = None
         self.awaiting_headers = True
         # NOTE: the request's headers so far, as the parser gave them (name and value) and
         # as they arrived while incomplete; either over the limit is a 431.
@@ -129,7 +141,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.waiting.wait(self)
-        self._arm_header_timer()
+        self._arm_deadline(self.limits.header_timeout_s, self._headers_late)
         if len(self.connections) <= self.limits.max_connections:
             return
         oldest = self.waiting.longest(besides=self)
@@ -146,7 +158,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.waiting.done(self)
-        self._cancel_header_timer()
+        self._cancel_deadline()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -168,8 +180,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.awaiting_headers = True
         self.header_bytes = self.header_bytes_read = 0
         self.header_count = 0
-        if self.header_timer is None:
-            self._arm_header_timer()
+        if self.deadline is None:
+            self._arm_deadline(self.limits.header_timeout_s, self._headers_late)
 
     def on_url(self, url: bytes) -> None:
         if self.refused:
@@ -193,17 +205,34 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.refused:
             return
         self.awaiting_headers = False
-        self._cancel_header_timer()
-        self.waiting.done(self)
+        # NOTE: still waiting (evictable) until its body has arrived; a request without one
+        # completes its message at once.
+        self._arm_deadline(self.limits.body_timeout_s, self._body_late)
         super().on_headers_complete()
+
+    def handle_websocket_upgrade(self) -> None:
+        self._cancel_deadline()  # NOTE: the connection is the websocket protocol's now
+        self.waiting.done(self)
+        super().handle_websocket_upgrade()
 
     def on_body(self, body: bytes) -> None:
         if not self.refused:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
-        if not self.refused:
-            super().on_message_complete()
+        if self.refused:
+            return
+        self._cancel_deadline()
+        if self.cycle.response_complete:
+            # NOTE: answered before its body ended (a 401, say), and idle again: the body's
+            # bytes cancelled uvicorn's keep-alive timer, armed at the answer.
+            self._unset_keepalive_if_required()
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+        else:
+            self.waiting.done(self)
+        super().on_message_complete()
 
     def on_response_complete(self) -> None:
         idle = not self.pipeline  # NOTE: else the next request, already read, starts now
@@ -218,8 +247,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def refuse_waiting(self) -> None:
         """Close a connection that has no request in progress (to make room for a new one,
-        or when its headers took too long): 408 when it had sent part of a request."""
-        if self.header_bytes or self.header_bytes_read:
+        or when its headers or body took too long): 408 when it had sent part of a request
+        not yet answered."""
+        if not self.awaiting_headers:
+            self._refuse_body()
+        elif self.header_bytes or self.header_bytes_read:
             self.refuse(408, "request headers not received in time")
         else:
             self._close()
@@ -243,9 +275,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         )
         self._close()
 
+    def _refuse_body(self) -> None:
+        if not self.cycle.response_started:
+            self.refuse(408, "request body not received in time")
+        elif self.cycle.response_complete:
+            self._close()  # NOTE: answered already (a 401, say); the rest of the body is moot
+        else:
+            # NOTE: an answer in progress is never cut: uvicorn closes when it ends, and
+            # until then it is a request in progress.
+            self.cycle.keep_alive = False
+            self.waiting.done(self)
+
     def _close(self) -> None:
         self.refused = True
-        self._cancel_header_timer()
+        self._cancel_deadline()
         self.waiting.done(self)
         self.transport.close()
 
@@ -255,16 +298,21 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.refuse(431, f"request headers over {self.limits.max_header_bytes} bytes")
         return False
 
-    def _arm_header_timer(self) -> None:
-        self._cancel_header_timer()
-        self.header_timer = self.loop.call_later(self.limits.header_timeout_s, self._headers_late)
+    def _arm_deadline(self, seconds: float, late: Callable[[], None]) -> None:
+        self._cancel_deadline()
+        self.deadline = self.loop.call_later(seconds, late)
 
-    def _cancel_header_timer(self) -> None:
-        if self.header_timer is not None:
-            self.header_timer.cancel()
-            self.header_timer = None
+    def _cancel_deadline(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
 
     def _headers_late(self) -> None:
-        self.header_timer = None
+        self.deadline = None
         if not self.refused and not self.transport.is_closing():
             self.refuse_waiting()
+
+    def _body_late(self) -> None:
+        self.deadline = None
+        if not self.refused and not self.transport.is_closing():
+            self._refuse_body()

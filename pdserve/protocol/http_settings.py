@@ -35,6 +35,11 @@ class HttpSettings:
         "seconds a client may take to send a request's headers (from connecting, or from the "
         "request's first byte); then 408 and the connection is closed",
     )
+    body_timeout: float = option(
+        30.0,
+        "seconds a client may take to send a request's body, from the end of its headers; "
+        "then 408 and the connection is closed (the response's time is not bounded)",
+    )
     max_header_bytes: int = option(
         64 * 1024, "request line and headers over this many bytes are refused with 431"
     )
@@ -60,8 +65,12 @@ class HttpSettings:
             raise ValueError(
                 f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}"
             )
-        if self.header_timeout <= 0:
-            raise ValueError(f"--header-timeout must be > 0 seconds, got {self.header_timeout}")
+        for flag, seconds in (
+            ("--header-timeout", self.header_timeout),
+            ("--body-timeout", self.body_timeout),
+        ):
+            if not seconds > 0:
+                raise ValueError(f"{flag} must be > 0 seconds, got {seconds}")
         for flag, value in (
             ("--max-header-bytes", self.max_header_bytes),
             ("--max-header-count", self.max_header_count),

@@ -100,6 +100,7 @@ SAMPLES = {
             "api_key": "key",
             "shutdown_timeout": 1.0,
             "header_timeout": 3.0,
+            "body_timeout": 4.0,
             "max_header_bytes": 1000,
             "max_header_count": 10,
             "max_connections": 50,
@@ -309,6 +310,7 @@ def test_launch_hands_every_worker_and_router_flag_on(monkeypatch):
             "max_queued_requests",
             "shutdown_timeout",
             "header_timeout",
+            "body_timeout",
             "max_connections",
         ):
             assert getattr(worker, field) == getattr(_sample(HttpSettings), field)

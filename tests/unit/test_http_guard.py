@@ -1,6 +1,6 @@
 """The bounds every pdserve HTTP process serves with (protocol/http_guard.py), against a real
 uvicorn server built from the Config that commands/common.py builds for router and workers:
-slow headers (slowloris), header floods, and the connection cap."""
+slow headers and bodies (slowloris), header floods, and the connection cap."""
 
 from __future__ import annotations
 
@@ -16,31 +16,68 @@ import uvicorn
 from pdserve.commands.common import uvicorn_config
 from pdserve.protocol.http_guard import FDS_PER_CONNECTION, connection_cap
 from pdserve.protocol.http_settings import HttpSettings
+from tests.waiting import wait_until
 
 READ_DEADLINE_S = 10.0
+STREAM_CHUNKS = 6
 
 
 async def app(scope, receive, send):
-    """200 "ok" at once; /hold answers once `release` is set (a request in progress)."""
+    """200 "ok": at once (the body unread); /hold once `release` is set (a request in
+    progress); /read once its whole body has arrived (its size in x-body-bytes); /stream in
+    STREAM_CHUNKS chunks, one every `stream_gap_s`."""
     if scope["type"] != "http":
         return
-    if scope["path"] == "/hold":
+    headers = [(b"content-length", b"2")]
+    if scope["path"] in ("/hold", "/read"):
         holding.append(scope)
     while scope["path"] == "/hold" and not release.is_set():
         await asyncio.sleep(0.01)
-    headers = [(b"content-length", b"2")]
+    if scope["path"] == "/read":
+        size = await read_body(receive)
+        body_ends.append(size)
+        if size == "disconnect":
+            return
+        headers.append((b"x-body-bytes", b"%d" % size))
+    if scope["path"] == "/stream":
+        await stream(send)
+        return
     await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def read_body(receive) -> int | str:
+    """The body's size, or "disconnect" if the client left first."""
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return "disconnect"
+        size += len(message["body"])
+        if not message.get("more_body", False):
+            return size
+
+
+async def stream(send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    for _ in range(STREAM_CHUNKS):
+        await send({"type": "http.response.body", "body": b".", "more_body": True})
+        await asyncio.sleep(stream_gap_s)  # NOTE: a slow answer is what is tested
     await send({"type": "http.response.body", "body": b"ok"})
 
 
 release = threading.Event()
 holding: list[dict] = []
+body_ends: list[int | str] = []
+stream_gap_s = 0.1
 
 
 @contextlib.contextmanager
-def serving(**limits):
+def serving(keep_alive_s: float | None = None, **limits):
     settings = HttpSettings(port=0, **limits)
     config = uvicorn_config(app, settings, "warning", access_log=False)
+    if keep_alive_s is not None:
+        config.timeout_keep_alive = keep_alive_s
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(config)
@@ -59,6 +96,7 @@ def serving(**limits):
         sock.close()
         release.clear()
         holding.clear()
+        body_ends.clear()
 
 
 def connect(port: int) -> socket.socket:
@@ -207,6 +245,124 @@ def test_at_the_connection_cap_with_every_request_in_progress_a_new_one_gets_503
                 client.close()
 
 
+def post_head(path: str, length: int, extra: bytes = b"") -> bytes:
+    return b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n" % (
+        path.encode(),
+        length,
+        extra,
+    )
+
+
+def trickle(client: socket.socket, stop: threading.Event) -> None:
+    """A byte every 50 ms until `stop` or the server closes."""
+    with contextlib.suppress(OSError):
+        while not stop.wait(0.05):
+            client.sendall(b"a")
+
+
+def test_a_body_that_stops_arriving_gets_408_and_the_app_sees_the_client_leave():
+    with serving(body_timeout=0.5) as port, connect(port) as client:
+        client.sendall(post_head("/read", 1_000_000) + b"a" * 10)
+        started = time.monotonic()
+        answer = read_all(client)
+        assert answer.startswith(b"HTTP/1.1 408 ")
+        assert b"request body not received in time" in answer
+        assert time.monotonic() - started < READ_DEADLINE_S
+        wait_until(lambda: body_ends == ["disconnect"], "the app to see the client leave")
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        post_head("/read", 1_000_000),
+        b"POST /read HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1000000\r\n",
+    ],
+    ids=["content-length", "chunked"],
+)
+def test_a_body_trickled_a_byte_at_a_time_still_times_out(head):
+    stop = threading.Event()
+    with serving(body_timeout=0.5) as port, connect(port) as client:
+        client.sendall(head)
+        sender = threading.Thread(target=trickle, args=(client, stop))
+        sender.start()
+        started = time.monotonic()
+        try:
+            assert refused(client, b"408")
+        finally:
+            stop.set()
+            sender.join()
+        assert time.monotonic() - started < READ_DEADLINE_S
+        wait_until(lambda: body_ends == ["disconnect"], "the app to see the client leave")
+
+
+def test_a_body_trickled_after_an_early_answer_does_not_hold_the_connection():
+    """As the API key check does: a 401 before the body is read."""
+    stop = threading.Event()
+    with serving(body_timeout=0.5) as port, connect(port) as client:
+        client.sendall(post_head("/", 1_000_000))
+        assert read_answer(client).startswith(b"HTTP/1.1 200 ")
+        sender = threading.Thread(target=trickle, args=(client, stop))
+        sender.start()
+        try:
+            with contextlib.suppress(ConnectionResetError):  # NOTE: see `refused`
+                assert read_all(client) == b""  # NOTE: closed, with nothing more to say
+        finally:
+            stop.set()
+            sender.join()
+
+
+def test_a_connection_answered_before_its_body_ended_closes_once_idle():
+    with serving(keep_alive_s=0.3, body_timeout=60) as port, connect(port) as client:
+        client.sendall(post_head("/", 10))
+        assert read_answer(client).startswith(b"HTTP/1.1 200 ")
+        client.sendall(b"a" * 10)  # NOTE: the body's end: idle from here
+        assert read_all(client) == b""
+
+
+def test_a_large_body_sent_in_pieces_within_the_deadline_is_read_whole():
+    size = 8 << 20
+    with serving(body_timeout=READ_DEADLINE_S) as port, connect(port) as client:
+        client.sendall(post_head("/read", size))
+        for _ in range(8):
+            client.sendall(b"a" * (size // 8))
+        assert b"x-body-bytes: %d\r\n" % size in read_answer(client)
+        assert body_ends == [size]
+
+
+def test_a_streamed_answer_outlasting_the_body_deadline_is_not_cut():
+    with serving(body_timeout=0.2) as port, connect(port) as client:
+        client.sendall(post_head("/stream", 2, b"Connection: close\r\n") + b"{}")
+        answer = read_all(client)  # NOTE: STREAM_CHUNKS * 0.1 s, three times the deadline
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        assert answer.count(b"1\r\n.\r\n") == STREAM_CHUNKS
+        assert answer.endswith(b"2\r\nok\r\n0\r\n\r\n")
+
+
+def test_a_stream_begun_before_its_body_arrived_is_not_cut_and_then_closes():
+    with serving(keep_alive_s=60, body_timeout=0.2) as port, connect(port) as client:
+        client.sendall(post_head("/stream", 1_000_000))  # NOTE: the body never comes
+        answer = read_all(client)
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        assert answer.count(b"1\r\n.\r\n") == STREAM_CHUNKS
+        assert answer.endswith(b"2\r\nok\r\n0\r\n\r\n")
+
+
+def test_at_the_connection_cap_a_new_client_closes_the_longest_waiting_slow_body():
+    with serving(max_connections=4, body_timeout=60) as port:
+        slow = [connect(port) for _ in range(4)]
+        try:
+            for arrived, client in enumerate(slow, start=1):
+                client.sendall(post_head("/read", 1_000_000) + b"a")
+                # NOTE: an order among them; the oldest must go first
+                wait_until(lambda n=arrived: len(holding) == n, "the slow body to reach the app")
+            assert request(port, "/liveness").startswith(b"HTTP/1.1 200 ")
+            assert read_all(slow[0]).startswith(b"HTTP/1.1 408 ")
+            wait_until(lambda: body_ends == ["disconnect"], "the app to see the client leave")
+        finally:
+            for client in slow:
+                client.close()
+
+
 def test_the_connection_cap_leaves_file_descriptors_for_the_legs():
     assert connection_cap(0, 20_000) == 20_000 // FDS_PER_CONNECTION
     assert connection_cap(0, 1 << 20) == 16384
@@ -215,7 +371,14 @@ def test_the_connection_cap_leaves_file_descriptors_for_the_legs():
 
 
 @pytest.mark.parametrize(
-    "flag", [{"header_timeout": 0}, {"max_header_bytes": 0}, {"max_connections": -1}]
+    "flag",
+    [
+        {"header_timeout": 0},
+        {"body_timeout": 0},
+        {"body_timeout": float("nan")},
+        {"max_header_bytes": 0},
+        {"max_connections": -1},
+    ],
 )
 def test_bad_limits_are_refused(flag):
     with pytest.raises(ValueError, match="must be"):
