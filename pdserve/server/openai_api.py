@@ -100,7 +100,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if not body.messages:
         raise bad_request("messages must not be empty", param="messages")
     contents = chat_contents(state, body.messages)
-    prompt_ids = await asyncio.to_thread(_chat_prompt, state, body, contents)
+    prompt_ids = await asyncio.to_thread(
+        chat_prompt,
+        state,
+        body.messages,
+        contents,
+        body.add_generation_prompt,
+        body.chat_template_kwargs,
+    )
     top = body.top_logprobs
     if top is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
@@ -184,20 +191,28 @@ def chat_contents(state: ServerState, messages: list[ChatMessage]) -> list[str]:
     return contents
 
 
-def _chat_prompt(state: ServerState, body: ChatCompletionRequest, contents: list[str]) -> list[int]:
-    messages = [
+def chat_prompt(
+    state: ServerState,
+    messages: list,
+    contents: list[str],
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any] | None,
+) -> list[int]:
+    """The prompt ids of chat `messages` (their text `contents`, from `chat_contents`) through
+    the chat template: a template that fails on them is the request's 400."""
+    turns = [
         {"role": message.role, "content": content}
-        for message, content in zip(body.messages, contents, strict=True)
+        for message, content in zip(messages, contents, strict=True)
     ]
     try:
         return chat_prompt_ids(
             state.tokenizer,
-            messages,
-            add_generation_prompt=body.add_generation_prompt,
-            template_kwargs=body.chat_template_kwargs,
+            turns,
+            add_generation_prompt=add_generation_prompt,
+            template_kwargs=template_kwargs,
         )
     except Exception as e:
-        param = "chat_template_kwargs" if body.chat_template_kwargs else "messages"
+        param = "chat_template_kwargs" if template_kwargs else "messages"
         raise bad_request(f"cannot apply the chat template: {e}", param=param) from None
 
 

@@ -15,11 +15,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from pdserve.engine.chat_template import chat_prompt_ids
 from pdserve.server.errors import bad_request
 from pdserve.server.generation import ServerState, check_model, check_text_size
 from pdserve.server.json_body import StrictJSONRoute
-from pdserve.server.openai_api import chat_contents
+from pdserve.server.openai_api import chat_contents, chat_prompt
 from pdserve.server.openai_protocol import ChatMessage
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -77,21 +76,11 @@ async def tokenize(body: TokenizeBody, request: Request) -> dict:
 
 
 def _chat_ids(state: ServerState, body: TokenizeBody) -> list[int]:
-    contents = chat_contents(state, body.messages or [])
-    messages = [
-        {"role": message.role, "content": content}
-        for message, content in zip(body.messages or [], contents, strict=True)
-    ]
-    try:
-        ids = chat_prompt_ids(
-            state.tokenizer,
-            messages,
-            add_generation_prompt=body.add_generation_prompt,
-            template_kwargs=body.chat_template_kwargs,
-        )
-    except Exception as e:
-        param = "chat_template_kwargs" if body.chat_template_kwargs else "messages"
-        raise bad_request(f"cannot apply the chat template: {e}", param=param) from None
+    messages = body.messages or []
+    contents = chat_contents(state, messages)
+    ids = chat_prompt(
+        state, messages, contents, body.add_generation_prompt, body.chat_template_kwargs
+    )
     if body.add_special_tokens:
         ids = state.tokenizer.build_inputs_with_special_tokens(ids)
     return ids
