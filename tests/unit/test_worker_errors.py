@@ -157,3 +157,15 @@ def test_an_integer_sampling_value_past_float_range_is_a_400_naming_it(failing_w
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "temperature"
+    # NOTE: an integer is a number; what is wrong is its size, in every API alike.
+    assert error["message"] == "temperature: must be a finite number, got an integer beyond 64 bits"
+
+
+def test_top_logprobs_out_of_range_is_a_400_naming_top_logprobs(failing_worker):
+    client, _ = failing_worker
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+    response = client.post("/v1/chat/completions", json=body | {"top_logprobs": 21})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "top_logprobs", error
+    assert error["message"] == "top_logprobs: must be in [0, 20], got 21"
