@@ -42,7 +42,16 @@ def register(subparsers, formatter) -> None:
     add_engine_flags(parser)
     add_transfer_flags(parser, LAUNCH_DECIDES)
     add_router_flags(parser)
+    _say_launch_makes_a_transfer_token(parser)
     parser.set_defaults(configure=configure)
+
+
+def _say_launch_makes_a_transfer_token(parser: argparse.ArgumentParser) -> None:
+    """--transfer-token's help ends "(default: $PDSERVE_TRANSFER_TOKEN)"; under launch,
+    without either, the workers get a random one (`with_transfer_token`): say so."""
+    for action in parser._actions:
+        if "--transfer-token" in action.option_strings and action.help.endswith(")"):
+            action.help = action.help[:-1] + ", else a random one for launch's workers)"
 
 
 def with_transfer_token(transfer: TransferConfig) -> TransferConfig:

@@ -212,6 +212,12 @@ def test_help_shows_each_default():
     assert "(default: $PDSERVE_API_KEY)" in text
 
 
+def test_launch_help_says_it_makes_a_transfer_token_when_none_is_given():
+    text = build_parser()._subparsers._group_actions[0].choices["launch"].format_help()
+    words = " ".join(text.split())
+    assert "(default: $PDSERVE_TRANSFER_TOKEN, else a random one for launch's workers)" in words
+
+
 def test_vllm_flag_names_are_aliases_shown_in_help():
     vllm = ["--tensor-parallel-size", "2", "--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
     parsed = build_parser().parse_args(["serve", *vllm, "--no-enable-prefix-caching"])
