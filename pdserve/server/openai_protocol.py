@@ -49,6 +49,9 @@ _EXTENSIONS: dict[str, tuple] = {
     "lora_path": (None,),
     "no_stop_trim": (None, False),
     "return_hidden_states": (None, False),
+    # NOTE: vLLM salts the prefix cache with it (tenants cannot probe each other's
+    # prompts); ignored, it would promise an isolation that is not there.
+    "cache_salt": (None,),
 }
 # OpenAI's fields and the extensions above that this server does not implement, by endpoint,
 # with the values that mean "not used" (accepted; so are absent fields). Any other value is a
@@ -68,6 +71,7 @@ UNSUPPORTED: dict[str, dict[str, tuple]] = {
         "parallel_tool_calls": (None,),
         "reasoning_effort": (None,),
         "chat_template": (None,),
+        "documents": (None, []),
         "continue_final_message": (None, False),
         "echo": (None, False),
         # NOTE: the chat prompt gets no special tokens beyond the template's, as in vLLM.
