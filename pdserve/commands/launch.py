@@ -21,7 +21,7 @@ from pdserve.commands.common import (
 )
 from pdserve.commands.router import ROUTER_PORT, add_router_flags, policies_from
 from pdserve.commands.serve import add_transfer_flags, transfer_config_from_args
-from pdserve.protocol.flags import add_flags, given, settings_from_args
+from pdserve.protocol.flags import add_flags, given, named_by_flag, settings_from_args
 from pdserve.router.config import RouterConfig
 from pdserve.transfer.config import TransferConfig
 
@@ -82,7 +82,8 @@ def configure(args: argparse.Namespace) -> Callable[[], int]:
         log_level=args.log_level,
         split_gpu_memory=args.gpu_memory_utilization is None,
     )
-    plan.router_argv([("http://127.0.0.1:1", 1)], ["http://127.0.0.1:2"])  # NOTE: checks it
+    with named_by_flag(RouterConfig):
+        plan.router_argv([("http://127.0.0.1:1", 1)], ["http://127.0.0.1:2"])  # NOTE: checks it
     check_cuda_visible(plan.engine.device, config.gpus)
     check_port_free(http.host, http.port, "--port")
     return functools.partial(launch, plan)

@@ -356,7 +356,8 @@ def test_launch_without_a_transfer_token_makes_one_for_its_workers(monkeypatch):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["serve", "--page-size", "0"], "page_size must be >= 1"),
+        (["serve", "--page-size", "0"], "--page-size must be >= 1"),
+        (["serve", "--max-num-seqs", "0"], "--max-running-requests must be >= 1, got 0"),
         (["serve", "/no/such/model"], "model '/no/such/model' does not exist"),
         (["serve", "--trust-remote-code"], "--trust-remote-code is refused"),
         (["serve", "absent.gguf"], "GGUF file 'absent.gguf' does not exist"),
@@ -366,7 +367,7 @@ def test_launch_without_a_transfer_token_makes_one_for_its_workers(monkeypatch):
         (["prefill", "--bootstrap-host", "0.0.0.0"], "--bootstrap-host"),
         (["serve", "--speculative-num-steps", "2"], "without --speculative-algorithm"),
         (["launch", "--num-prefill", "0"], "--num-prefill and --num-decode"),
-        (["launch", "--request-timeout", "0"], "request_timeout_s must be positive"),
+        (["launch", "--request-timeout", "0"], "--request-timeout must be positive"),
         (["router", "--decode", "http://d:2"], "--prefill-service"),
         (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
         (["serve", "--chat-template", "absent.jinja"], "--chat-template 'absent.jinja': no such"),
@@ -504,5 +505,5 @@ def test_a_bad_flag_is_one_line_even_when_the_built_in_model_is_written_first(
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     assert main(["--log-level", "error", "serve", "--page-size", "0"]) == 2
     err = capsys.readouterr().err
-    assert err == "error: page_size must be >= 1, got 0\n"
+    assert err == "error: --page-size must be >= 1, got 0\n"
     assert any(tmp_path.iterdir()), "the built-in model was written to the fresh cache"
