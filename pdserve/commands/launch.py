@@ -21,7 +21,7 @@ from pdserve.commands.common import (
 )
 from pdserve.commands.router import ROUTER_PORT, add_router_flags, policies_from
 from pdserve.commands.serve import add_transfer_flags, transfer_config_from_args
-from pdserve.protocol.flags import add_flags, given, settings_from_args
+from pdserve.protocol.flags import add_flags, given, named_by_flag, settings_from_args
 from pdserve.router.config import RouterConfig
 from pdserve.transfer.config import TransferConfig
 
@@ -42,7 +42,16 @@ def register(subparsers, formatter) -> None:
     add_engine_flags(parser)
     add_transfer_flags(parser, LAUNCH_DECIDES)
     add_router_flags(parser)
+    _say_launch_makes_a_transfer_token(parser)
     parser.set_defaults(configure=configure)
+
+
+def _say_launch_makes_a_transfer_token(parser: argparse.ArgumentParser) -> None:
+    """--transfer-token's help ends "(default: $PDSERVE_TRANSFER_TOKEN)"; under launch,
+    without either, the workers get a random one (`with_transfer_token`): say so."""
+    for action in parser._actions:
+        if "--transfer-token" in action.option_strings and action.help.endswith(")"):
+            action.help = action.help[:-1] + ", else a random one for launch's workers)"
 
 
 def with_transfer_token(transfer: TransferConfig) -> TransferConfig:
@@ -73,7 +82,8 @@ def configure(args: argparse.Namespace) -> Callable[[], int]:
         log_level=args.log_level,
         split_gpu_memory=args.gpu_memory_utilization is None,
     )
-    plan.router_argv([("http://127.0.0.1:1", 1)], ["http://127.0.0.1:2"])  # NOTE: checks it
+    with named_by_flag(RouterConfig):
+        plan.router_argv([("http://127.0.0.1:1", 1)], ["http://127.0.0.1:2"])  # NOTE: checks it
     check_cuda_visible(plan.engine.device, config.gpus)
     check_port_free(http.host, http.port, "--port")
     return functools.partial(launch, plan)

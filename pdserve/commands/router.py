@@ -14,7 +14,7 @@ from pdserve.commands.common import (
     http_settings_from_args,
     serve_http,
 )
-from pdserve.protocol.flags import add_flags, given
+from pdserve.protocol.flags import add_flags, given, named_by_flag
 from pdserve.protocol.http_settings import WORKER_ONLY
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import ServiceName
@@ -113,16 +113,17 @@ def router_config_from_args(args: argparse.Namespace, api_key: str | None = None
                 f"--prefill bootstrap port must be a number, got {entry[1]!r}"
             ) from None
         prefill.append((entry[0], port))
-    return RouterConfig(
-        prefill=tuple(prefill),
-        decode=tuple(args.decode),
-        worker_urls=tuple(args.worker_urls),
-        prefill_services=tuple(ServiceName.parse(s) for s in args.prefill_service),
-        decode_services=tuple(ServiceName.parse(s) for s in args.decode_service),
-        api_key=api_key,
-        **policies_from(args),
-        **given(RouterConfig, args),
-    )
+    with named_by_flag(RouterConfig):
+        return RouterConfig(
+            prefill=tuple(prefill),
+            decode=tuple(args.decode),
+            worker_urls=tuple(args.worker_urls),
+            prefill_services=tuple(ServiceName.parse(s) for s in args.prefill_service),
+            decode_services=tuple(ServiceName.parse(s) for s in args.decode_service),
+            api_key=api_key,
+            **policies_from(args),
+            **given(RouterConfig, args),
+        )
 
 
 def configure(args: argparse.Namespace) -> Callable[[], int]:

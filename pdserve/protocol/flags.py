@@ -16,8 +16,10 @@ API key, a token) falls back to its environment variable and never goes onto an 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import re
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -164,7 +166,24 @@ def settings_from_args(
     **fields: Any,
 ):
     """`settings` built from the flags given in `args` over `defaults`; `fields` win."""
-    return settings(**{**(defaults or {}), **given(settings, args, skip), **fields})
+    with named_by_flag(settings, skip):
+        return settings(**{**(defaults or {}), **given(settings, args, skip), **fields})
+
+
+@contextlib.contextmanager
+def named_by_flag(settings: type, skip: Iterable[str] = ()):
+    """A ValueError from `settings`' checks that begins with a field's name ("page_size
+    must be >= 1") begins with its flag instead, as a command line's user knows it (the
+    dataclass names the field: right for `LLM(...)` keywords)."""
+    try:
+        yield
+    except ValueError as e:
+        message = str(e)
+        for d in declared(settings, skip):
+            if re.match(rf"{d.field}\b", message):
+                e.args = (d.name + message[len(d.field) :], *e.args[1:])
+                break
+        raise
 
 
 def to_argv(settings: Any, skip: Iterable[str] = ()) -> list[str]:

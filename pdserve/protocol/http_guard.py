@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import resource
 from collections import OrderedDict
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from pdserve.protocol.api_errors import error_body
 from pdserve.protocol.log_limit import RateLimitedLog
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,13 @@ logger = logging.getLogger(__name__)
 # a decode leg, and pooled connections to both.
 FDS_PER_CONNECTION = 4
 MAX_AUTO_CONNECTIONS = 16384
+# NOTE: a refusal is an error in OpenAI's shape like every other error pdserve answers;
+# 503's code is the failure kind a router retries elsewhere (protocol/failures.py).
+REFUSAL_CODES = {
+    408: "request_timeout",
+    431: "request_header_fields_too_large",
+    503: "unavailable",
+}
 
 
 @dataclass(frozen=True)
@@ -260,13 +269,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """Answer `status` and close the connection; its request never reaches the app."""
         if status != 503:
             self.waiting.refusals.info("%s: %s", status, message, key=status)
-        content = message.encode()
+        content = json.dumps(error_body(status, message, code=REFUSAL_CODES[status])).encode()
         self.transport.write(
             b"".join(
                 [
                     STATUS_LINE[status],
                     *(b"%s: %s\r\n" % header for header in self.server_state.default_headers),
-                    b"content-type: text/plain; charset=utf-8\r\n",
+                    b"content-type: application/json\r\n",
                     b"content-length: %d\r\n" % len(content),
                     b"connection: close\r\n\r\n",
                     content,

@@ -287,15 +287,24 @@ class EngineClient:
         queue = self._queues.get(request_id)
         if queue is None:
             return False
-        self.abort(request_id)
+        # NOTE: the reason goes first: an abort that finds the engine gone fails the
+        # request's queue with the engine's reason, which is not why this request ended.
         queue.put_nowait(_failed(request_id, reason))
+        self.abort(request_id)
         return True
 
     def cancel_all(self, reason: str) -> None:
         """End every request in flight (`cancel`), e.g. at the shutdown timeout: each
         stream gets its error event and its end, and the engine frees their pages."""
-        for request_id in list(self._queues):
-            self.cancel(request_id, reason)
+        request_ids = list(self._queues)
+        for request_id in request_ids:
+            self._queues[request_id].put_nowait(_failed(request_id, reason))
+        # NOTE: an engine stopped with the worker's process group (SIGTERM to the group) is
+        # noticed before the aborts, so none waits out the send timeout for a reader that
+        # is gone.
+        self._check_alive()
+        for request_id in request_ids:
+            self.abort(request_id)
 
     def _send(self, msg) -> None:
         if self.failure is not None:
@@ -351,15 +360,16 @@ class EngineClient:
                 # NOTE: someone stopped it on purpose (the worker's process group is being
                 # stopped, or Ctrl-C): restarting would fight them.
                 self.gave_up = True
-                self._mark_failed(f"engine process stopped by {signal.Signals(-code).name}")
+                reason = f"engine process stopped by {signal.Signals(-code).name}"
+                self._mark_failed(reason, level=logging.WARNING)
             else:
                 self._mark_failed(f"engine process exited with code {code}")
         elif time.monotonic() - self._last_message > self.options.engine_timeout_s:
             self._mark_failed(f"engine silent for over {self.options.engine_timeout_s:.0f} s")
 
-    def _mark_failed(self, reason: str) -> None:
+    def _mark_failed(self, reason: str, level: int = logging.ERROR) -> None:
         if self.failure is None:
-            logger.error("%s", reason)
+            logger.log(level, "%s", reason)
             self.failure = reason
         self._fail_all(reason)
 

@@ -103,6 +103,10 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
         message = f"expected one of: {', '.join(tags)}"
         if "input" in first and len(first.get("loc", ())) == len(location) + 2:
             message += f"; got {_json_kind(first['input'])}"
+    elif first.get("type") == "float_type" and type(first.get("input")) is int:
+        # NOTE: an integer is a number; pydantic refuses one only past float range, and
+        # SamplingParams says so in these words on /generate.
+        message = "must be a finite number, got an integer beyond 64 bits"
     else:
         message = first.get("msg", "invalid value")
         if first.get("type", "").endswith("_type") and "input" in first:

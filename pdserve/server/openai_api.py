@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.engine.chat_template import chat_prompt_ids
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import TokenOutput
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.generation import (
@@ -99,6 +100,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     check_supported(body)
     if not body.messages:
         raise bad_request("messages must not be empty", param="messages")
+    top = body.top_logprobs
+    if top is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+    if top is not None and not 0 <= top <= SamplingParams.MAX_LOGPROBS:
+        # NOTE: checked here, not in SamplingParams, so the error names chat's own field.
+        raise bad_request(
+            f"top_logprobs: must be in [0, {SamplingParams.MAX_LOGPROBS}], got {top}",
+            param="top_logprobs",
+        )
+    logprobs = (top or 0) if body.logprobs else None
     contents = chat_contents(state, body.messages)
     prompt_ids = await asyncio.to_thread(
         chat_prompt,
@@ -108,10 +119,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         body.add_generation_prompt,
         body.chat_template_kwargs,
     )
-    top = body.top_logprobs
-    if top is not None and not body.logprobs:
-        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-    logprobs = (top or 0) if body.logprobs else None
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = check_prompt(state, prompt_ids, requested)
     sampling = sampling_settings(

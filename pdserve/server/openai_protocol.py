@@ -49,6 +49,9 @@ _EXTENSIONS: dict[str, tuple] = {
     "lora_path": (None,),
     "no_stop_trim": (None, False),
     "return_hidden_states": (None, False),
+    # NOTE: vLLM salts the prefix cache with it (tenants cannot probe each other's
+    # prompts); ignored, it would promise an isolation that is not there.
+    "cache_salt": (None,),
 }
 # OpenAI's fields and the extensions above that this server does not implement, by endpoint,
 # with the values that mean "not used" (accepted; so are absent fields). Any other value is a
@@ -68,6 +71,7 @@ UNSUPPORTED: dict[str, dict[str, tuple]] = {
         "parallel_tool_calls": (None,),
         "reasoning_effort": (None,),
         "chat_template": (None,),
+        "documents": (None, []),
         "continue_final_message": (None, False),
         "echo": (None, False),
         # NOTE: the chat prompt gets no special tokens beyond the template's, as in vLLM.
@@ -89,7 +93,15 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
+    # NOTE: extras kept, for check_supported to refuse UNSUPPORTED_STREAM_OPTIONS.
+    model_config = ConfigDict(extra="allow", strict=True)
+
     include_usage: bool = False
+
+
+# `stream_options` keys of vLLM's that this server does not implement (usage in every chunk),
+# with the values that mean "not used", as in UNSUPPORTED.
+UNSUPPORTED_STREAM_OPTIONS: dict[str, tuple] = {"continuous_usage_stats": (None, False)}
 
 
 class SamplingFields(_Body):
@@ -157,17 +169,25 @@ class ChatCompletionRequest(_Request):
 
 
 def check_supported(body: _Request) -> None:
-    """Refuse (400 naming the field) the first field of UNSUPPORTED the body uses."""
-    extra = body.model_extra or {}
-    for field, unused in UNSUPPORTED[body.endpoint].items():
+    """Refuse (400 naming the field) the first field of UNSUPPORTED (or, in
+    `stream_options`, of UNSUPPORTED_STREAM_OPTIONS) the body uses."""
+    _refuse_used(body.model_extra or {}, UNSUPPORTED[body.endpoint], body.n, "")
+    if body.stream_options is not None:
+        extra = body.stream_options.model_extra or {}
+        _refuse_used(extra, UNSUPPORTED_STREAM_OPTIONS, body.n, "stream_options.")
+
+
+def _refuse_used(extra: dict[str, Any], unsupported: dict[str, tuple], n: int, where: str):
+    for field, unused in unsupported.items():
         value = extra.get(field)
-        accepted = [body.n if u is N else u for u in unused]
+        accepted = [n if u is N else u for u in unused]
         if not any(_same(value, u) for u in accepted):
             alternatives = " or ".join(
                 "the value of n" if u is N else json.dumps(u) for u in unused if u is not None
             )
             instead = f"omit it or send {alternatives}" if alternatives else "omit it"
-            raise bad_request(f"{field} is not supported by this server; {instead}", field)
+            name = where + field
+            raise bad_request(f"{name} is not supported by this server; {instead}", name)
 
 
 def _same(value: Any, unused: Any) -> bool:

@@ -220,6 +220,7 @@ UNSUPPORTED_FIELDS = [
     (CHAT, "echo", True),
     (CHAT, "add_special_tokens", True),
     (COMPLETIONS, "add_special_tokens", False),
+    (CHAT, "documents", [{"title": "t", "text": "the answer is 4"}]),
 ]
 # vLLM's and SGLang's own extensions, refused on both endpoints.
 EXTENSION_VALUES = {
@@ -247,6 +248,7 @@ EXTENSION_VALUES = {
     "lora_path": "adapter",
     "no_stop_trim": True,
     "return_hidden_states": True,
+    "cache_salt": "tenant-a",
 }
 UNSUPPORTED_FIELDS += [
     (path, field, value)

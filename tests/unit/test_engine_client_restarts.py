@@ -4,15 +4,24 @@ never one that was stopped on purpose; /health's detail says which it is."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import signal
 from types import SimpleNamespace
 
 import pytest
 import torch
+import zmq
 
 from pdserve.colocated.worker import build_worker
 from pdserve.engine.config import EngineConfig
-from pdserve.server.engine_client import EngineClient, EngineClientConfig, EngineUnavailable
+from pdserve.protocol.channel import Channel
+from pdserve.server.engine_client import (
+    SEND_TIMEOUT_MS,
+    EngineClient,
+    EngineClientConfig,
+    EngineUnavailable,
+)
 from pdserve.server.role import WorkerRole
 
 
@@ -87,6 +96,30 @@ def test_restarts_older_than_the_window_do_not_count(make_client):
 def test_an_engine_stopped_by_sigterm_is_not_restarted(client):
     _die(client, -signal.SIGTERM)
     assert client.gave_up
+    assert client.health_detail == "engine down, not restarting: engine process stopped by SIGTERM"
+
+
+def test_streams_end_as_a_shutdown_when_the_engine_stopped_with_its_process_group(client, caplog):
+    """SIGTERM to the worker's whole process group (systemd's default, `kill -TERM -PGID`)
+    stops the engine with the front end. At the shutdown timeout each stream still ends
+    saying the server is shutting down, no abort waits out the send timeout on a socket
+    nobody reads, and nothing is logged as an error: the stop was asked for."""
+    client._push = Channel(client._sync_context, zmq.PUSH, send_timeout_ms=SEND_TIMEOUT_MS)
+    client._push.bind(f"ipc://{os.path.join(client._scratch.name, 'nobody-reads')}")
+    client._process = SimpleNamespace(is_alive=lambda: False, exitcode=-signal.SIGTERM)
+
+    async def shut_down():
+        client._queues["r1"] = asyncio.Queue()
+        client.cancel_all("the server is shutting down")
+        return client._queues["r1"].get_nowait()
+
+    try:
+        with caplog.at_level(logging.INFO, logger="pdserve.server.engine_client"):
+            last = asyncio.run(shut_down())
+    finally:
+        client._push.close()
+    assert last.finished and last.failure.message == "the server is shutting down"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     assert client.health_detail == "engine down, not restarting: engine process stopped by SIGTERM"
 
 

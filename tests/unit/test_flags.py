@@ -212,6 +212,12 @@ def test_help_shows_each_default():
     assert "(default: $PDSERVE_API_KEY)" in text
 
 
+def test_launch_help_says_it_makes_a_transfer_token_when_none_is_given():
+    text = build_parser()._subparsers._group_actions[0].choices["launch"].format_help()
+    words = " ".join(text.split())
+    assert "(default: $PDSERVE_TRANSFER_TOKEN, else a random one for launch's workers)" in words
+
+
 def test_vllm_flag_names_are_aliases_shown_in_help():
     vllm = ["--tensor-parallel-size", "2", "--max-num-seqs", "8", "--max-num-batched-tokens", "512"]
     parsed = build_parser().parse_args(["serve", *vllm, "--no-enable-prefix-caching"])
@@ -350,7 +356,8 @@ def test_launch_without_a_transfer_token_makes_one_for_its_workers(monkeypatch):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["serve", "--page-size", "0"], "page_size must be >= 1"),
+        (["serve", "--page-size", "0"], "--page-size must be >= 1"),
+        (["serve", "--max-num-seqs", "0"], "--max-running-requests must be >= 1, got 0"),
         (["serve", "/no/such/model"], "model '/no/such/model' does not exist"),
         (["serve", "--trust-remote-code"], "--trust-remote-code is refused"),
         (["serve", "absent.gguf"], "GGUF file 'absent.gguf' does not exist"),
@@ -360,7 +367,7 @@ def test_launch_without_a_transfer_token_makes_one_for_its_workers(monkeypatch):
         (["prefill", "--bootstrap-host", "0.0.0.0"], "--bootstrap-host"),
         (["serve", "--speculative-num-steps", "2"], "without --speculative-algorithm"),
         (["launch", "--num-prefill", "0"], "--num-prefill and --num-decode"),
-        (["launch", "--request-timeout", "0"], "request_timeout_s must be positive"),
+        (["launch", "--request-timeout", "0"], "--request-timeout must be positive"),
         (["router", "--decode", "http://d:2"], "--prefill-service"),
         (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
         (["serve", "--chat-template", "absent.jinja"], "--chat-template 'absent.jinja': no such"),
@@ -498,5 +505,5 @@ def test_a_bad_flag_is_one_line_even_when_the_built_in_model_is_written_first(
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     assert main(["--log-level", "error", "serve", "--page-size", "0"]) == 2
     err = capsys.readouterr().err
-    assert err == "error: page_size must be >= 1, got 0\n"
+    assert err == "error: --page-size must be >= 1, got 0\n"
     assert any(tmp_path.iterdir()), "the built-in model was written to the fresh cache"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -188,6 +189,28 @@ def test_an_oversized_header_still_arriving_is_refused_before_its_end():
             for _ in range(64):
                 client.sendall(b"a" * 1024)
         assert refused(client, b"431")
+
+
+def error_of(answer: bytes) -> dict:
+    """The `error` object of a refusal: OpenAI's shape, as every other error of pdserve's."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_refusals_are_openai_errors_naming_the_limit():
+    with serving(max_header_bytes=4096, header_timeout=0.5) as port:
+        error = error_of(request(port, extra_headers=b"X-Big: " + b"a" * 100_000 + b"\r\n"))
+        assert error["code"] == "request_header_fields_too_large"
+        assert error["type"] == "invalid_request_error"
+        assert "over 4096 bytes" in error["message"]
+        with connect(port) as client:
+            client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: a")
+            error = error_of(read_all(client))
+        assert error["code"] == "request_timeout"
+        assert error["message"] == "request headers not received in time"
 
 
 def test_headers_under_the_limit_that_arrive_in_pieces_are_answered():

@@ -157,3 +157,33 @@ def test_an_integer_sampling_value_past_float_range_is_a_400_naming_it(failing_w
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "temperature"
+    # NOTE: an integer is a number; what is wrong is its size, in every API alike.
+    assert error["message"] == "temperature: must be a finite number, got an integer beyond 64 bits"
+
+
+def test_top_logprobs_out_of_range_is_a_400_naming_top_logprobs(failing_worker):
+    client, _ = failing_worker
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+    response = client.post("/v1/chat/completions", json=body | {"top_logprobs": 21})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "top_logprobs", error
+    assert error["message"] == "top_logprobs: must be in [0, 20], got 21"
+
+
+def test_vllms_continuous_usage_stats_is_refused_naming_it(failing_worker):
+    """vLLM puts usage in every chunk for it; here it would be ignored, so it is refused."""
+    client, _ = failing_worker
+    body = {"prompt": [1, 2], "max_tokens": 2, "stream": True}
+    asked = {"include_usage": True, "continuous_usage_stats": True}
+    response = client.post("/v1/completions", json=body | {"stream_options": asked})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "stream_options.continuous_usage_stats", error
+    assert error["message"] == (
+        "stream_options.continuous_usage_stats is not supported by this server; "
+        "omit it or send false"
+    )
+    unused = {"include_usage": True, "continuous_usage_stats": False}
+    with client.stream("POST", "/v1/completions", json=body | {"stream_options": unused}) as ok:
+        assert ok.status_code == 200
