@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import time
 from typing import get_args
@@ -70,6 +71,13 @@ def run_engine_process(
     until told to shut down."""
     level = os.environ.get("PDSERVE_LOG_LEVEL", "info").upper()
     logging.basicConfig(level=level, format="%(levelname)s engine: %(message)s")
+    # NOTE: the front end owns this process's life: it says `Shutdown` once its requests
+    # ended (or its shutdown timeout passed), SIGKILLs a wedged engine, and the loop stops by
+    # itself if the front end is gone. A stop signal sent to the worker's whole process group
+    # (systemd's default, `kill -TERM -PGID`, Ctrl-C) reaches the front end too; acted on here,
+    # it would end every stream at once instead of after the front end's grace period.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     context = zmq.Context()
     inbox = Channel(context, zmq.PULL, accepts=get_args(Message))
     inbox.connect(requests_addr)

@@ -1,6 +1,6 @@
-"""SIGTERM, the way Kubernetes stops a pod (to the server process only): new connections are
-refused at once, a stream in flight runs to its end within `--shutdown-timeout`, then the
-server and its engine process exit."""
+"""SIGTERM, the way Kubernetes stops a pod (to the server process only) or systemd a service
+(to its whole process group): new connections are refused at once, a stream in flight runs to
+its end within `--shutdown-timeout`, then the server and its engine process exit."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import signal
 import threading
 
 import httpx
+import pytest
 
 from pdserve.server.local_process import LocalServer
 from tests.e2e.conftest import START_DEADLINE_S, Server, start_server, stop_server
@@ -36,7 +37,11 @@ def _group_gone(pgid: int) -> bool:
     return False
 
 
-def test_a_stream_in_flight_finishes_after_sigterm(tiny_model_dirs):
+@pytest.mark.parametrize("to", ["server", "group"])
+def test_a_stream_in_flight_finishes_after_sigterm(tiny_model_dirs, to):
+    """SIGTERM to the server alone (Kubernetes), or to its whole process group (systemd's
+    default stop, `kill -TERM -PGID`), which reaches the engine process too: the stream
+    still runs to its end within the shutdown timeout."""
     server = start_server(
         tiny_model_dirs("llama"), "--shutdown-timeout", "60", "--max-model-len", "2048"
     )
@@ -58,7 +63,10 @@ def test_a_stream_in_flight_finishes_after_sigterm(tiny_model_dirs):
                 if line.startswith("data:"):
                     first_event.set()
                     break
-            os.kill(server.process.pid, signal.SIGTERM)  # the server alone, not its group
+            if to == "server":
+                os.kill(server.process.pid, signal.SIGTERM)
+            else:
+                os.killpg(server.process.pid, signal.SIGTERM)
             wait_until(lambda: _refused(server.url), "new connections refused after SIGTERM", 10)
             for line in lines:  # the rest of the same stream
                 data = line[5:].strip() if line.startswith("data:") else ""
