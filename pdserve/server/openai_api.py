@@ -184,8 +184,14 @@ def chat_contents(state: ServerState, messages: list[ChatMessage]) -> list[str]:
             param="messages",
         )
     contents = []
-    for message in messages:
+    for index, message in enumerate(messages):
         content = message.content
+        if content is None and message.role != "assistant":
+            # NOTE: as OpenAI's API: only an assistant turn (one that called tools) may omit it.
+            raise bad_request(
+                f"messages[{index}].content is required for a {message.role} message",
+                param=f"messages[{index}].content",
+            )
         if isinstance(content, list):
             texts = [part.get("text") for part in content if part.get("type") == "text"]
             if len(texts) != len(content):

@@ -44,6 +44,7 @@ CASES = [
     ("unknown model", COMPLETIONS, {"model": "gpt-17"}, 404, "model"),
     ("empty messages", CHAT, {"messages": []}, 400, "messages"),
     ("bad role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("user turn without content", CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0]"),
     (
         "top_logprobs without logprobs",
         CHAT,
