@@ -231,12 +231,17 @@ class Endpoint:
         idle = peer.registered and not live
         silent = now - peer.last_seen
         if silent > (self.idle_ttl_s if idle else self.config.peer_timeout_s):
-            self.drop_peer(peer, FailureKind.PEER_LOST, None if idle else f"silent {silent:.1f} s")
+            reason = None if idle else self.silence(peer, silent)
+            self.drop_peer(peer, FailureKind.PEER_LOST, reason)
             return
         beat_due = now - peer.last_heartbeat >= self.config.heartbeat_interval_s
         if self.sends_heartbeats and live and peer.registered and beat_due:
             peer.last_heartbeat = now
             self.send(peer, Heartbeat(self.worker_id))
+
+    def silence(self, peer: Peer, silent_s: float) -> str:
+        """Why a peer that fell silent is dropped, as the log and its rooms' failures say."""
+        return f"silent {silent_s:.1f} s"
 
     def _socket_of(self, peer: Peer) -> zmq.Socket:
         raise NotImplementedError

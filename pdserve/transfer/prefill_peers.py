@@ -137,6 +137,16 @@ class DecodePeers:
         self.drop_peer(min(idle, key=lambda p: p.last_busy), FailureKind.PEER_LOST, None)
         return True
 
+    def silence(self, peer: DecodePeer, silent_s: float) -> str:
+        if peer.registered or not peer.prefill_nonce:
+            return super().silence(peer, silent_s)
+        # NOTE: a decode worker checks our proof before it registers, and one holding another
+        # transfer token refuses it without a word: from here, only its silence shows.
+        return (
+            f"silent {silent_s:.1f} s after our HelloReply without registering (a decode worker "
+            "given another --transfer-token refuses this prefill worker's proof)"
+        )
+
     def _register(self, peer: DecodePeer, msg: Register) -> None:
         expected = peer_auth.decode_proof(
             self.config.auth_token, peer.prefill_nonce, peer.decode_nonce

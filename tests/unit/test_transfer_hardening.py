@@ -5,6 +5,7 @@ token never on the wire, oversize frames, floods, stuck peers, and queue time vs
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 
@@ -22,6 +23,7 @@ from pdserve.protocol.transfer_messages import (
     RegisterAck,
     TransferRequest,
 )
+from pdserve.transfer.decode_side import DecodeTransferClient
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.peer_allow import PeerNotAllowed
 from pdserve.transfer.peer_auth import decode_proof, new_nonce
@@ -326,3 +328,25 @@ def test_stopping_an_io_thread_nobody_listens_to_anymore_closes_it_without_error
     io.stop()
     assert io._wake_tx.closed and io._wake_rx.closed
     context.term()  # NOTE: hangs if a socket were left open
+
+
+def test_prefill_names_a_token_mismatch_when_decode_goes_silent_after_its_hello(caplog):
+    """A decode worker with another token refuses prefill's proof and says nothing more: the
+    prefill worker's log says so, not only that an unregistered peer fell silent."""
+    server_config = dataclasses.replace(CONFIG, auth_token=TOKEN, peer_timeout_s=0.5)
+    server = PrefillTransferServer(server_config, layout(CASE), metadata_spec(CASE), "p")
+    server.start()
+    client_config = dataclasses.replace(CONFIG, auth_token="another-token")
+    page_bytes = KVStager(pools(CASE, 30, seed=None)).page_bytes
+    client = DecodeTransferClient(client_config, layout(CASE), metadata_spec(CASE), "d", page_bytes)
+    client.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="pdserve.transfer.endpoint"):
+            receiver = client.receiver(9, "127.0.0.1", server.port, [1, 2])
+            wait_until(lambda: finished(receiver), "decode's room to fail", 10)
+            assert "authentication failed" in receiver.failure.message
+            wait_until(lambda: "dropped decode peer" in caplog.text, "prefill to drop it", 10)
+        assert "another --transfer-token" in caplog.text, caplog.text
+    finally:
+        client.stop()
+        server.stop()
