@@ -72,10 +72,12 @@ class IpcWrites:
             return None
         with self.lock:
             peer = room.peer
-            if room.writes_closed or peer is None or peer.pools is None:
+            # NOTE: read once: the IO thread's `forget` may set it to None at any moment.
+            mapped = None if peer is None else peer.pools
+            if room.writes_closed or mapped is None:
                 return None
             room.writes_in_flight += 1
-            pools = list(peer.pools)
+            pools = list(mapped)
         pages = span.page_lists(room.decode_pages, room.decode_draft_pages, len(pools))
         return pools, pages
 

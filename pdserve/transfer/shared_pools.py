@@ -29,6 +29,7 @@ import re
 import select
 import socket
 import stat
+import threading
 
 import torch
 
@@ -77,10 +78,17 @@ def process_gone(pid: int) -> bool:
 class ProcessWatch:
     """`process_gone` for one process, cheap enough to ask before every write: a pidfd polled
     without waiting (readable once the process exited, zombie or not, and never another
-    process that took its id); `process_gone` where the kernel has no pidfds."""
+    process that took its id); `process_gone` where the kernel has no pidfds.
+
+    NOTE: asked from two threads (the engine thread before each write, the IO thread at its
+    tick), and a `select.poll` object refuses to be polled by two at once ("concurrent
+    poll() invocation"): a lock keeps them, and `close`, apart; a process seen gone stays
+    gone."""
 
     def __init__(self, pid: int):
         self.pid = pid
+        self._lock = threading.Lock()
+        self._gone = False
         self._poll: select.poll | None = None
         self._fd: int | None = None
         with contextlib.suppress(OSError, AttributeError):
@@ -89,14 +97,19 @@ class ProcessWatch:
             self._poll.register(self._fd, select.POLLIN)
 
     def gone(self) -> bool:
-        if self._poll is None:
-            return process_gone(self.pid)
-        return bool(self._poll.poll(0))
+        with self._lock:
+            if not self._gone:
+                if self._poll is None:
+                    self._gone = process_gone(self.pid)
+                else:
+                    self._gone = bool(self._poll.poll(0))
+            return self._gone
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd, self._poll = None, None
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd, self._poll = None, None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

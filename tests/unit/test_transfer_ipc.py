@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from subprocess import PIPE
 
@@ -323,6 +324,37 @@ def test_a_process_watch_sees_an_exit_before_the_process_is_reaped(monkeypatch, 
         watch.close()
         child.wait(10)
     assert watch.gone()  # closed: asks /proc, where the reaped process is gone too
+
+
+def test_a_process_watch_is_asked_from_two_threads_at_once():
+    """The engine thread asks before each write while the IO thread asks at its tick: a
+    `select.poll` polled by both at once raised 'concurrent poll() invocation' (a CI run's
+    prefill engine died of it)."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=PIPE)
+    watch = ProcessWatch(child.pid)
+    errors: list[BaseException] = []
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+
+    def ask() -> None:
+        try:
+            for _ in range(20_000):
+                assert not watch.gone()
+        except BaseException as e:  # NOTE: reported by the main thread
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=ask) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        sys.setswitchinterval(before)
+        watch.close()
+        child.stdin.close()
+        child.wait(10)
+    assert errors == []
 
 
 def test_an_exited_decodes_cuda_counter_files_are_removed_and_nothing_else():
