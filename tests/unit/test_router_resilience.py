@@ -92,16 +92,24 @@ def test_failures_count_in_a_row_and_a_success_resets_them():
     assert pool.mark(worker, True) and worker.failures == 0
 
 
+def prefill_answering_once(released: threading.Event):
+    """A fake prefill worker whose answer comes once `released` is set."""
+
+    async def answer(body):
+        while not released.is_set():
+            await asyncio.sleep(0.005)
+        return completion()
+
+    return answer
+
+
 def test_a_prefill_answer_that_comes_after_the_stream_ended_is_awaited_not_cut():
     """The decode leg answered (so the room's KV arrived) and its stream ended before the
     prefill leg's answer: that leg finishes in the background (its kept-alive connection
     then serves the next request) instead of being cut, and is counted in flight until then."""
     released = threading.Event()
 
-    async def late_prefill(body):
-        while not released.is_set():
-            await asyncio.sleep(0.005)
-        return completion()
+    late_prefill = prefill_answering_once(released)
 
     async def decode(body):
         return httpx.Response(200, content=b'data: {"choices": []}\n\ndata: [DONE]\n\n')
@@ -134,10 +142,7 @@ def test_a_prefill_answer_late_after_decode_is_not_cut_before_the_request_deadli
     answered = threading.Event()
     released = threading.Event()
 
-    async def late_prefill(body):
-        while not released.is_set():
-            await asyncio.sleep(0.005)
-        return completion()
+    late_prefill = prefill_answering_once(released)
 
     async def decode(body):
         answered.set()
