@@ -4,7 +4,7 @@ torch starts one OpenMP thread per core in every process. An engine is rarely al
 cores: a worker's HTTP front end (tokenizing, streaming) runs beside it, a launch runs several
 workers, a TP worker on CPU runs one process per rank. OpenMP threads meet at a barrier after
 every op, so when another process holds one of their cores, every op waits for it: on a busy
-2-core machine a 64-token generation took 8-13x longer with 2 threads than with 1
+2-core machine a 64-token generation took 10-40x longer with 2 threads than with 1
 (`benchmarks/RESULTS.md`, "Engine threads on CPU"). So, as vLLM's CPU backend reserves a core
 for its front end, an engine process on CPU takes the cores this process may run on, less one,
 split between the engine processes that share them (`engine_processes`), at least one; on
