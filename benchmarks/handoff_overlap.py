@@ -38,9 +38,9 @@ import torch
 from harness import add_model_arguments, device_name, model_directory, sync
 
 from pdserve import LLM, SamplingParams
-from pdserve.decode.handoff import DecodeHandoff
+from pdserve.decode.connector import DecodeConnector
 from pdserve.disagg import rank_worker
-from pdserve.prefill.handoff import PrefillHandoff
+from pdserve.prefill.connector import PrefillConnector
 from pdserve.protocol.engine_messages import Bootstrap, GenerateRequest
 from pdserve.server.engine_process import EngineLoop
 from pdserve.transfer.config import TransferConfig
@@ -66,9 +66,9 @@ def prefill_alone(llm: LLM, prompt: list[int]) -> float:
 class LocalDecode:
     """The decode worker's loop turned in this process."""
 
-    def __init__(self, decode: DecodeHandoff):
-        self.handoff = decode
-        self.loop = EngineLoop(decode)
+    def __init__(self, decode: DecodeConnector):
+        self.connector = decode
+        self.loop = EngineLoop(decode.engine)
         self.committed_at: float | None = None
         self.receiver = None
 
@@ -79,7 +79,7 @@ class LocalDecode:
     def turn(self) -> float | None:
         """One tick; the clock at the commit of the room's first token, once it happened."""
         if self.receiver is None:
-            rooms = [p.receiver for p in self.handoff.transferring.values()]
+            rooms = [r.transfer.receiver for r in self.connector.requests.values()]
             self.receiver = next((r for r in rooms if r is not None), None)
         sent = self.loop.tick([])
         for output in sent.outputs if sent is not None else []:
@@ -98,7 +98,7 @@ class LocalDecode:
         }
 
     def stop(self) -> None:
-        self.handoff.stop()
+        self.connector.stop()
 
 
 def decode_process(conn, model: str, engine: dict) -> None:
@@ -119,7 +119,7 @@ def decode_process(conn, model: str, engine: dict) -> None:
                 ready = conn.poll(0.01)
             else:
                 idle_s = min(decode.loop.idle_wait_ms(), 10) / 1000
-                doorbell = decode.handoff.doorbell
+                doorbell = decode.connector.doorbell
                 ready = conn in multiprocessing.connection.wait([conn, doorbell], idle_s)
                 doorbell.answer()
             if ready:
@@ -129,7 +129,7 @@ def decode_process(conn, model: str, engine: dict) -> None:
                 if command == "config":
                     if decode is not None:
                         decode.stop()
-                    decode = LocalDecode(DecodeHandoff(llm.engine, value))
+                    decode = LocalDecode(DecodeConnector(llm.engine, value))
                     conn.send(("ready", None))
                     continue
                 decode.start(value)
@@ -201,7 +201,7 @@ class RemoteDecode:
             self.process.kill()
 
 
-def handoff(prefill: PrefillHandoff, decode: LocalDecode | RemoteDecode, prompt, room):
+def handoff(prefill: PrefillConnector, decode: LocalDecode | RemoteDecode, prompt, room):
     """Seconds from handing the prompt to the prefill loop (decode's pages already reserved,
     prefill already asked) to the decode loop reporting the committed first token, and each
     side's protocol steps as ms since that start. Both loops wait between turns as the
@@ -209,7 +209,7 @@ def handoff(prefill: PrefillHandoff, decode: LocalDecode | RemoteDecode, prompt,
     the transfer threads get the GIL as they would in the workers."""
     body = dataclasses.asdict(FIRST)
     boot = Bootstrap("127.0.0.1", prefill.bootstrap_port, room)
-    loop = EngineLoop(prefill)
+    loop = EngineLoop(prefill.engine)
     decode.start(GenerateRequest(f"d{room}", prompt, body, boot))
     deadline = time.monotonic() + 60
     while prefill.server.rooms.get(room) is None or prefill.server.rooms[room].peer is None:
@@ -221,7 +221,7 @@ def handoff(prefill: PrefillHandoff, decode: LocalDecode | RemoteDecode, prompt,
     started = time.monotonic()
     loop.tick([GenerateRequest(f"p{room}", prompt, body, boot)])
     committed_at = None
-    while committed_at is None or prefill.sending or prefill.prefilling:
+    while committed_at is None or prefill.requests:
         sent = loop.tick([])
         for output in sent.outputs if sent is not None else []:
             if output.error:
@@ -230,7 +230,7 @@ def handoff(prefill: PrefillHandoff, decode: LocalDecode | RemoteDecode, prompt,
         if sent is None:  # NOTE: as `pdserve prefill` waits: until its doorbell rings
             doorbells = [prefill.doorbell]
             if isinstance(decode, LocalDecode):
-                doorbells.append(decode.handoff.doorbell)
+                doorbells.append(decode.connector.doorbell)
             select.select(doorbells, [], [], loop.idle_wait_ms() / 1000)
             for doorbell in doorbells:
                 doorbell.answer()
@@ -289,11 +289,11 @@ def main(argv: list[str] | None = None) -> int:
         alone = [prefill_alone(prefill_llm, prompt) for _ in range(args.repeats + 1)][1:]
         for piece_bytes in (0, args.piece_bytes):
             config = dataclasses.replace(base, piece_bytes=piece_bytes)
-            prefill = PrefillHandoff(prefill_llm.engine, config)
+            prefill = PrefillConnector(prefill_llm.engine, config)
             if remote is not None:
                 decode = remote.use(config)
             else:
-                decode = LocalDecode(DecodeHandoff(decode_llm.engine, config))
+                decode = LocalDecode(DecodeConnector(decode_llm.engine, config))
             try:
                 runs = []
                 for _ in range(args.repeats + 1):

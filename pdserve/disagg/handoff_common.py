@@ -42,21 +42,18 @@ def engine_transfer_layout(engine, per_rank_links: bool) -> EngineTransferLayout
     pool = engine.kv_pool
     spec, metadata, draft_pools = SpecLayout(), MetadataSpec(), []
     if engine.speculator is not None:
-        algorithm = engine.speculator.algorithm
-        settings = algorithm.settings
-        draft_config = algorithm.draft_config()
-        metadata = algorithm.metadata_spec(draft_config, str(engine.dtype).removeprefix("torch."))
-        draft_pools = algorithm.draft_pools()
+        draft = engine.speculator.handoff(str(engine.dtype).removeprefix("torch."))
+        metadata, draft_pools = draft.metadata, draft.draft_pools
         spec = SpecLayout(
-            algorithm=algorithm.name,
-            topk=settings.eagle_topk,
-            num_steps=settings.num_steps,
-            num_draft_tokens=settings.num_draft_tokens,
+            algorithm=draft.algorithm,
+            topk=draft.topk,
+            num_steps=draft.num_steps,
+            num_draft_tokens=draft.num_draft_tokens,
             spec_hidden_size=metadata.hidden_size,
             hidden_dtype=metadata.hidden_dtype,
             has_draft_kv=bool(draft_pools),
             draft_num_layers=sum(p.num_layers for p in draft_pools),
-            draft_fingerprint=model_fingerprint(draft_config) if draft_config else "",
+            draft_fingerprint=model_fingerprint(draft.draft_config) if draft.draft_config else "",
         )
     if per_rank_links:
         stager = PerRankKV(pool, draft_pools, engine.ranks, engine.model_config.num_kv_heads)

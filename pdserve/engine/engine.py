@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
@@ -27,6 +28,14 @@ from pdserve.engine.decode_graphs import build_decode_graphs, graph_batch_size
 from pdserve.engine.detokenizer import RequestDetokenizer
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.forward_batch import Capture, ForwardBatch, ForwardOutput
+from pdserve.engine.kv_connector import (
+    KVConnector,
+    KVFailed,
+    KVLanded,
+    KVReady,
+    KVSent,
+    PagesSettled,
+)
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.loader import build_kv_pool, load_model, resolve_device, resolve_dtype
 from pdserve.engine.model_config import ModelConfig
@@ -36,15 +45,16 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.overlap import InFlightStep, is_placeholder, placeholder
 from pdserve.engine.page_allocator import PageAllocator, pages_needed
 from pdserve.engine.page_table import DevicePageTable
-from pdserve.engine.prefix_cache import CachedPage, PrefixCache, PromptPages
+from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.rank_group import RankGroup
-from pdserve.engine.request import FinishReason, Request
+from pdserve.engine.request import FinishReason, Request, RequestStatus
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from pdserve.engine.speculator import Draft, Emitted, Proposals, Speculator
 from pdserve.engine.tensor_parallel import ModelSplit
 from pdserve.engine.weights import read_tensor
+from pdserve.protocol.engine_messages import Bootstrap
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 
 logger = logging.getLogger(__name__)
@@ -130,6 +140,7 @@ class Engine:
             ),
             self.allocator,
             self.prefix_cache,
+            transfer_slots=self.kv_tokens_for_transfer,
         )
         self.page_table = DevicePageTable(
             config.max_running_requests, self.max_pages_per_request, self.device
@@ -161,8 +172,10 @@ class Engine:
             config.two_batch_overlap_tokens,
         )
         self.requests: dict[str, Request] = {}
-        # Finished requests whose pages are kept for a KV transfer (see `hold_pages`).
-        self.held: dict[str, Request] = {}
+        # A prefill or decode worker's KV handoff (`connect`); None: colocated.
+        self.connector: KVConnector | None = None
+        # Disaggregated requests refused as they came, reported by `poll_transfers`.
+        self._refused: list[RequestOutput] = []
         self.last_batch_tokens = 0  # tokens computed by the latest step (for step statistics)
         # The batch the latest step scheduled (None while scheduling): what `fail_step` ends.
         self.current_batch: ScheduledBatch | None = None
@@ -240,6 +253,11 @@ class Engine:
             name = "model.embed_tokens.weight"
         return read_tensor(self.model_dir, name, self.device).to(self.dtype)
 
+    def trim_pages(self, request: Request, num_slots: int) -> None:
+        """Free a request's pages past its first `num_slots` slots (a speculator's rejected
+        KV)."""
+        self.scheduler.trim_pages(request, num_slots)
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do without them)."""
         if self.ranks is not None:
@@ -265,22 +283,24 @@ class Engine:
         request_id: str,
         prompt: str | Sequence[int],
         params: SamplingParams,
-        *,
-        hold_pages: bool = False,
-    ) -> Request:
+        bootstrap: Bootstrap | None = None,
+    ) -> Request | None:
         """Validate and queue a request; raises InvalidRequestError (or a subclass) if it can
-        never be served. With `hold_pages` its pages outlive it (in `held`) until
-        `release_held`: a prefill worker sends their KV first."""
+        never be served. A disaggregated worker's requests come with their `bootstrap` (the
+        room their KV moves through): the connector takes them on, and one it refuses ends
+        at once, reported by the next `poll_transfers` (None is returned)."""
+        if (bootstrap is not None) != (self.connector is not None):
+            raise InvalidRequestError(_role_mismatch(self.connector is not None))
+        if bootstrap is not None:
+            self._add_transfer(request_id, prompt, params, bootstrap)
+            return self.requests.get(request_id)
         token_ids = self.validate_prompt(prompt)
         request = self._new_request(request_id, token_ids, params)
-        request.hold_pages = hold_pages
-        if hold_pages:
-            self._host_bound.add(request_id)
         self.scheduler.add(request)
         return request
 
     def _new_request(self, request_id: str, token_ids: list[int], params: SamplingParams):
-        if request_id in self.requests or request_id in self.held:
+        if request_id in self.requests or request_id in self.scheduler.transfers:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         try:
             params.check_vocab(self.model_config.vocab_size)
@@ -303,90 +323,155 @@ class Engine:
             self._host_bound.add(request_id)
         return request
 
-    # ---- disaggregation hooks -----------------------------------------------------------
+    # ---- disaggregation ------------------------------------------------------------------
+
+    def connect(self, connector: KVConnector) -> None:
+        """Make this a prefill or decode worker: `connector` moves its requests' KV (it calls
+        this from its constructor)."""
+        if self.connector is not None or self.requests:
+            raise RuntimeError("connect a KV connector once, before any request")
+        self.connector = connector
+
+    @property
+    def role(self) -> str:
+        """ "colocated", or the connector's role ("prefill", "decode")."""
+        return self.connector.role if self.connector is not None else "colocated"
+
+    @property
+    def has_transfers(self) -> bool:
+        """Requests wait outside the compute queues while their KV moves (the loop polls
+        now and then while idle, for the transfers' deadlines)."""
+        if self.connector is None:
+            return False
+        scheduler = self.scheduler
+        return bool(scheduler.waiting_for_pages or scheduler.transfers or self.connector.busy)
+
+    def count(self, status: RequestStatus) -> int:
+        """How many requests are in `status` (FINISHED: those with pages still pinned)."""
+        return self.scheduler.count(status)
 
     def reserve_pages(self, num_tokens: int) -> list[int] | None:
-        """Pages for `num_tokens` of KV that a transfer will fill, or None if they are not
-        free now (the caller waits: decode's free memory throttles prefill)."""
+        """Pages for `num_tokens` of KV outside any request (training a draft fills them), or
+        None if they are not free now. Give them back with `free_pages`."""
         return self.scheduler.reserve(pages_needed(num_tokens, self.config.page_size))
-
-    def reserve_for_prompt(self, prompt_ids: list[int]) -> PromptPages | None:
-        """The pages a transfer of this prompt's KV needs (decode side): first the cached
-        pages that hold the prompt's longest cached prefix, short of its last token (referenced
-        now; the transfer skips them), then free ones for the rest. None if they are not free
-        now. Give them back with `release_reserved` unless `add_prebuilt` takes them."""
-        cached = self.scheduler.cached_prefix(prompt_ids)
-        held = self.prefix_cache.acquire(cached) if cached else []
-        total = pages_needed(self.kv_tokens_for_transfer(len(prompt_ids)), self.config.page_size)
-        fresh = self.scheduler.reserve(total - len(held))
-        if fresh is None:
-            if cached:
-                self.prefix_cache.release(cached)
-            return None
-        return PromptPages(held + fresh, cached)
-
-    def release_reserved(self, reserved: PromptPages) -> None:
-        """A reservation no request took: its own pages freed, its cached ones released."""
-        self.allocator.free(reserved.pages[len(reserved.cached) :])
-        if reserved.cached:
-            self.prefix_cache.release(reserved.cached)
-        reserved.pages, reserved.cached = [], []
 
     def free_pages(self, pages: list[int]) -> None:
         self.allocator.free(pages)
 
-    def add_prebuilt(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        pages: list[int],
-        first_token: int,
-        first_logprob: float | None = None,
-        first_top_logprobs: dict[int, float] | None = None,
-        draft_state=None,
-        num_cached_tokens: int = 0,
-        cached_pages: list[CachedPage] | None = None,
-    ) -> RequestOutput:
-        """Join the running batch with the prompt's KV already in `pages` (the decode side of
-        a handoff) and the first token sampled elsewhere. No forward pass: the next step
-        decodes from here. Returns the first token's output (it may already finish).
-        `draft_state` is the speculative algorithm's first draft input (decode side);
-        `num_cached_tokens` the prompt tokens the prefill side took from its prefix cache;
-        `cached_pages` this worker's cached pages that begin `pages` (`reserve_for_prompt`:
-        the request holds their references from now on).
-        NOTE: admission (max_running_requests, free pages) is the decode worker's job: it
-        reserved these pages before the transfer started."""
-        token_ids = self.validate_prompt(prompt_token_ids)
-        if pages_needed(len(token_ids), self.config.page_size) > len(pages):
-            raise InvalidRequestError(
-                f"{len(pages)} pages cannot hold the KV of a {len(token_ids)}-token prompt"
-            )
-        if not 0 <= num_cached_tokens <= len(token_ids):
-            raise InvalidRequestError(
-                f"{num_cached_tokens} cached tokens reported for a {len(token_ids)}-token prompt"
-            )
-        cached_pages = list(cached_pages or [])
-        if [node.page for node in cached_pages] != list(pages[: len(cached_pages)]):
-            raise InvalidRequestError("the cached pages given do not begin the request's pages")
-        request = self._new_request(request_id, token_ids, params)
-        request.pages = list(pages)
-        request.cached_pages = cached_pages
-        request.num_computed_tokens = len(token_ids)
-        request.draft_state = draft_state
-        request.num_cached_tokens = num_cached_tokens
-        self.scheduler.add_running(request)
-        if params.logprobs and first_logprob is not None and first_top_logprobs is None:
-            first_top_logprobs = {}  # NOTE: keeps one top-N entry per token, even if empty
-        return self._accept_token(request, first_token, first_logprob, first_top_logprobs)
+    def _add_transfer(self, request_id: str, prompt, params: SamplingParams, bootstrap) -> None:
+        """A disaggregated request: it starts in the connector's first phase; one refused at
+        once ends here, its failure output reported by the next `poll_transfers`."""
+        connector = self.connector
+        prompt_ids = [int(t) for t in prompt] if not isinstance(prompt, str) else []
+        failure = connector.screen(request_id, prompt_ids, bootstrap)
+        if failure is not None:
+            self._refused.append(failed_output(request_id, prompt_ids, failure))
+            return
+        try:
+            token_ids = self.validate_prompt(prompt)
+            request = self._new_request(request_id, token_ids, connector.sampling_params(params))
+        except InvalidRequestError as e:
+            failure = connector.rejected(request_id, bootstrap, e)
+            self._refused.append(failed_output(request_id, prompt_ids, failure))
+            return
+        request.status = connector.initial_status
+        request.hold_pages = connector.keeps_pages
+        if connector.keeps_pages:
+            self._host_bound.add(request_id)
+        failure = connector.add(request, bootstrap)
+        if failure is not None:
+            self._forget(request_id)
+            self._refused.append(failed_output(request_id, token_ids, failure))
+            return
+        self.scheduler.add(request)
 
-    def release_held(self, request_id: str, *, cache: bool = True) -> list[int]:
-        """Let the pages of a finished `hold_pages` request go (into the prefix cache unless
-        not `cache`); returns them."""
-        request = self.held.pop(request_id)
-        pages = list(request.pages)
-        self.scheduler.release_pages(request, cache=cache)
-        return pages
+    def poll_transfers(self) -> list[RequestOutput]:
+        """Apply what the connector's transfers did (between steps): prefill requests whose
+        pages decode reserved queue for compute, decode requests whose KV landed join the
+        batch, sent ones let their pages go and report their first token, failed ones end;
+        then decode reserves pages for queued requests. Returns the outputs of requests that
+        ended or started producing."""
+        if self.connector is None:
+            return []
+        outputs, self._refused = self._refused, []
+        landed = []
+        transfers = self.scheduler.transfers
+        for event in self.connector.poll():
+            request = transfers.get(event.request_id) or self.requests.get(event.request_id)
+            if request is None:
+                continue  # ended meanwhile
+            status = request.status
+            if isinstance(event, KVReady) and status is RequestStatus.WAITING_FOR_PEER:
+                self.scheduler.start_compute(request)
+            elif isinstance(event, KVLanded) and status is RequestStatus.RECEIVING_KV:
+                landed.append((request, event.metadata))
+            elif isinstance(event, KVSent) and status is RequestStatus.SENDING_KV:
+                request.transfer = None
+                self.scheduler.release_pinned(request)
+                outputs.append(self._output(request, request.output_token_ids[-1:]))
+            elif isinstance(event, KVFailed) and request.transfer is not None:
+                outputs.append(self._end_transfer(request, event.failure))
+            elif isinstance(event, PagesSettled) and status is RequestStatus.FINISHED:
+                self.scheduler.release_pinned(request, cache=False)
+        outputs.extend(self._join(landed))
+        for request in self.scheduler.admit_transfers():
+            failure = self.connector.admitted(request)
+            if failure is not None:
+                outputs.append(self._end_transfer(request, failure))
+        return outputs
+
+    def _end_transfer(self, request: Request, failure: Failure | None) -> RequestOutput:
+        """End a request of the connector's before its handoff finished, wherever it is;
+        its pages go, or stay pinned if the connector says a write may still reach them."""
+        pin = self.connector.ended(request, failure)
+        request.transfer = None
+        if request.status is RequestStatus.SENDING_KV:
+            self.scheduler.release_pinned(request)
+        elif not request.finished:
+            self.scheduler.finish(request, FinishReason.ABORT, pin_pages=pin)
+        self._forget(request.request_id)
+        request.detokenizer = None
+        request.failure = failure
+        return failed_output(request.request_id, request.prompt_token_ids, failure)
+
+    def _join(self, landed: list[tuple[Request, Any]]) -> list[RequestOutput]:
+        """Decode: requests whose KV landed join the running batch with prefill's first
+        token; with speculative decoding, the algorithm first turns their metadata into their
+        first draft inputs (all of this poll's at once)."""
+        if not landed:
+            return []
+        requests = [request for request, _ in landed]
+        records = [record for _, record in landed]
+        try:
+            states = (
+                self.speculator.seed_drafts(requests, records)
+                if self.speculator is not None
+                else [None] * len(requests)
+            )
+        except ValueError as e:
+            failure = _join_failure(f"could not seed the draft: {e}")
+            return [self._end_transfer(request, failure) for request in requests]
+        outputs = []
+        for request, record, state in zip(requests, records, states, strict=True):
+            prompt_len = request.num_prompt_tokens
+            if not 0 <= record.cached_tokens <= prompt_len:
+                problem = (
+                    f"{record.cached_tokens} cached tokens reported for a {prompt_len}-token prompt"
+                )
+                outputs.append(self._end_transfer(request, _join_failure(problem)))
+                continue
+            request.transfer = None
+            request.num_computed_tokens = prompt_len
+            request.draft_state = state
+            request.num_cached_tokens = record.cached_tokens
+            self.scheduler.join_running(request)
+            top = record.first_top_logprobs
+            if request.sampling_params.logprobs and record.first_logprob is not None:
+                top = top or {}  # NOTE: keeps one top-N entry per token, even if empty
+            outputs.append(
+                self._accept_token(request, record.first_token, record.first_logprob, top)
+            )
+        return outputs
 
     def validate_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt that can be served; raises InvalidRequestError otherwise."""
@@ -420,10 +505,15 @@ class Engine:
         # max_model_len sequence, so every accepted request fits once others finish.
 
     def abort_request(self, request_id: str) -> bool:
-        """Abort a queued or running request and free its pages now. False if unknown."""
-        request = self._forget(request_id)
-        if request is None:
+        """Abort a request wherever it is (its client went) and free its pages now (but
+        pages a transfer may still write, see `KVConnector.ended`). False if unknown."""
+        request = self.requests.get(request_id) or self.scheduler.transfers.get(request_id)
+        if request is None or (request.finished and request.transfer is None):
             return False
+        if request.transfer is not None:
+            self._end_transfer(request, None)
+            return True
+        self._forget(request_id)
         self.scheduler.finish(request, FinishReason.ABORT)
         request.detokenizer = None
         return True
@@ -438,12 +528,33 @@ class Engine:
         post-process. Returns an output for every request that produced tokens (and for every
         request that finished): this step's, or with overlap scheduling the previous step's."""
         if self._overlaps():
-            return self._step_overlapped()
+            return self._after_step(self._step_overlapped())
         landed = self._land(self.in_flight)
         batch = self._schedule()
         if not batch:
             return landed
-        return landed + self._step_now(batch)
+        return self._after_step(landed + self._step_now(batch))
+
+    def _after_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """A disaggregated worker's step: the connector hears of the prompt chunks computed
+        and of the requests that sampled their last token (prefill: their KV goes now); such
+        a request reports its first token once sent (`KVSent`)."""
+        if self.connector is None:
+            return outputs
+        batch = self.current_batch
+        for request in batch.requests if batch is not None else []:
+            if request.transfer is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.connector.computed(request)
+            elif request.status is RequestStatus.SENDING_KV:
+                self.connector.finished(request)
+        sending = self.scheduler.transfers
+        return [
+            o
+            for o in outputs
+            if (r := sending.get(o.request_id)) is None or r.status is not RequestStatus.SENDING_KV
+        ]
 
     def _step_now(self, batch: ScheduledBatch) -> list[RequestOutput]:
         proposals = self.speculator.propose(batch) if self.speculator else Proposals({})
@@ -524,6 +635,10 @@ class Engine:
         self.current_batch = None
         batch = self.scheduler.schedule()
         self.current_batch = batch
+        admitted, self.scheduler.admitted = self.scheduler.admitted, []
+        for request in admitted:
+            if request.transfer is not None:
+                self.connector.started(request)
         self.last_batch_tokens = sum(batch.num_new_tokens)
         return batch
 
@@ -565,12 +680,14 @@ class Engine:
         failure = Failure(FailureKind.INTERNAL, FailureStage.ENGINE, reason)
         outputs = []
         for request in touched:
+            pin = request.transfer is not None and self.connector.ended(request, failure)
+            request.transfer = None
             if not request.finished:
-                self.scheduler.finish(request, FinishReason.ABORT, cache=False)
+                self.scheduler.finish(request, FinishReason.ABORT, pin_pages=pin, cache=False)
                 self._forget(request.request_id)
                 request.detokenizer = None
-            elif request.request_id in self.held:
-                self.release_held(request.request_id, cache=False)
+            elif request.status is RequestStatus.SENDING_KV:
+                self.scheduler.release_pinned(request, cache=False)
             request.failure = failure
             outputs.append(self._output(request, []))
         return outputs
@@ -634,11 +751,12 @@ class Engine:
             request.detokenizer.append([token])
         reason = self._stop_reason(request, token)
         if reason is not None:
-            self.scheduler.finish(request, reason, keep_pages=request.hold_pages)
+            # NOTE: a prefill worker's pages stay (SENDING_KV); the connector sends them once
+            # the step is over (`_after_step`: the draft has caught up on the prompt by then).
+            keep = request.transfer is not None and self.connector.keeps_pages
+            self.scheduler.finish(request, reason, keep_pages=keep)
             request.detokenizer = None
             self._forget(request.request_id)
-            if request.hold_pages:
-                self.held[request.request_id] = request
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         p = request.sampling_params
@@ -683,3 +801,31 @@ class Engine:
             spec_emitted_tokens=request.spec_emitted_tokens,
             num_cached_tokens=request.num_cached_tokens,
         )
+
+
+def failed_output(request_id: str, prompt_ids: list[int], failure: Failure) -> RequestOutput:
+    """The output of a request that failed before producing anything it reports."""
+    return RequestOutput(
+        request_id=request_id,
+        prompt_token_ids=prompt_ids,
+        token_ids=[],
+        new_token_ids=[],
+        finished=True,
+        finish_reason="abort",
+        failure=failure,
+    )
+
+
+def _join_failure(problem: str) -> Failure:
+    """A decode request whose KV landed could not join the batch."""
+    message = problem if problem.startswith("could not") else f"could not join the batch: {problem}"
+    return Failure(FailureKind.INTERNAL, FailureStage.TRANSFER, message)
+
+
+def _role_mismatch(disaggregated: bool) -> str:
+    if disaggregated:
+        return (
+            "this is a disaggregated worker: requests need bootstrap_host, bootstrap_port and "
+            "bootstrap_room (send them through `pdserve router`)"
+        )
+    return "this is a colocated worker: requests must not carry bootstrap fields"

@@ -17,9 +17,30 @@ from pdserve.protocol.failures import Failure
 
 
 class RequestStatus(enum.Enum):
+    """Where a request is. Every worker: WAITING (queued for compute), RUNNING (in the
+    batch), FINISHED. A disaggregated worker's requests also pass through the states of their
+    KV's handoff (`kv_connector`):
+
+    - prefill: WAITING_FOR_PEER (decode has not reserved pages for its KV yet: nothing is
+      computed before) -> WAITING -> RUNNING -> SENDING_KV (computed, first token sampled,
+      pages pinned while the KV goes) -> FINISHED;
+    - decode: WAITING_FOR_PAGES (queued for a reservation, oldest first) -> RECEIVING_KV
+      (pages reserved, KV arriving) -> RUNNING (joined with prefill's first token, no forward
+      pass) -> FINISHED.
+    """
+
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    WAITING_FOR_PEER = "waiting_for_peer"
+    SENDING_KV = "sending_kv"
+    WAITING_FOR_PAGES = "waiting_for_pages"
+    RECEIVING_KV = "receiving_kv"
+
+    @property
+    def computes(self) -> bool:
+        """In the scheduler's compute queues (waiting or running)."""
+        return self in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
 class FinishReason(enum.StrEnum):
@@ -65,6 +86,9 @@ class Request:
     num_preemptions: int = 0
     # Prefill worker: keep the pages when the request ends, until its KV was sent.
     hold_pages: bool = False
+    # A disaggregated request: the KV connector's record of its handoff (its room), None
+    # for a colocated one. Its phase is `status`.
+    transfer: Any = None
     # Speculative decoding: the algorithm's state for the next draft (None until the draft
     # has seen the sequence: fresh, preempted), verify steps run and tokens they emitted.
     draft_state: Any = None
@@ -93,7 +117,8 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        """No more tokens come: ended, or computed with its KV being sent (prefill)."""
+        return self.status in (RequestStatus.FINISHED, RequestStatus.SENDING_KV)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

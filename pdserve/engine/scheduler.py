@@ -10,12 +10,18 @@ the front of the queue to be recomputed later (its generated tokens are kept).
 With a prefix cache (prefix_cache.py), a request is admitted after the longest cached prefix
 of its tokens (at least its last token is computed: it needs the logits), the pages it lets go
 join the cache, and pages are evicted from the cache before anyone is refused or preempted.
+
+A disaggregated worker's requests also wait here while their KV moves (`RequestStatus`):
+decode's queue for page reservations (`admit_transfers`, oldest first, against the same
+`max_running_requests` and pages as `schedule`), and the requests outside the compute queues
+(`transfers`: waiting for their peer, receiving or sending KV, or finished with pages pinned
+until no write can reach them).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.page_allocator import PageAllocator, pages_needed
@@ -60,19 +66,110 @@ class Scheduler:
         config: SchedulerConfig,
         allocator: PageAllocator,
         prefix_cache: PrefixCache | None = None,
+        transfer_slots: Callable[[int], int] = lambda num_prompt_tokens: num_prompt_tokens,
     ):
+        """transfer_slots: KV slots a handoff moves for a prompt of that many tokens (what a
+        decode reservation holds)."""
         self.config = config
         self.allocator = allocator
         self.prefix_cache = prefix_cache
+        self.transfer_slots = transfer_slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Decode: requests queued for a reservation of pages for their KV, oldest first.
+        self.waiting_for_pages: deque[Request] = deque()
+        # Requests outside the compute queues while their KV moves, by id (their status says
+        # which phase), and finished ones whose pages stay pinned.
+        self.transfers: dict[str, Request] = {}
+        # The requests `schedule` moved from waiting to running (its caller takes them).
+        self.admitted: list[Request] = []
 
     @property
     def num_unfinished(self) -> int:
+        """Requests with compute to do (waiting or running)."""
         return len(self.waiting) + len(self.running)
 
+    def count(self, status: RequestStatus) -> int:
+        """How many requests are in `status` (FINISHED: those with pages still pinned)."""
+        if status is RequestStatus.WAITING:
+            return len(self.waiting)
+        if status is RequestStatus.RUNNING:
+            return len(self.running)
+        if status is RequestStatus.WAITING_FOR_PAGES:
+            return len(self.waiting_for_pages)
+        return sum(1 for r in self.transfers.values() if r.status is status)
+
     def add(self, request: Request) -> None:
+        """Queue a request: for compute (WAITING), or for its handoff's first phase
+        (WAITING_FOR_PEER: outside the queues; WAITING_FOR_PAGES: decode's reservation
+        queue)."""
+        if request.status is RequestStatus.WAITING:
+            self.waiting.append(request)
+        elif request.status is RequestStatus.WAITING_FOR_PAGES:
+            self.waiting_for_pages.append(request)
+        elif request.status is RequestStatus.WAITING_FOR_PEER:
+            self.transfers[request.request_id] = request
+        else:
+            raise ValueError(f"a new request cannot start in {request.status.name}")
+
+    # ---- disaggregation ------------------------------------------------------------------
+
+    def admit_transfers(self) -> list[Request]:
+        """Decode: reserve pages for queued requests' KV, oldest first, while pages and
+        `max_running_requests` allow (requests receiving KV count as running); returns those
+        now RECEIVING_KV. First the cached pages holding the prompt's longest cached prefix,
+        short of its last token (the transfer skips them), then free ones for the rest."""
+        admitted = []
+        while self.waiting_for_pages:
+            receiving = self.count(RequestStatus.RECEIVING_KV)
+            if self.num_unfinished + receiving >= self.config.max_running_requests:
+                break
+            request = self.waiting_for_pages[0]
+            cached = self.cached_prefix(request.prompt_token_ids)
+            held = self.prefix_cache.acquire(cached) if cached else []
+            total = pages_needed(
+                self.transfer_slots(request.num_prompt_tokens), self.config.page_size
+            )
+            fresh = self.reserve(total - len(held))
+            if fresh is None:
+                if cached:
+                    self.prefix_cache.release(cached)
+                break  # NOTE: FIFO: later requests wait behind the oldest
+            self.waiting_for_pages.popleft()
+            request.pages, request.cached_pages = held + fresh, cached
+            request.status = RequestStatus.RECEIVING_KV
+            self.transfers[request.request_id] = request
+            admitted.append(request)
+        return admitted
+
+    def start_compute(self, request: Request) -> None:
+        """Prefill: decode reserved pages for the request's KV: it queues for compute."""
+        self._check(request, RequestStatus.WAITING_FOR_PEER)
+        del self.transfers[request.request_id]
+        request.status = RequestStatus.WAITING
         self.waiting.append(request)
+
+    def join_running(self, request: Request) -> None:
+        """Decode: the prompt's KV is in the request's pages: it joins the running batch
+        directly (no prefill; the next step decodes its first token)."""
+        self._check(request, RequestStatus.RECEIVING_KV)
+        del self.transfers[request.request_id]
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def release_pinned(self, request: Request, *, cache: bool = True) -> None:
+        """Let a finished request's pinned pages go (sent, or no write can reach them)."""
+        if self.transfers.get(request.request_id) is not request or not request.finished:
+            raise ValueError(f"request {request.request_id} has no pinned pages")
+        del self.transfers[request.request_id]
+        self.release_pages(request, cache=cache)
+        request.status = RequestStatus.FINISHED
+
+    def _check(self, request: Request, status: RequestStatus) -> None:
+        if request.status is not status:
+            raise ValueError(
+                f"request {request.request_id} is {request.status.name}, not {status.name}"
+            )
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -121,6 +218,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self.admitted.append(request)
             batch.add(request, count)
             budget -= count
 
@@ -218,27 +316,31 @@ class Scheduler:
         reason: FinishReason,
         *,
         keep_pages: bool = False,
+        pin_pages: bool = False,
         cache: bool = True,
     ) -> None:
-        """End a request (running or waiting) and let its pages go at once (into the prefix
-        cache unless not `cache`: a failed step's KV is not trusted), unless `keep_pages` (a
-        prefill worker holds them until their KV has been sent)."""
+        """End a request wherever it is and let its pages go at once (into the prefix cache
+        unless not `cache`: a failed step's KV is not trusted), unless `keep_pages` (prefill:
+        SENDING_KV, until its KV has been sent) or `pin_pages` (FINISHED, until no write of
+        a transfer can reach them): then they wait in `transfers` for `release_pinned`."""
         if request.finished:
             return
-        if request.status is RequestStatus.RUNNING:
+        status = request.status
+        if status is RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+        elif status is RequestStatus.WAITING:
             self.waiting.remove(request)
-        if not keep_pages:
-            self.release_pages(request, cache=cache)
-        request.status = RequestStatus.FINISHED
+        elif status is RequestStatus.WAITING_FOR_PAGES:
+            self.waiting_for_pages.remove(request)
+        else:
+            del self.transfers[request.request_id]
         request.finish_reason = reason
-
-    def add_running(self, request: Request) -> None:
-        """A request whose prompt KV is already in its pages (filled by a KV transfer) joins
-        the running batch directly: no prefill, the next step decodes its first token."""
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        if keep_pages or pin_pages:
+            request.status = RequestStatus.SENDING_KV if keep_pages else RequestStatus.FINISHED
+            self.transfers[request.request_id] = request
+            return
+        self.release_pages(request, cache=cache)
+        request.status = RequestStatus.FINISHED
 
     def trim_pages(self, request: Request, num_slots: int) -> None:
         """Free the pages past the first `num_slots` slots (rejected speculative KV)."""

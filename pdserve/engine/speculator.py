@@ -16,7 +16,7 @@ with the target's choices, in one copy for the whole batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -25,6 +25,7 @@ from pdserve.engine.forward_batch import Capture, ForwardOutput
 from pdserve.engine.page_table import DevicePageTable
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.protocol.metadata_spec import MetadataSpec
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import Engine
@@ -56,6 +57,21 @@ class Proposals:
     device_tokens: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class DraftHandoff:
+    """What a prefill -> decode handoff moves for the draft: compared at registration,
+    carried in each request's metadata record, and the draft's KV pools (sharing the
+    target's page ids)."""
+
+    algorithm: str
+    topk: int
+    num_steps: int
+    num_draft_tokens: int
+    metadata: MetadataSpec
+    draft_pools: list = field(default_factory=list)
+    draft_config: dict | None = None
+
+
 class Speculator(Protocol):
     """The engine's side of speculative decoding. Start-up calls, in order: `load`,
     `draft_page_bytes`, `build_pools`, `lookahead_slots`, `target_capture`, `verify_tokens`,
@@ -83,6 +99,14 @@ class Speculator(Protocol):
 
     def target_capture(self) -> Capture:
         """Target features the draft reads, kept by every forward pass."""
+
+    def handoff(self, hidden_dtype: str) -> DraftHandoff:
+        """What a disaggregated worker's handoff moves for the draft (`hidden_dtype`: the
+        target's dtype, which the hidden states travel in)."""
+
+    def seed_drafts(self, requests: list[Request], records: list) -> list:
+        """Decode: the first draft state of each request whose KV landed, from the metadata
+        records prefill sent (one each, never None); ValueError where it cannot."""
 
     def verify_tokens(self) -> int:
         """The most tokens a verification computes per request, the last committed one

@@ -1,11 +1,11 @@
 """The engine process: `Engine.step()` in a loop, fed and drained over ZMQ by the front end.
 
 It is a separate process so HTTP parsing, tokenization and streaming never take time from the
-step loop. The loop is the same for every worker: the role's `Handoff`
-(`pdserve.engine.handoff`), built in this process by the factory the command line chose, wraps
-the engine. Each turn (`EngineLoop.tick`) handles the messages that came in, polls the handoff,
-steps, and lets the handoff take the step's outputs; `EngineLoop.run` only moves messages
-between ZMQ and `tick`. A turn that produced something sends one `StepOutputs` message; while
+step loop. The loop is the same for every worker: the engine, built in this process by the
+factory the command line chose (a prefill or decode worker's with its `KVConnector`). Each
+turn (`EngineLoop.tick`) handles the messages that came in, applies what the transfers did
+(`Engine.poll_transfers`) and steps; `EngineLoop.run` only moves messages between ZMQ and
+`tick`. A turn that produced something sends one `StepOutputs` message; while
 idle the loop sends `EngineStats` every `HEARTBEAT_S` so the front end can tell a live engine
 from a hung one. A message the engine cannot decode is logged and dropped; it never stops the
 loop.
@@ -18,8 +18,6 @@ process, which the front end then restarts. Tracebacks never travel to the front
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -30,10 +28,12 @@ from typing import get_args
 import zmq
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.handoff import Handoff, WorkerFactory
+from pdserve.engine.kv_connector import WorkerFactory
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.rank_group import RankDiedError
+from pdserve.engine.request import RequestStatus
 from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from pdserve.protocol.channel import Channel
 from pdserve.protocol.codec import ProtocolError
@@ -67,7 +67,7 @@ Message = GenerateRequest | AbortRequest | FailRoom | Shutdown
 def run_engine_process(
     config: EngineConfig, requests_addr: str, outputs_addr: str, build_worker: WorkerFactory
 ) -> None:
-    """Process entry point: build the worker (its engine and handoff), announce it, serve
+    """Process entry point: build the worker (its engine and connector), announce it, serve
     until told to shut down."""
     level = os.environ.get("PDSERVE_LOG_LEVEL", "info").upper()
     logging.basicConfig(level=level, format="%(levelname)s engine: %(message)s")
@@ -84,7 +84,7 @@ def run_engine_process(
     outbox = Channel(context, zmq.PUSH, send_timeout_ms=SEND_TIMEOUT_MS)
     outbox.connect(outputs_addr)
     try:
-        handoff = build_worker(config)
+        engine = build_worker(config)
     except Exception as e:
         # NOTE: the front end reports the one line; the traceback is for --log-level debug.
         logger.debug("engine failed to start", exc_info=True)
@@ -95,18 +95,19 @@ def run_engine_process(
         inbox.close()
         context.term()
         sys.exit(1)
-    outbox.send(_ready(handoff))
-    if handoff.engine.ranks is not None:
-        handoff.engine.ranks.watch(_exit_stuck)
+    outbox.send(_ready(engine))
+    if engine.ranks is not None:
+        engine.ranks.watch(_exit_stuck)
     try:
-        EngineLoop(handoff).run(inbox, outbox)
+        EngineLoop(engine).run(inbox, outbox)
     except Exception as e:
         # NOTE: the traceback is logged here (raise); the front end gets one line.
         outbox.send(EngineFailed(short_reason(e)))
         raise
     finally:
-        handoff.stop()
-        handoff.engine.close()
+        if engine.connector is not None:
+            engine.connector.stop()
+        engine.close()
         inbox.close()
         outbox.close()
         context.term()
@@ -120,8 +121,8 @@ def _exit_stuck(reason: str) -> None:
     os._exit(1)
 
 
-def _ready(handoff: Handoff) -> EngineReady:
-    engine = handoff.engine
+def _ready(engine: Engine) -> EngineReady:
+    connector = engine.connector
     return EngineReady(
         model_path=engine.config.model_path,
         architecture=engine.model_config.architecture,
@@ -131,17 +132,16 @@ def _ready(handoff: Handoff) -> EngineReady:
         page_size=engine.config.page_size,
         device=str(engine.device),
         dtype=str(engine.dtype).removeprefix("torch."),
-        role=handoff.role,
-        bootstrap_port=handoff.bootstrap_port,
+        role=engine.role,
+        bootstrap_port=connector.bootstrap_port if connector is not None else None,
     )
 
 
 class EngineLoop:
-    """Handle messages, move the handoff along, step, hand the step's outputs over."""
+    """Handle messages, apply what the transfers did, step, hand the outputs over."""
 
-    def __init__(self, handoff: Handoff):
-        self.handoff = handoff
-        self.engine = handoff.engine
+    def __init__(self, engine: Engine):
+        self.engine = engine
         self.running = True
         self.num_steps = 0
         self.step_seconds = 0.0
@@ -150,16 +150,16 @@ class EngineLoop:
         self.stream_interval = StreamInterval(self.engine.config.stream_interval)
 
     def tick(self, messages: list[Message]) -> StepOutputs | None:
-        """One turn: the messages, the handoff's progress, a step if there is work. Returns
+        """One turn: the messages, the transfers' progress, a step if there is work. Returns
         what to send the front end (None: nothing happened). Raises once
-        `MAX_CONSECUTIVE_FAILURES` steps or handoff calls failed in a row."""
+        `MAX_CONSECUTIVE_FAILURES` steps or transfer polls failed in a row."""
         outputs: list[TokenOutput] = []
         for msg in messages:
             outputs.extend(self._handle(msg))
-        produced = self._guarded(self.handoff.poll)
+        produced = self._guarded(self.engine.poll_transfers)
         stepped = self.engine.has_unfinished()
         if stepped:
-            produced.extend(self._hand_over(self._step()))
+            produced.extend(self._step())
         outputs.extend(_to_wire(o) for o in produced)
         outputs = self.stream_interval.pass_on(outputs, live=self.engine.requests)
         if not (stepped or outputs):
@@ -171,7 +171,7 @@ class EngineLoop:
         gone); heartbeats while idle."""
         poller = zmq.Poller()
         poller.register(inbox.socket, zmq.POLLIN)
-        doorbell = self.handoff.doorbell
+        doorbell = self.engine.connector.doorbell if self.engine.connector else None
         if doorbell is not None:
             poller.register(doorbell.fileno(), zmq.POLLIN)
         parent_pid = os.getppid()
@@ -211,29 +211,13 @@ class EngineLoop:
         return outputs
 
     def _guarded(self, work) -> list[RequestOutput]:
-        """Handoff bookkeeping: a failure is logged and counted like a failed step."""
+        """Transfer bookkeeping: a failure is logged and counted like a failed step."""
         try:
             return work()
         except Exception:
             self._count_failure()
-            logger.exception("disaggregation handoff failed")
+            logger.exception("the disaggregated transfers' poll failed")
             return []
-
-    def _hand_over(self, step_outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """The handoff takes the step's outputs; if it raises, their requests fail (aborted
-        in the handoff and the engine) instead of waiting for outputs that never come."""
-        try:
-            return self.handoff.on_step(step_outputs)
-        except Exception as e:
-            self._count_failure()
-            logger.exception("disaggregation handoff failed on a step's outputs")
-            reason = f"the engine failed while running this request: {short_reason(e)}"
-            failed = []
-            for output in step_outputs:
-                with contextlib.suppress(Exception):
-                    self.handoff.abort(output.request_id)
-                failed.append(_failed_output(output, reason))
-            return failed
 
     def _count_failure(self) -> None:
         self.consecutive_failures += 1
@@ -245,11 +229,11 @@ class EngineLoop:
 
     def idle_wait_ms(self) -> int:
         """How long to wait for requests: not at all while the engine has work, briefly while
-        rooms are in flight (the handoff's doorbell ends the wait at each room's change; this
+        rooms are in flight (the connector's doorbell ends the wait at each room's change; this
         bounds it for the queues' deadlines), else until the next heartbeat."""
         if self.engine.has_unfinished():
             return 0
-        if self.handoff.busy:
+        if self.engine.has_transfers:
             return HANDOFF_POLL_MS
         return int(HEARTBEAT_S * 1000)
 
@@ -258,9 +242,10 @@ class EngineLoop:
         if isinstance(msg, Shutdown):
             self.running = False
         elif isinstance(msg, FailRoom):
-            self.handoff.fail_room(msg)
+            if self.engine.connector is not None:
+                self.engine.connector.fail_room(msg)
         elif isinstance(msg, AbortRequest):
-            self.handoff.abort(msg.request_id)
+            self.engine.abort_request(msg.request_id)
             self.stream_interval.drop(msg.request_id)
         else:
             return self._add(msg)
@@ -269,10 +254,8 @@ class EngineLoop:
     def _add(self, msg: GenerateRequest) -> list[TokenOutput]:
         try:
             params = SamplingParams(**msg.sampling)
-            if self.handoff.disaggregated != (msg.bootstrap is not None):
-                raise InvalidRequestError(_role_mismatch(self.handoff.disaggregated))
-            refused = self.handoff.add(msg.request_id, msg.prompt_token_ids, params, msg.bootstrap)
-            return [] if refused is None else [_to_wire(refused)]
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.bootstrap)
+            return []
         except (InvalidRequestError, InvalidSamplingParams, TypeError) as e:
             return [_failed(msg, Failure(FailureKind.INVALID, FailureStage.ENGINE, str(e)))]
         except Exception as e:
@@ -281,11 +264,11 @@ class EngineLoop:
             return [_failed(msg, Failure(FailureKind.INTERNAL, FailureStage.ENGINE, reason))]
 
     def _stats(self) -> EngineStats:
-        scheduler = self.engine.scheduler
-        cache = self.engine.prefix_cache
+        engine = self.engine
+        cache = engine.prefix_cache
         return EngineStats(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
+            num_running=engine.count(RequestStatus.RUNNING),
+            num_waiting=engine.count(RequestStatus.WAITING),
             kv_pages_used=self.engine.kv_pages_in_use,
             kv_pages_total=self.engine.allocator.num_pages,
             num_steps=self.num_steps,
@@ -293,7 +276,7 @@ class EngineLoop:
             batched_tokens=self.batched_tokens,
             kv_pages_cached=cache.num_pages if cache else 0,
             prefix_cache_evictions=cache.num_evicted if cache else 0,
-            disagg=self.handoff.stats(),
+            disagg=engine.connector.stats() if engine.connector is not None else None,
         )
 
     def _send(self, outbox: Channel, msg: StepOutputs | EngineStats) -> None:
@@ -327,27 +310,6 @@ def short_reason(error: BaseException, limit: int = 200) -> str:
     lines = str(error).strip().splitlines()
     text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _role_mismatch(disaggregated: bool) -> str:
-    if disaggregated:
-        return (
-            "this is a disaggregated worker: requests need bootstrap_host, bootstrap_port and "
-            "bootstrap_room (send them through `pdserve router`)"
-        )
-    return "this is a colocated worker: requests must not carry bootstrap fields"
-
-
-def _failed_output(output: RequestOutput, reason: str) -> RequestOutput:
-    return dataclasses.replace(
-        output,
-        new_token_ids=[],
-        new_logprobs=None if output.new_logprobs is None else [],
-        new_top_logprobs=None if output.new_top_logprobs is None else [],
-        finished=True,
-        finish_reason="abort",
-        failure=Failure(FailureKind.INTERNAL, FailureStage.ENGINE, reason),
-    )
 
 
 def _failed(msg: GenerateRequest, failure: Failure) -> TokenOutput:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.handoff import WorkerFactory
+from pdserve.engine.kv_connector import WorkerFactory
 
 ROLES = ("colocated", "prefill", "decode")
 

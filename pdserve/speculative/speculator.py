@@ -24,11 +24,11 @@ from pdserve.engine.overlap import placeholder
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import filtered_probs, generator_at
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.engine.speculator import Draft, Emitted, Proposals
+from pdserve.engine.speculator import Draft, DraftHandoff, Emitted, Proposals
 from pdserve.protocol.spec_settings import SpecSettings
 from pdserve.speculative import registry
 from pdserve.speculative.algorithm import SpeculativeAlgorithm
-from pdserve.speculative.state import ExtendItem
+from pdserve.speculative.state import DraftBatch, ExtendItem
 from pdserve.speculative.tree import DraftTree
 from pdserve.speculative.verify import accept_greedy, accept_sampling
 
@@ -80,6 +80,7 @@ class AlgorithmSpeculator:
         self.settings: SpecSettings = algorithm.settings
         self._drafted: torch.Tensor | None = None  # this step's device tokens (flat)
         self.steps_drafted_on_device = 0  # statistics, tests
+        self._seed_metadata = None  # the metadata record's layout, once asked (`seed_drafts`)
 
     # ---- start-up ----------------------------------------------------------------------
 
@@ -96,6 +97,40 @@ class AlgorithmSpeculator:
 
     def draft_page_bytes(self) -> int:
         return self.algorithm.draft_page_bytes()
+
+    def handoff(self, hidden_dtype: str) -> DraftHandoff:
+        algorithm, settings = self.algorithm, self.settings
+        draft_config = algorithm.draft_config()
+        return DraftHandoff(
+            algorithm=algorithm.name,
+            topk=settings.eagle_topk,
+            num_steps=settings.num_steps,
+            num_draft_tokens=settings.num_draft_tokens,
+            metadata=algorithm.metadata_spec(draft_config, hidden_dtype),
+            draft_pools=algorithm.draft_pools(),
+            draft_config=draft_config,
+        )
+
+    def seed_drafts(self, requests: list[Request], records: list) -> list:
+        """The algorithm's `build_disagg_draft_input`, checked: one state per request."""
+        algorithm, engine = self.algorithm, self.engine
+        if self._seed_metadata is None:  # NOTE: once: the draft's config is read from disk
+            self._seed_metadata = self.handoff(str(engine.dtype).removeprefix("torch.")).metadata
+        batch = DraftBatch([r.request_id for r in requests], self._seed_metadata, engine.device)
+        states = algorithm.build_disagg_draft_input(
+            batch, [r.first_token for r in records], records
+        )
+        if states is None or len(states) != len(requests):
+            raise ValueError(
+                f"{algorithm.name}.build_disagg_draft_input returned "
+                f"{'None' if states is None else len(states)} inputs for {len(requests)} requests"
+            )
+        missing = [r.request_id for r, s in zip(requests, states, strict=True) if s is None]
+        if missing:
+            raise ValueError(
+                f"{algorithm.name}.build_disagg_draft_input returned None for {missing[:3]}"
+            )
+        return states
 
     def build_pools(self, num_pages: int) -> None:
         self.algorithm.build_pools(num_pages)
@@ -305,7 +340,7 @@ class AlgorithmSpeculator:
             done = request.num_computed_tokens == request.num_tokens - 1
             request.draft_state = state if done else None
             if done:
-                self.engine.scheduler.trim_pages(request, request.num_tokens)
+                self.engine.trim_pages(request, request.num_tokens)
 
     def _commit(
         self, request: Request, draft: TreeDraft, output: ForwardOutput, index: int

@@ -10,10 +10,11 @@ import dataclasses
 import pytest
 
 from pdserve import LLM
-from pdserve.decode.handoff import DecodeHandoff
-from pdserve.prefill.handoff import PrefillHandoff
+from pdserve.decode.connector import DecodeConnector
+from pdserve.engine.request import RequestStatus
+from pdserve.prefill.connector import PrefillConnector
 from tests.conftest import random_prompts
-from tests.unit.test_handoffs import CONFIG, GREEDY, boot, drive, finished, generate, tokens
+from tests.unit.test_handoffs import CONFIG, GREEDY, boot, drive, finished, generate, phase, tokens
 
 pytestmark = pytest.mark.gpu
 
@@ -27,8 +28,8 @@ def test_streamed_handoff_on_a_gpu_equals_colocated(backend, tiny_model_dirs):
     prompts = random_prompts((300, 90, 7), 1000, seed=3)
     expected = [o.token_ids for o in LLM(model, **engine_args).generate(prompts, GREEDY)]
     config = dataclasses.replace(CONFIG, backend=backend, piece_bytes=1, progress_timeout_s=20)
-    prefill = PrefillHandoff(LLM(model, chunked_prefill_size=32, **engine_args).engine, config)
-    decode = DecodeHandoff(LLM(model, **engine_args).engine, config)
+    prefill = PrefillConnector(LLM(model, chunked_prefill_size=32, **engine_args).engine, config)
+    decode = DecodeConnector(LLM(model, **engine_args).engine, config)
     try:
         messages = {
             prefill: [
@@ -43,7 +44,7 @@ def test_streamed_handoff_on_a_gpu_equals_colocated(backend, tiny_model_dirs):
         for i, want in enumerate(expected):
             assert tokens(outputs, f"d{i}") == want, f"prompt {i}"
         assert prefill.metrics.pieces_sent > len(prompts)  # the long prompts streamed
-        drive(prefill, until=lambda _: not prefill.sending, deadline_s=20)
+        drive(prefill, until=lambda _: not phase(prefill, RequestStatus.SENDING_KV), deadline_s=20)
         assert prefill.engine.kv_pages_in_use == 0 and decode.engine.kv_pages_in_use == 0
     finally:
         prefill.stop()

@@ -1,5 +1,5 @@
 """A step that raises fails the requests of its batch (pages freed), not the engine loop; so
-does a handoff that raises. Driven through the loop's turn (`EngineLoop.tick`), as the engine
+does a KV connector that raises. Driven through the loop's turn (`EngineLoop.tick`), as the engine
 process runs it."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.handoff import Colocated
+from pdserve.engine.kv_connector import KVConnector, KVReady
+from pdserve.engine.request import RequestStatus
 from pdserve.protocol.engine_messages import (
     AbortRequest,
     Bootstrap,
@@ -30,7 +31,7 @@ def engine(tiny_model_dirs):
 
 @pytest.fixture
 def loop(engine):
-    return EngineLoop(Colocated(engine))
+    return EngineLoop(engine)
 
 
 def params(n: int = 8) -> SamplingParams:
@@ -104,12 +105,18 @@ def test_a_step_that_succeeds_resets_the_failure_count(engine, loop, monkeypatch
     assert outputs[0].error is None and loop.consecutive_failures == 0
 
 
-class BrokenHandoff(Colocated):
-    """The null handoff, but `poll` or `on_step` raises the next `count` times."""
+class BrokenConnector(KVConnector):
+    """A prefill-like connector whose KV moves at once; `finished` (inside a step) or
+    `poll` raises the next `count` times."""
+
+    role = "prefill"
+    initial_status = RequestStatus.WAITING_FOR_PEER
+    keeps_pages = True
 
     def __init__(self, engine, broken: str, count: int):
         super().__init__(engine)
         self.broken, self.left = broken, count
+        self.new: list[str] = []
         self.aborted: list[str] = []
 
     def _maybe_raise(self, method: str) -> None:
@@ -117,38 +124,70 @@ class BrokenHandoff(Colocated):
             self.left -= 1
             raise RuntimeError(f"{method} broke")
 
+    def sampling_params(self, params):
+        return dataclasses.replace(params, max_new_tokens=1)
+
+    def rejected(self, request_id, bootstrap, error):
+        return Failure(FailureKind.INVALID, FailureStage.BOOTSTRAP, str(error))
+
+    def add(self, request, bootstrap):
+        request.transfer = bootstrap
+        self.new.append(request.request_id)
+        return None
+
+    def finished(self, request) -> None:
+        self._maybe_raise("finished")
+
+    def ended(self, request, failure) -> bool:
+        self.aborted.append(request.request_id)
+        return False
+
     def poll(self):
         self._maybe_raise("poll")
-        return super().poll()
+        ready, self.new = self.new, []
+        return [KVReady(request_id) for request_id in ready]
 
-    def on_step(self, outputs):
-        self._maybe_raise("on_step")
-        return super().on_step(outputs)
+    def fail_room(self, msg) -> None:
+        pass
 
-    def abort(self, request_id: str) -> bool:
-        self.aborted.append(request_id)
-        return super().abort(request_id)
+    def stats(self):
+        return None
+
+    def stop(self) -> None:
+        pass
 
 
-def test_a_handoff_that_fails_on_a_steps_outputs_fails_their_requests(engine):
-    handoff = BrokenHandoff(engine, "on_step", 1)
-    loop = EngineLoop(handoff)
-    outputs = tick(loop, generate("a", [5, 6, 7]), generate("b", [8, 9]))
+@pytest.fixture
+def fresh_engine(tiny_model_dirs):
+    """An engine of its own: a connector connects to it for good."""
+    return LLM(tiny_model_dirs("llama"), device="cpu", max_model_len=128).engine
+
+
+def test_a_connector_that_fails_on_a_steps_outputs_fails_their_requests(fresh_engine):
+    engine = fresh_engine
+    connector = BrokenConnector(engine, "finished", 1)
+    loop = EngineLoop(engine)
+    room = Bootstrap("127.0.0.1", 8998, 1)
+    outputs = tick(
+        loop, generate("a", [5, 6, 7], bootstrap=room), generate("b", [8, 9], bootstrap=room)
+    )
     assert sorted(o.request_id for o in outputs) == ["a", "b"]
     for output in outputs:
         assert output.finished and output.failure.kind is FailureKind.INTERNAL
         assert output.error == (
-            "the engine failed while running this request: RuntimeError: on_step broke"
+            "the engine failed while running this request: RuntimeError: finished broke"
         )
         assert output.new_token_ids == []
-    # Aborted through the handoff, which ends them in the engine: nothing left, pages free.
-    assert sorted(handoff.aborted) == ["a", "b"]
-    assert not engine.has_unfinished() and engine.kv_pages_in_use == 0
+    # Ended through the connector, and in the engine: nothing left, pages free.
+    assert sorted(connector.aborted) == ["a", "b"]
+    assert not engine.has_unfinished() and not engine.has_transfers
+    assert engine.kv_pages_in_use == 0
     assert loop.consecutive_failures == 1
 
 
-def test_a_handoff_whose_poll_keeps_failing_ends_the_loop(engine):
-    loop = EngineLoop(BrokenHandoff(engine, "poll", MAX_CONSECUTIVE_FAILURES))
+def test_a_connector_whose_poll_keeps_failing_ends_the_loop(fresh_engine):
+    BrokenConnector(fresh_engine, "poll", MAX_CONSECUTIVE_FAILURES)
+    loop = EngineLoop(fresh_engine)
     for _ in range(MAX_CONSECUTIVE_FAILURES - 1):
         assert loop.tick([]) is None  # logged and counted; nothing to report
     assert loop.consecutive_failures == MAX_CONSECUTIVE_FAILURES - 1

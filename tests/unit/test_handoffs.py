@@ -12,9 +12,10 @@ import threading
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.decode.handoff import DecodeHandoff
-from pdserve.engine.handoff import Handoff
-from pdserve.prefill.handoff import PrefillHandoff
+from pdserve.decode.connector import DecodeConnector
+from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.request import RequestStatus
+from pdserve.prefill.connector import PrefillConnector
 from pdserve.protocol.engine_messages import (
     AbortRequest,
     Bootstrap,
@@ -45,14 +46,28 @@ def pair(tiny_model_dirs):
     decode_engine = LLM(
         model, device="cpu", page_size=PAGE, kv_cache_memory=12 * page_bytes, max_model_len=48
     ).engine
-    prefill = PrefillHandoff(prefill_engine, CONFIG)
-    decode = DecodeHandoff(decode_engine, CONFIG)
+    prefill = PrefillConnector(prefill_engine, CONFIG)
+    decode = DecodeConnector(decode_engine, CONFIG)
     yield prefill, decode, model
     prefill.stop()
     decode.stop()
 
 
-def boot(prefill: PrefillHandoff, room: int) -> Bootstrap:
+def add(connector: KVConnector, request_id, prompt, params, bootstrap):
+    """Hand a request to the worker's engine, as its loop does; the failure output if it is
+    refused at once (reported by the engine's next `poll_transfers`), else None."""
+    engine = connector.engine
+    if engine.add_request(request_id, prompt, params, bootstrap) is not None:
+        return None
+    return next(o for o in engine.poll_transfers() if o.request_id == request_id)
+
+
+def phase(connector: KVConnector, status: RequestStatus) -> list[str]:
+    """The ids of the connector's requests in `status`."""
+    return [r.request_id for r in connector.in_phase(status)]
+
+
+def boot(prefill: PrefillConnector, room: int) -> Bootstrap:
     return Bootstrap("127.0.0.1", prefill.bootstrap_port, room)
 
 
@@ -64,13 +79,13 @@ def generate(
 
 
 def drive(
-    *handoffs: Handoff, until, deadline_s=20.0, messages=None
+    *handoffs: KVConnector, until, deadline_s=20.0, messages=None
 ) -> dict[str, list[TokenOutput]]:
     """Turn each worker's engine loop (`EngineLoop.tick`: messages, poll, step, hand over)
     until `until(outputs)`; the outputs it would send, by request id. `messages` (handoff ->
     list) reach a loop in its first turn. The loop keeps no request state (the engine and the
     handoff do), so each drive may start fresh loops."""
-    loops = [EngineLoop(handoff) for handoff in handoffs]
+    loops = [EngineLoop(handoff.engine) for handoff in handoffs]
     inboxes = [list((messages or {}).get(handoff, [])) for handoff in handoffs]
     outputs: dict[str, list[TokenOutput]] = {}
 
@@ -127,12 +142,13 @@ def test_decode_admits_by_free_pages_in_order(pair):
     long = dataclasses.replace(GREEDY, max_new_tokens=1)
     # 11 pages, then 5 pages: the second waits until the first's pages are free.
     first, second = random_prompts((44, 20), 250, seed=6)
-    decode.add("a", first, long, boot(prefill, 1))
-    decode.add("b", second, long, boot(prefill, 2))
-    decode.poll()
-    assert list(decode.prealloc) == ["b"] and list(decode.transferring) == ["a"]
-    prefill.add("pa", first, long, boot(prefill, 1))
-    prefill.add("pb", second, long, boot(prefill, 2))
+    add(decode, "a", first, long, boot(prefill, 1))
+    add(decode, "b", second, long, boot(prefill, 2))
+    decode.engine.poll_transfers()
+    assert phase(decode, RequestStatus.WAITING_FOR_PAGES) == ["b"]
+    assert phase(decode, RequestStatus.RECEIVING_KV) == ["a"]
+    add(prefill, "pa", first, long, boot(prefill, 1))
+    add(prefill, "pb", second, long, boot(prefill, 2))
     outputs = drive(prefill, decode, until=lambda o: finished(o, "a") and finished(o, "b"))
     assert outputs["a"][-1].error is None and outputs["b"][-1].error is None
     assert decode.engine.kv_pages_in_use == 0
@@ -141,7 +157,7 @@ def test_decode_admits_by_free_pages_in_order(pair):
 def test_decode_waiting_for_pages_times_out_with_a_reason(pair):
     prefill, decode, _ = pair
     held = decode.engine.reserve_pages(12 * PAGE)
-    decode.add("starved", [5, 6, 7], GREEDY, boot(prefill, 3))
+    add(decode, "starved", [5, 6, 7], GREEDY, boot(prefill, 3))
     outputs = drive(prefill, decode, until=lambda o: finished(o, "starved"))
     assert "no KV pages free" in outputs["starved"][-1].error
     assert outputs["starved"][-1].failure.label == "bootstrap/no_pages"
@@ -153,27 +169,27 @@ def test_aborts_free_pages_in_every_queue(pair):
     prefill, decode, _ = pair
     prompt = random_prompts((30,), 250, seed=7)[0]
     # Decode transferring (prefill never gets this room): abort frees the reservation.
-    decode.add("d", prompt, GREEDY, boot(prefill, 4))
-    decode.poll()
+    add(decode, "d", prompt, GREEDY, boot(prefill, 4))
+    decode.engine.poll_transfers()
     assert decode.engine.kv_pages_in_use > 0
-    assert decode.abort("d") and decode.engine.kv_pages_in_use == 0
+    assert decode.engine.abort_request("d") and decode.engine.kv_pages_in_use == 0
     # Prefill bootstrapping: nothing computed, nothing held.
-    prefill.add("p", prompt, GREEDY, boot(prefill, 5))
-    assert prefill.abort("p") and not prefill.bootstrapping
+    add(prefill, "p", prompt, GREEDY, boot(prefill, 5))
+    assert prefill.engine.abort_request("p") and not phase(prefill, RequestStatus.WAITING_FOR_PEER)
     # Prefill sending: the room waits for decode's ack, pages held; abort frees them.
-    decode.add("d2", prompt, GREEDY, boot(prefill, 6))
-    prefill.add("p2", prompt, GREEDY, boot(prefill, 6))
-    decode.transferring.clear()  # decode stops listening (its pages stay reserved below)
-    drive(prefill, decode, until=lambda _: bool(prefill.sending), deadline_s=10)
+    add(decode, "d2", prompt, GREEDY, boot(prefill, 6))
+    add(prefill, "p2", prompt, GREEDY, boot(prefill, 6))
+    sending = RequestStatus.SENDING_KV
+    drive(prefill, decode, until=lambda _: bool(phase(prefill, sending)), deadline_s=10)
     assert prefill.engine.kv_pages_in_use > 0
-    assert prefill.abort("p2") and prefill.engine.kv_pages_in_use == 0
+    assert prefill.engine.abort_request("p2") and prefill.engine.kv_pages_in_use == 0
 
 
 def test_refused_prompt_fails_the_decode_room_at_once(pair):
     prefill, decode, _ = pair
     too_long = [7] * prefill.engine.max_model_len
-    decode.add("d", [5, 6], GREEDY, boot(prefill, 8))
-    refused = prefill.add("p", too_long, GREEDY, boot(prefill, 8))
+    add(decode, "d", [5, 6], GREEDY, boot(prefill, 8))
+    refused = add(prefill, "p", too_long, GREEDY, boot(prefill, 8))
     assert refused.failure.kind is FailureKind.INVALID and "maximum context length" in refused.error
     outputs = drive(prefill, decode, until=lambda o: finished(o, "d"), deadline_s=2)
     assert "prefill rejected" in outputs["d"][-1].error
@@ -183,7 +199,7 @@ def test_refused_prompt_fails_the_decode_room_at_once(pair):
 
 def test_fail_room_from_the_front_end_reaches_decode(pair):
     prefill, decode, _ = pair
-    decode.add("d", [5, 6], GREEDY, boot(prefill, 9))
+    add(decode, "d", [5, 6], GREEDY, boot(prefill, 9))
     prefill.fail_room(FailRoom(9, "invalid request body"))
     outputs = drive(prefill, decode, until=lambda o: finished(o, "d"), deadline_s=2)
     assert "invalid request body" in outputs["d"][-1].error
@@ -191,11 +207,11 @@ def test_fail_room_from_the_front_end_reaches_decode(pair):
 
 def test_a_room_in_use_is_refused(pair):
     prefill, decode, _ = pair
-    assert decode.add("a", [5], GREEDY, boot(prefill, 10)) is None
-    assert prefill.add("pa", [5], GREEDY, boot(prefill, 10)) is None
+    assert add(decode, "a", [5], GREEDY, boot(prefill, 10)) is None
+    assert add(prefill, "pa", [5], GREEDY, boot(prefill, 10)) is None
     for refused in (
-        decode.add("b", [5], GREEDY, boot(prefill, 10)),
-        prefill.add("pb", [5], GREEDY, boot(prefill, 10)),
+        add(decode, "b", [5], GREEDY, boot(prefill, 10)),
+        add(prefill, "pb", [5], GREEDY, boot(prefill, 10)),
     ):
         assert "already in use" in refused.error
         assert refused.failure.label == "bootstrap/invalid"
@@ -203,7 +219,7 @@ def test_a_room_in_use_is_refused(pair):
 
 def test_decode_refusal_fails_the_prefill_room(pair):
     prefill, decode, _ = pair
-    prefill.add("p", [5, 6], GREEDY, boot(prefill, 11))
+    add(prefill, "p", [5, 6], GREEDY, boot(prefill, 11))
     decode.fail_room(FailRoom(11, "too many tokens", "127.0.0.1", prefill.bootstrap_port))
     outputs = drive(prefill, decode, until=lambda o: finished(o, "p"), deadline_s=2)
     assert "decode rejected the request: too many tokens" in outputs["p"][-1].error
@@ -213,20 +229,20 @@ def test_decode_refusal_fails_the_prefill_room(pair):
 def test_a_bootstrap_host_outside_the_allow_list_is_refused_as_invalid(pair):
     prefill, decode, _ = pair
     decode.client.allow_list = PeerAllowList(parse_allow_list(["10.0.0.0/8"]))
-    refused = decode.add("d", [5, 6], GREEDY, boot(prefill, 12))
+    refused = add(decode, "d", [5, 6], GREEDY, boot(prefill, 12))
     assert refused.failure.kind is FailureKind.INVALID
     assert "bootstrap_host '127.0.0.1'" in refused.error
     # The front end then reports the refusal; still nothing is contacted.
     decode.fail_room(FailRoom(12, refused.error, "127.0.0.1", prefill.bootstrap_port))
-    decode.poll()
+    decode.engine.poll_transfers()
     assert decode.engine.kv_pages_in_use == 0 and not decode.client.peers
 
 
 def test_a_refused_room_counts_as_one_failure_on_each_side(pair):
     prefill, decode, _ = pair
     too_long = [7] * prefill.engine.max_model_len
-    decode.add("d", [5, 6], GREEDY, boot(prefill, 13))
-    refused = prefill.add("p", too_long, GREEDY, boot(prefill, 13))
+    add(decode, "d", [5, 6], GREEDY, boot(prefill, 13))
+    refused = add(prefill, "p", too_long, GREEDY, boot(prefill, 13))
     outputs = drive(prefill, decode, until=lambda o: finished(o, "d"), deadline_s=2)
     # Each front end turns its failure output into an error, which reports the room again.
     prefill.fail_room(FailRoom(13, refused.error))
@@ -239,20 +255,23 @@ def test_a_refused_room_counts_as_one_failure_on_each_side(pair):
 def test_a_disaggregated_worker_refuses_a_request_without_bootstrap_fields(pair):
     prefill, decode, _ = pair
     for handoff in (prefill, decode):
-        (output,) = EngineLoop(handoff).tick([generate("plain", [5, 6], GREEDY, None)]).outputs
+        (output,) = (
+            EngineLoop(handoff.engine).tick([generate("plain", [5, 6], GREEDY, None)]).outputs
+        )
         assert output.finished and output.failure.kind is FailureKind.INVALID
         assert output.error.startswith("this is a disaggregated worker: requests need")
-    assert not prefill.bootstrapping and not decode.prealloc
+    assert not prefill.requests and not decode.requests
 
 
 def test_an_abort_message_ends_the_request_in_the_handoff(pair):
     prefill, decode, _ = pair
-    loop = EngineLoop(decode)
+    loop = EngineLoop(decode.engine)
     # Pages reserved and waiting for KV that never comes (prefill never gets this room).
     assert loop.tick([generate("d", [5] * 30, GREEDY, boot(prefill, 14))]) is None
-    assert list(decode.transferring) == ["d"] and decode.engine.kv_pages_in_use > 0
+    assert phase(decode, RequestStatus.RECEIVING_KV) == ["d"]
+    assert decode.engine.kv_pages_in_use > 0
     loop.tick([AbortRequest("d")])
-    assert not decode.transferring and decode.engine.kv_pages_in_use == 0
+    assert not decode.requests and decode.engine.kv_pages_in_use == 0
 
 
 def test_an_abort_message_ends_a_request_that_joined_the_decode_batch(pair):
@@ -260,8 +279,8 @@ def test_an_abort_message_ends_a_request_that_joined_the_decode_batch(pair):
     long = dataclasses.replace(GREEDY, max_new_tokens=30)
     messages = one_request(prefill, decode, "", [5, 6, 7], long, 15)
     drive(prefill, decode, until=lambda o: "d" in o, messages=messages)
-    assert decode.engine.has_unfinished() and not decode.transferring  # decoding now
-    EngineLoop(decode).tick([AbortRequest("d")])
+    assert decode.engine.has_unfinished() and not decode.requests  # decoding now
+    EngineLoop(decode.engine).tick([AbortRequest("d")])
     assert not decode.engine.has_unfinished() and decode.engine.kv_pages_in_use == 0
 
 
@@ -274,8 +293,8 @@ def streaming_pair(request, tiny_model_dirs):
     config = dataclasses.replace(CONFIG, piece_bytes=1, backend=request.param)
     prefill_engine = LLM(model, device="cpu", page_size=PAGE, chunked_prefill_size=8).engine
     decode_engine = LLM(model, device="cpu", page_size=PAGE).engine
-    prefill = PrefillHandoff(prefill_engine, config)
-    decode = DecodeHandoff(decode_engine, config)
+    prefill = PrefillConnector(prefill_engine, config)
+    decode = DecodeConnector(decode_engine, config)
     yield prefill, decode, model
     prefill.stop()
     decode.stop()
@@ -301,7 +320,9 @@ def test_kv_streamed_while_prefill_runs_equals_colocated(streaming_pair):
         assert tokens(outputs, f"d{i}") == expected[i]
     # 41 tokens: 10 pages completed chunk by chunk (4 pieces of 2), then the rest (11th page).
     assert prefill.metrics.pieces_sent >= 3 + 4 + 2
-    drive(prefill, until=lambda _: not prefill.sending, deadline_s=10)  # decode's ack lands
+    drive(
+        prefill, until=lambda _: not phase(prefill, RequestStatus.SENDING_KV), deadline_s=10
+    )  # decode's ack lands
     assert prefill.engine.kv_pages_in_use == 0 and decode.engine.kv_pages_in_use == 0
 
 
@@ -310,10 +331,15 @@ def test_a_prefill_aborted_after_some_pieces_fails_decode_and_frees_both_sides(s
     prompt = random_prompts((64,), 250, seed=9)[0]
     messages = one_request(prefill, decode, "", prompt, GREEDY, 30)
     drive(prefill, decode, until=lambda _: prefill.metrics.pieces_sent >= 2, messages=messages)
-    assert "p" in prefill.prefilling  # mid-prompt: 16 pages, 4 at most computed
-    assert prefill.abort("p")
+    assert (
+        prefill.engine.requests["p"].status is RequestStatus.RUNNING
+    )  # mid-prompt: 16 pages, 4 at most computed
+    assert prefill.engine.abort_request("p")
     outputs = drive(prefill, decode, until=lambda o: finished(o, "d"), deadline_s=10)
     assert "prefill request was aborted" in outputs["d"][-1].error
+    # NOTE: over ipc decode's pages stay pinned until prefill says its writes are over
+    # (`RoomReleased`), which may come a turn after the room's failure.
+    drive(prefill, decode, until=lambda _: decode.engine.kv_pages_in_use == 0, deadline_s=5)
     assert prefill.engine.kv_pages_in_use == 0 and decode.engine.kv_pages_in_use == 0
 
 
@@ -342,7 +368,9 @@ def test_a_conversation_decoded_here_receives_only_its_new_pages(streaming_pair)
         assert decode.metrics.bytes_received - received == (pages - cached) * page_bytes
         known = len(prompt) + len(answer) - 1  # the last answer token was never computed
         prompt = prompt + answer + random_prompts((9,), 250, seed=10 + turn)[0]
-    drive(prefill, until=lambda _: not prefill.sending, deadline_s=10)  # decode's ack lands
+    drive(
+        prefill, until=lambda _: not phase(prefill, RequestStatus.SENDING_KV), deadline_s=10
+    )  # decode's ack lands
     for handoff in (prefill, decode):
         assert handoff.engine.kv_pages_in_use == 0
         cache = handoff.engine.prefix_cache
@@ -359,9 +387,9 @@ def test_a_room_that_ends_before_its_kv_drops_its_cached_pages(streaming_pair):
     cache = decode.engine.prefix_cache
     assert cache.num_pages >= 6
     # Turn 2 reaches decode only: it holds the cached pages and waits for KV that never comes.
-    loop = EngineLoop(decode)
+    loop = EngineLoop(decode.engine)
     assert loop.tick([generate("d2", prompt + answer + [7, 8], GREEDY, boot(prefill, 51))]) is None
-    room = decode.transferring["d2"].receiver
+    room = decode.engine.requests["d2"].transfer.receiver
     assert room.num_cached_pages == (len(prompt) + len(answer) - 1) // PAGE
     assert cache.num_unreferenced == cache.num_pages - room.num_cached_pages
     ipc = decode.config.backend == "ipc"
@@ -371,7 +399,7 @@ def test_a_room_that_ends_before_its_kv_drops_its_cached_pages(streaming_pair):
         # NOTE: prefill's IO thread waits, so that its answer cannot come before we look.
         prefill.server.io.call(lambda: gate.wait(10))
     loop.tick([AbortRequest("d2")])
-    assert not decode.transferring
+    assert not decode.requests
     if ipc:
         # Prefill might still write the pages: they wait for its word (RoomReleased).
         assert decode.stats().num_held_back == 1 and decode.engine.kv_pages_in_use > 0
@@ -417,10 +445,10 @@ def test_a_request_refused_for_its_own_fault_is_logged_at_info_not_warning(pair,
     prefill, decode, _ = pair
     too_long = [7] * prefill.engine.max_model_len
     with caplog.at_level(logging.INFO):
-        decode.add("d", [5, 6], GREEDY, boot(prefill, 14))
-        prefill.add("p", too_long, GREEDY, boot(prefill, 14))
+        add(decode, "d", [5, 6], GREEDY, boot(prefill, 14))
+        add(prefill, "p", too_long, GREEDY, boot(prefill, 14))
         drive(prefill, decode, until=lambda o: finished(o, "d"), deadline_s=2)
-        prefill.add("p2", [5, 6], GREEDY, boot(prefill, 15))
+        add(prefill, "p2", [5, 6], GREEDY, boot(prefill, 15))
         decode.fail_room(FailRoom(15, "too many tokens", "127.0.0.1", prefill.bootstrap_port))
         drive(prefill, decode, until=lambda o: finished(o, "p2"), deadline_s=2)
     failed = {r.getMessage().split()[1]: r.levelno for r in caplog.records if "failed:" in r.msg}

@@ -20,10 +20,10 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "pdserve"
 LAYERS: dict[str, set[str]] = {
     "protocol": set(),  # wire messages and settings: everyone's, torch-free
     "transfer": {"protocol"},  # moves bytes between workers; knows no engine
-    "engine": {"protocol"},  # the engine and the interfaces it drives (Speculator, Handoff)
+    "engine": {"protocol"},  # the engine and the interfaces it drives (Speculator, KVConnector)
     "speculative": {"engine", "protocol"},  # implements the engine's Speculator
     "disagg": {"engine", "transfer", "protocol"},  # what the prefill and decode roles share
-    # The roles: each builds its worker (engine + handoff); none imports another, or server.
+    # The roles: each builds its worker (engine + connector); none imports another, or server.
     "colocated": {"engine", "speculative", "protocol"},
     "prefill": {"disagg", "engine", "speculative", "transfer", "protocol"},
     "decode": {"disagg", "engine", "speculative", "transfer", "protocol"},

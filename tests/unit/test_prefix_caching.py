@@ -183,25 +183,19 @@ def test_speculative_decoding_caches_only_without_draft_kv(model, spec_drafts, a
 def test_a_prefill_engine_reuses_its_cache_and_the_handoff_stays_exact(model):
     """A prefill engine lets a handed-off request's pages go into its cache once their KV is
     sent: the next prompt with the same stem computes only what follows it."""
-    from pdserve.transfer.kv_staging import KVStager
-    from tests.unit.test_engine_handoff import prefill, run_to_end
+    from tests.unit.local_connectors import hand_off, pair
 
     engine_p, engine_d = _llm(model).engine, _llm(model).engine
+    prefill, decode = pair(engine_p, engine_d)
     vocab = engine_p.model_config.vocab_size
     stem = random_prompts((13,), vocab, seed=41)[0]
     prompts = [stem + tail for tail in random_prompts([3, 6], vocab, seed=42)]
     reference = _llm(model, disable_prefix_caching=True)
     expected = [r.output_token_ids for r in _run(reference.engine, prompts)]
     for i, prompt in enumerate(prompts):
-        first, pages_p = prefill(engine_p, f"p{i}", prompt, GREEDY)
-        assert engine_p.held[f"p{i}"].num_cached_tokens == (12 if i else 0)
-        pages_d = engine_d.reserve_pages(len(prompt))
-        KVStager([engine_d.kv_pool]).scatter(
-            [pages_d], KVStager([engine_p.kv_pool]).gather([pages_p])
-        )
-        engine_p.release_held(f"p{i}")
-        engine_d.add_prebuilt(f"p{i}", prompt, GREEDY, pages_d, first)
-        assert [first, *run_to_end(engine_d)[f"p{i}"]] == expected[i]
+        outputs = hand_off(prefill, decode, f"p{i}", prompt, GREEDY, room=i + 1)
+        assert prefill.records[f"p{i}"].cached_tokens == (12 if i else 0)
+        assert [t for o in outputs for t in o.new_token_ids] == expected[i]
     assert engine_p.kv_pages_in_use == 0 and engine_d.kv_pages_in_use == 0
     assert engine_p.prefix_cache.num_pages == 5  # the stem's 3 pages and each prompt's 4th
 

@@ -11,11 +11,11 @@ import dataclasses
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.decode.handoff import DecodeHandoff
-from pdserve.prefill.handoff import PrefillHandoff
+from pdserve.decode.connector import DecodeConnector
+from pdserve.prefill.connector import PrefillConnector
 from pdserve.protocol.spec_settings import SpecSettings
 from tests.conftest import random_prompts
-from tests.unit.test_handoffs import CONFIG, boot, drive, finished
+from tests.unit.test_handoffs import CONFIG, add, boot, drive, finished
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 CHAIN = {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}
@@ -34,8 +34,8 @@ def engine(model, algorithm, draft, shape):
 
 def run_pair(prefill, decode, prompts):
     for i, prompt in enumerate(prompts):
-        assert prefill.add(f"p{i}", prompt, GREEDY, boot(prefill, 100 + i)) is None
-        assert decode.add(f"d{i}", prompt, GREEDY, boot(prefill, 100 + i)) is None
+        assert add(prefill, f"p{i}", prompt, GREEDY, boot(prefill, 100 + i)) is None
+        assert add(decode, f"d{i}", prompt, GREEDY, boot(prefill, 100 + i)) is None
     names = [f"d{i}" for i in range(len(prompts))] + [f"p{i}" for i in range(len(prompts))]
     # NOTE: a generous deadline: two engines and two transfer threads share a 2-core CI box.
     return drive(prefill, decode, until=lambda o: all(finished(o, n) for n in names), deadline_s=90)
@@ -61,8 +61,8 @@ def assert_exactly_the_targets(algorithm, shape, drafts, tiny_model_dirs, config
     model = tiny_model_dirs("llama")
     prompts = [*random_prompts((1, 6, 21), 250, seed=11), [7, 8, 9] * 5]
     expected = [o.token_ids for o in LLM(model, device="cpu").generate(prompts, GREEDY)]
-    prefill = PrefillHandoff(engine(model, algorithm, drafts[algorithm], shape), config)
-    decode = DecodeHandoff(engine(model, algorithm, drafts[algorithm], shape), config)
+    prefill = PrefillConnector(engine(model, algorithm, drafts[algorithm], shape), config)
+    decode = DecodeConnector(engine(model, algorithm, drafts[algorithm], shape), config)
     try:
         outputs = run_pair(prefill, decode, prompts)
         for i, want in enumerate(expected):
@@ -82,8 +82,8 @@ def test_a_copy_draft_keeps_accepting_everything_after_the_handoff(tiny_model_di
     drafted token from the first decode step on."""
     model = tiny_model_dirs("llama")
     shape = {"num_steps": 4, "eagle_topk": 1, "num_draft_tokens": 5}
-    prefill = PrefillHandoff(engine(model, "STANDALONE", model, shape), CONFIG)
-    decode = DecodeHandoff(engine(model, "STANDALONE", model, shape), CONFIG)
+    prefill = PrefillConnector(engine(model, "STANDALONE", model, shape), CONFIG)
+    decode = DecodeConnector(engine(model, "STANDALONE", model, shape), CONFIG)
     try:
         outputs = run_pair(prefill, decode, random_prompts((5, 18), 250, seed=12))
         for name in ("d0", "d1"):
@@ -113,12 +113,12 @@ def test_the_handshake_refuses_mismatched_speculation(
         algorithm, shape = spec
         return engine(model, algorithm, drafts[algorithm], shape)
 
-    prefill = PrefillHandoff(build(prefill_spec), CONFIG)
-    decode = DecodeHandoff(build(decode_spec), CONFIG)
+    prefill = PrefillConnector(build(prefill_spec), CONFIG)
+    decode = DecodeConnector(build(decode_spec), CONFIG)
     try:
         prompt = [5, 6, 7, 8]
-        prefill.add("p", prompt, GREEDY, boot(prefill, 7))
-        decode.add("d", prompt, GREEDY, boot(prefill, 7))
+        add(prefill, "p", prompt, GREEDY, boot(prefill, 7))
+        add(decode, "d", prompt, GREEDY, boot(prefill, 7))
         outputs = drive(prefill, decode, until=lambda o: finished(o, "d") and finished(o, "p"))
         error = outputs["d"][-1].error
         assert error is not None and field in error, error
@@ -131,8 +131,8 @@ def test_the_handshake_refuses_mismatched_speculation(
 
 def test_a_hook_that_returns_none_fails_the_room_not_the_worker(drafts, tiny_model_dirs):
     model = tiny_model_dirs("llama")
-    prefill = PrefillHandoff(engine(model, "NGRAM", None, CHAIN), CONFIG)
-    decode = DecodeHandoff(engine(model, "NGRAM", None, CHAIN), CONFIG)
+    prefill = PrefillConnector(engine(model, "NGRAM", None, CHAIN), CONFIG)
+    decode = DecodeConnector(engine(model, "NGRAM", None, CHAIN), CONFIG)
     algorithm = decode.engine.speculator.algorithm
     algorithm.build_disagg_draft_input = lambda batch, last, records: [None]
     try:

@@ -9,7 +9,6 @@ import dataclasses
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.handoff import Colocated
 from pdserve.protocol.engine_messages import AbortRequest, GenerateRequest, TokenOutput
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.server.engine_process import EngineLoop
@@ -113,7 +112,7 @@ def test_a_workers_loop_sends_every_token_and_logprob_four_at_a_time(engine):
     (want,) = LLM(engine.config.model_path, device="cpu", max_model_len=128).generate(
         [[5, 6, 7, 8]], params
     )
-    sent = run(EngineLoop(Colocated(engine)), [generate("r", params)], lambda s: s[-1].finished)
+    sent = run(EngineLoop(engine), [generate("r", params)], lambda s: s[-1].finished)
     assert [len(o.new_token_ids) for o in sent] == [1, 4, 4, 1]
     assert [t for o in sent for t in o.new_token_ids] == want.token_ids
     logprobs = [lp for o in sent for lp in o.new_logprobs]
@@ -122,7 +121,7 @@ def test_a_workers_loop_sends_every_token_and_logprob_four_at_a_time(engine):
 
 
 def test_an_aborted_request_leaves_nothing_held(engine):
-    loop = EngineLoop(Colocated(engine))
+    loop = EngineLoop(engine)
     params = SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)
     run(loop, [generate("r", params)], lambda s: loop.stream_interval.num_held == 1)
     assert loop.tick([AbortRequest("r")]) is None  # NOTE: an aborted request gets no output

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.decode.handoff import DecodeHandoff
+from pdserve.decode.connector import DecodeConnector
 from pdserve.disagg import rank_worker
 from pdserve.disagg.tensor_parallel_stager import TensorParallelStager
 from pdserve.engine.tiny_model import make_tiny_model
-from pdserve.prefill.handoff import PrefillHandoff
+from pdserve.prefill.connector import PrefillConnector
 from pdserve.protocol.spec_settings import SpecSettings
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.head_slices import head_slices
@@ -85,8 +85,8 @@ def pair(model, prefill_tp, decode_tp, backend, piece_bytes=None, **options):
     KV links of their own, as the worker factories start them)."""
     config = transfer_config(backend, piece_bytes)
     options = {"rank_worker_module": rank_worker.__name__, **options}
-    prefill = PrefillHandoff(LLM(model, tp_size=prefill_tp, **OPTIONS, **options).engine, config)
-    decode = DecodeHandoff(LLM(model, tp_size=decode_tp, **OPTIONS, **options).engine, config)
+    prefill = PrefillConnector(LLM(model, tp_size=prefill_tp, **OPTIONS, **options).engine, config)
+    decode = DecodeConnector(LLM(model, tp_size=decode_tp, **OPTIONS, **options).engine, config)
     return prefill, decode
 
 

@@ -1,23 +1,21 @@
-"""What the prefill and decode handoffs keep alike: the transfer settings and counters, the
+"""What the prefill and decode connectors keep alike: the transfer settings and counters, the
 engine's transfer layout, the rooms in use, the rooms that ended lately, failures counted by
-label, and the one way a request is refused (a failure output, counted once)."""
+label (once per request), and the screen of a request's room before it is made."""
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 
 from pdserve.disagg import rank_worker
 from pdserve.disagg.handoff_common import engine_transfer_layout
-from pdserve.engine.handoff import Handoff
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.rank_group import RankDiedError
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.protocol.engine_messages import DisaggStats, FailRoom
-from pdserve.protocol.failures import Failure, FailureKind, FailureStage
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
+from pdserve.protocol.failures import Failure, FailureKind, FailureStage, log_level
 from pdserve.protocol.rank_messages import RankTransferStart
 from pdserve.transfer.config import IPC_TENSOR_PARALLEL, TransferConfig
 from pdserve.transfer.kv_staging import KVStager
@@ -25,13 +23,6 @@ from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.room_state import Tombstones
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PendingRequest:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
 
 
 def counted_when_refused(kind: FailureKind) -> bool:
@@ -42,17 +33,19 @@ def counted_when_refused(kind: FailureKind) -> bool:
     return kind is not FailureKind.ABORTED
 
 
-class DisaggHandoff(Handoff):
+class DisaggConnector(KVConnector):
     def __init__(self, engine, config: TransferConfig):
         super().__init__(engine)
         self.config = config
+        # The requests whose rooms this connector serves, by id (their phase: `status`).
+        self.requests: dict[str, Request] = {}
         self.metrics = TransferMetrics()
         self.transfer = engine_transfer_layout(engine, config.over_dist)
         self.failures: Counter[str] = Counter()  # by Failure.label, "stage/kind"
         self.rooms_in_use: set[int] = set()
         # Rooms that ended here lately: a refusal the front end reports for one afterwards
         # (the failure output it turned into an error) is not a second failure.
-        self.ended = Tombstones(config.tombstone_ttl_s)
+        self.recently_ended = Tombstones(config.tombstone_ttl_s)
         # The endpoint whose orders for the other ranks this sends (`start_rank_links`).
         self._fanout, self._endpoint = None, None
 
@@ -96,28 +89,35 @@ class DisaggHandoff(Handoff):
             logger.error("KV links: %s", e)
             self._endpoint.fail_all_rooms(FailureKind.INTERNAL, str(e))
 
-    def refused(self, request_id: str, prompt_ids: list[int], failure: Failure) -> RequestOutput:
-        """The output of a request that failed here (counted once, by its label)."""
-        self.failures[failure.label] += 1
-        return failed_output(request_id, prompt_ids, failure)
-
-    def failed_before_it_came(
-        self, request_id: str, prompt_ids: list[int], room: int
-    ) -> RequestOutput | None:
-        """The output of a request whose room failed here before the request arrived (a
-        router gave up on it, or the other side's refusal came first), with that failure.
-        None if the room did not fail here lately."""
-        failure = self.ended.failure(room)
-        if failure is None:
-            return None
-        if not counted_when_refused(failure.kind):
+    def screen(
+        self, request_id: str, prompt_ids: list[int], bootstrap: Bootstrap
+    ) -> Failure | None:
+        """A room in use here refuses the request (not the room's failure: it stays); one
+        that failed here lately, before the request came (a router gave up on it, or the
+        other side's refusal came first), fails it with that failure."""
+        room = bootstrap.room
+        if room in self.rooms_in_use:
+            message = f"bootstrap_room {room} is already in use"
+            return Failure(FailureKind.INVALID, FailureStage.BOOTSTRAP, message)
+        failure = self.recently_ended.failure(room)
+        if failure is not None and not counted_when_refused(failure.kind):
             self.failures[failure.label] += 1
-        return failed_output(request_id, prompt_ids, failure)
+        return failure
 
-    def room_in_use(self, request_id: str, prompt_ids: list[int], room: int) -> RequestOutput:
-        message = f"bootstrap_room {room} is already in use"
-        failure = Failure(FailureKind.INVALID, FailureStage.BOOTSTRAP, message)
-        return failed_output(request_id, prompt_ids, failure)  # NOTE: not this room's failure
+    def refused(self, request_id: str, failure: Failure) -> Failure:
+        """A request that failed here: counted once, by its label."""
+        self.failures[failure.label] += 1
+        return failure
+
+    def failed(self, request_id: str, failure: Failure) -> None:
+        """A live request's handoff failed: counted and logged (at the level its kind
+        deserves: a client's fault is no warning)."""
+        logger.log(log_level(failure), "request %s failed: %s", request_id, failure.message)
+        self.refused(request_id, failure)
+
+    def in_phase(self, *statuses: RequestStatus) -> list[Request]:
+        """This connector's requests in these phases."""
+        return [r for r in self.requests.values() if r.status in statuses]
 
     def transfer_stats(self, **queues: int) -> DisaggStats:
         """The role's queue sizes, with the counters both roles report."""
@@ -139,18 +139,6 @@ def ipc_pools(stager) -> list[torch.Tensor]:
     if not isinstance(stager, KVStager):
         raise ValueError(IPC_TENSOR_PARALLEL)
     return [pool.storage for pool in stager.pools]
-
-
-def failed_output(request_id: str, prompt_ids: list[int], failure: Failure) -> RequestOutput:
-    return RequestOutput(
-        request_id=request_id,
-        prompt_token_ids=prompt_ids,
-        token_ids=[],
-        new_token_ids=[],
-        finished=True,
-        finish_reason="abort",
-        failure=failure,
-    )
 
 
 def refusal_message(role: str, msg: FailRoom) -> str:
