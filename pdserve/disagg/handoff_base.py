@@ -19,6 +19,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import DisaggStats, FailRoom
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.protocol.rank_messages import RankTransferStart
+from pdserve.transfer.backends import make_backend
 from pdserve.transfer.config import IPC_TENSOR_PARALLEL, TransferConfig
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metrics import TransferMetrics
@@ -47,7 +48,7 @@ class DisaggHandoff(Handoff):
         super().__init__(engine)
         self.config = config
         self.metrics = TransferMetrics()
-        self.transfer = engine_transfer_layout(engine, config.over_dist)
+        self.transfer = engine_transfer_layout(engine, make_backend(config).per_rank)
         self.failures: Counter[str] = Counter()  # by Failure.label, "stage/kind"
         self.rooms_in_use: set[int] = set()
         # Rooms that ended here lately: a refusal the front end reports for one afterwards

@@ -154,8 +154,8 @@ class DecodePeers:
         authenticated = peer_auth.proof_ok(expected, msg.proof)
         if not authenticated:
             reason = "authentication failed: wrong or missing transfer token"
-        elif msg.backend != self.config.backend:
-            reason = f"transfer backend: prefill {self.config.backend!r} != decode {msg.backend!r}"
+        elif (reason := self.backend.register_problem(msg.backend)) is not None:
+            pass
         else:
             reason = "; ".join(layout_mismatches(self.layout, msg.layout)) or None
             if reason is None:

@@ -106,7 +106,7 @@ class ReceiverRoom(Room):
         """Our transfer request went to this prefill instance (None: to be sent again), of
         process `pid` (the `ipc` backend; under the client's lock)."""
         self.instance = instance
-        if self._client.config.backend == "ipc" and instance is not None:
+        if self._client.backend.writes_decode_pages and instance is not None:
             self.writer_pid = pid
 
     def retry(self) -> bool:
