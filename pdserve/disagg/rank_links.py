@@ -44,9 +44,9 @@ from pdserve.protocol.rank_messages import (
     split,
 )
 from pdserve.transfer.backends import make_backend
+from pdserve.transfer.backends.dist.dist_links import DistLinks
+from pdserve.transfer.backends.dist.head_slices import kv_heads_of
 from pdserve.transfer.buffer_pool import BufferPool
-from pdserve.transfer.dist_links import DistLinks
-from pdserve.transfer.head_slices import kv_heads_of
 
 if TYPE_CHECKING:
     from pdserve.engine.rank_worker import RankWorker

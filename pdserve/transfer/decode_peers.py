@@ -50,7 +50,7 @@ from pdserve.transfer.outbox import Outbox
 from pdserve.transfer.wire_limits import max_prefill_frame_bytes
 
 if TYPE_CHECKING:
-    from pdserve.transfer.ipc_events import OpenedEvents
+    from pdserve.transfer.backends.ipc.ipc_events import OpenedEvents
 
 # What a prefill worker sends us.
 FROM_PREFILL = (

@@ -27,12 +27,12 @@ from pdserve.protocol.failures import Failure, FailureKind
 from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.protocol.transfer_messages import AbortRoom, Heartbeat
 from pdserve.transfer.backends import make_backend
+from pdserve.transfer.backends.dist.rank_fanout import RankFanout
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.doorbell import Doorbell
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.outbox import Outbox, PeerBlocked
-from pdserve.transfer.rank_fanout import RankFanout
 from pdserve.transfer.room_state import Tombstones
 
 logger = logging.getLogger(__name__)

@@ -32,11 +32,11 @@ from pdserve.protocol.transfer_messages import (
     TransferRequest,
 )
 from pdserve.transfer import peer_auth
+from pdserve.transfer.backends.ipc.ipc_lane import LaneSender
+from pdserve.transfer.backends.ipc.shared_pools import ProcessWatch
 from pdserve.transfer.endpoint import Peer
 from pdserve.transfer.handshake import layout_mismatches
-from pdserve.transfer.ipc_lane import LaneSender
 from pdserve.transfer.outbox import Outbox
-from pdserve.transfer.shared_pools import ProcessWatch
 
 logger = logging.getLogger(__name__)
 

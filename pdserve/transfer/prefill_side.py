@@ -35,10 +35,10 @@ from pdserve.protocol.transfer_messages import (
     RoomDone,
     TransferRequest,
 )
+from pdserve.transfer.backends.ipc.ipc_writes import IpcWrites
 from pdserve.transfer.bootstrap_connections import ConnectionLimit
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.endpoint import Endpoint, Peer
-from pdserve.transfer.ipc_writes import IpcWrites
 from pdserve.transfer.kv_piece import OutgoingPiece
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.prefill_peers import DecodePeer, DecodePeers

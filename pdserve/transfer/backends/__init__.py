@@ -15,10 +15,10 @@ if TYPE_CHECKING:
 
 # name -> "module:class"; nccl and gloo are one backend over two torch.distributed backends.
 _BACKEND_CLASSES = {
-    "tcp": "pdserve.transfer.backends.tcp:TcpBackend",
-    "nccl": "pdserve.transfer.backends.dist:DistBackend",
-    "gloo": "pdserve.transfer.backends.dist:DistBackend",
-    "ipc": "pdserve.transfer.backends.ipc:IpcBackend",
+    "tcp": "pdserve.transfer.backends.tcp.backend:TcpBackend",
+    "nccl": "pdserve.transfer.backends.dist.backend:DistBackend",
+    "gloo": "pdserve.transfer.backends.dist.backend:DistBackend",
+    "ipc": "pdserve.transfer.backends.ipc.backend:IpcBackend",
 }
 BACKENDS = tuple(_BACKEND_CLASSES)
 

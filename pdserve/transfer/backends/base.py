@@ -16,8 +16,8 @@ from pdserve.transfer.wire_limits import MAX_DECODE_MESSAGE_BYTES
 
 if TYPE_CHECKING:
     from pdserve.protocol.transfer_messages import TransferRequest
+    from pdserve.transfer.backends.dist.rank_fanout import RankFanout
     from pdserve.transfer.data_plane import DataPlane
-    from pdserve.transfer.rank_fanout import RankFanout
 
 CPU = torch.device("cpu")
 

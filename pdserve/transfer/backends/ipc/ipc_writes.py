@@ -14,7 +14,7 @@ import torch
 
 from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.transfer_messages import RoomReleased, TransferRequest
-from pdserve.transfer.ipc_lane import LANE_MESSAGES
+from pdserve.transfer.backends.ipc.ipc_lane import LANE_MESSAGES
 from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
 from pdserve.transfer.page_ids import unpack_page_ids
 
