@@ -275,8 +275,8 @@ def _raw_receiver(sizes, ports, done):
 
 def raw_link(sizes, backend, results):
     """One contiguous tensor over a PairLink (the backend's own send/recv)."""
-    from pdserve.transfer.dist_link import PairLink
-    from pdserve.transfer.dist_store import client_store
+    from pdserve.transfer.backends.dist.dist_link import PairLink
+    from pdserve.transfer.backends.dist.dist_store import client_store
 
     spawn = multiprocessing.get_context("spawn")
     ports, done = spawn.Queue(), spawn.Queue()
@@ -309,8 +309,8 @@ def raw_link(sizes, backend, results):
 
 
 def _link_receiver(sizes, backend, ports, done):
-    from pdserve.transfer.dist_link import PairLink
-    from pdserve.transfer.dist_store import DecodeStoreServer
+    from pdserve.transfer.backends.dist.dist_link import PairLink
+    from pdserve.transfer.backends.dist.dist_store import DecodeStoreServer
 
     device = device_for(backend, 1)
     server = DecodeStoreServer("127.0.0.1", 0, 60)

@@ -37,7 +37,8 @@ from pdserve.protocol.http_settings import WORKER_ONLY, HttpSettings
 from pdserve.protocol.restart_budget import RestartBudget
 from pdserve.router.config import RouterConfig
 from pdserve.server.local_process import LocalServer, ServerStartError, free_port
-from pdserve.transfer.config import IPC_TENSOR_PARALLEL, TransferConfig
+from pdserve.transfer.backends import make_backend
+from pdserve.transfer.config import TransferConfig
 
 RESTART_WINDOW_S = 600.0
 # A --gpus entry: an index (as CUDA_VISIBLE_DEVICES takes it) or a GPU/MIG UUID.
@@ -112,8 +113,7 @@ class LaunchPlan:
             )
         if self.transfer.backend == "nccl":
             self._check_nccl_gpus()
-        if self.transfer.backend == "ipc" and largest > 1:
-            raise ValueError(f"a worker at TP {largest}: {IPC_TENSOR_PARALLEL}")
+        make_backend(self.transfer).check_tensor_parallel(largest, f"a worker at TP {largest}")
 
     def _check_nccl_gpus(self) -> None:
         """Over nccl each prefill rank is linked to decode ranks by an NCCL group of two,

@@ -24,7 +24,8 @@ from pdserve.commands.common import (
 from pdserve.engine.chat_template import load_chat_template
 from pdserve.protocol.flags import add_flags, declared, settings_from_args
 from pdserve.protocol.spec_settings import SpecSettings
-from pdserve.transfer.config import IPC_TENSOR_PARALLEL, TransferConfig
+from pdserve.transfer.backends import make_backend
+from pdserve.transfer.config import TransferConfig
 
 WORKER_PORT = 30000
 HELP = {
@@ -66,8 +67,8 @@ def configure(args: argparse.Namespace, kind: str) -> Callable[[], int]:
     model_path, served_name = model_path_from(args)
     engine = engine_config_from_args(args, model_path)
     transfer = None if kind == "serve" else transfer_config_from_args(args, kind, http.host)
-    if transfer is not None and transfer.backend == "ipc" and engine.tp_size > 1:
-        raise ValueError(f"--tp-size {engine.tp_size}: {IPC_TENSOR_PARALLEL}")
+    if transfer is not None:
+        make_backend(transfer).check_tensor_parallel(engine.tp_size, f"--tp-size {engine.tp_size}")
     if engine.node_rank > 0:
         # NOTE: another node of a worker that spans nodes: it runs ranks, node 0 serves (and,
         # in a prefill or decode worker, moves the KV).

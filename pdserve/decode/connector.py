@@ -23,8 +23,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import torch
-
 from pdserve.disagg.connector_base import (
     DisaggConnector,
     counted_when_refused,
@@ -35,6 +33,7 @@ from pdserve.engine.kv_connector import KVFailed, KVLanded, PagesSettled, Transf
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
+from pdserve.transfer.backends import make_backend
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.decode_side import DecodeTransferClient
 from pdserve.transfer.peer_allow import PeerNotAllowed
@@ -61,9 +60,8 @@ class DecodeConnector(DisaggConnector):
     def __init__(self, engine, config: TransferConfig):
         super().__init__(engine, config)
         self.stager = self.transfer.stager
-        # NOTE: tcp and gloo receive into host memory (commit copies to the pool's device);
-        # ipc waits for prefill's writes on the pool's device.
-        receive_device = engine.device if config.backend in ("nccl", "ipc") else torch.device("cpu")
+        backend = make_backend(config)
+        receive_device = backend.receive_device(engine.device)
         self.client = DecodeTransferClient(
             config,
             self.transfer.layout,
@@ -74,7 +72,7 @@ class DecodeConnector(DisaggConnector):
             device=receive_device,
             tp_size=engine.config.tp_size,
             ranks_host=self.ranks_host(),
-            pools=ipc_pools(self.stager) if config.backend == "ipc" else None,
+            pools=ipc_pools(self.stager) if backend.needs_pools else None,
         )
         self.client.start()
         self.start_rank_links(self.client)

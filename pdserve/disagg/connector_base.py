@@ -17,6 +17,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage, log_level
 from pdserve.protocol.rank_messages import RankTransferStart
+from pdserve.transfer.backends import make_backend
 from pdserve.transfer.config import IPC_TENSOR_PARALLEL, TransferConfig
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metrics import TransferMetrics
@@ -40,7 +41,7 @@ class DisaggConnector(KVConnector):
         # The requests whose rooms this connector serves, by id (their phase: `status`).
         self.requests: dict[str, Request] = {}
         self.metrics = TransferMetrics()
-        self.transfer = engine_transfer_layout(engine, config.over_dist)
+        self.transfer = engine_transfer_layout(engine, make_backend(config).per_rank)
         self.failures: Counter[str] = Counter()  # by Failure.label, "stage/kind"
         self.rooms_in_use: set[int] = set()
         # Rooms that ended here lately: a refusal the front end reports for one afterwards

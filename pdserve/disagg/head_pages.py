@@ -1,5 +1,5 @@
 """A run of one rank's KV heads of some pages, as a per-rank-pair link moves it: flat bytes of
-`[2, layers, pages, page_size, heads, head_dim]` (`pdserve.transfer.head_slices`). With every
+`[2, layers, pages, page_size, heads, head_dim]` (`head_slices`). With every
 head the rank holds, these are the bytes a `KVStager` moves (its faster whole-row copy)."""
 
 from __future__ import annotations

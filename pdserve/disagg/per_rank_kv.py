@@ -1,6 +1,6 @@
 """A worker's KV pages as per-rank-pair links move them (torch.distributed backends; docs/
 architecture.md §5): each rank sends or receives only the KV heads it holds, straight to or
-from the peer worker's ranks that hold them (`pdserve.transfer.head_slices` plans which), so
+from the peer worker's ranks that hold them (`head_slices` plans which), so
 no rank gathers another's heads and the KV crosses neither worker's own group.
 
 Rank 0 does its own parts here and tells the other ranks to do theirs (`rank_links`), in order
@@ -22,7 +22,7 @@ import torch
 from pdserve.disagg.head_pages import gather_head_pages, head_page_bytes, scatter_head_pages
 from pdserve.engine.tensor_parallel_kv import check_pages
 from pdserve.protocol.rank_messages import RankCommitSlices, RankSendSlices, flatten
-from pdserve.transfer.head_slices import LinkPart, PeerLinks, kv_heads_of, link_parts
+from pdserve.transfer.backends.dist.head_slices import LinkPart, PeerLinks, kv_heads_of, link_parts
 from pdserve.transfer.kv_staging import KVStager
 
 if TYPE_CHECKING:

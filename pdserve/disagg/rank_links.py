@@ -43,9 +43,10 @@ from pdserve.protocol.rank_messages import (
     RankTransferStart,
     split,
 )
+from pdserve.transfer.backends import make_backend
+from pdserve.transfer.backends.dist.dist_links import DistLinks
+from pdserve.transfer.backends.dist.head_slices import kv_heads_of
 from pdserve.transfer.buffer_pool import BufferPool
-from pdserve.transfer.dist_links import DistLinks
-from pdserve.transfer.head_slices import kv_heads_of
 
 if TYPE_CHECKING:
     from pdserve.engine.rank_worker import RankWorker
@@ -126,7 +127,7 @@ class RankLinks:
     def _start(self, msg: RankTransferStart) -> None:
         """(Again, for a new handoff over the same engine: the old links and parts go.)"""
         self.close()
-        device = self.pool.device if msg.backend == "nccl" else torch.device("cpu")
+        device = make_backend(msg.backend).send_device(self.pool.device)
         self.links = DistLinks(msg.backend, msg.side, msg.timeout_s, device, msg.local_host)
         self.timeout_s = msg.timeout_s
         self._buffers = BufferPool(device)

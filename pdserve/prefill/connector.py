@@ -42,6 +42,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
+from pdserve.transfer.backends import make_backend
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
 from pdserve.transfer.kv_staging import StagingError
@@ -71,9 +72,9 @@ class PrefillConnector(DisaggConnector):
 
     def __init__(self, engine, config: TransferConfig):
         super().__init__(engine, config)
-        # NOTE: tcp sends from host memory; nccl from the GPU; gloo (CPU stand-in) from host.
-        self.send_device = engine.device if config.backend == "nccl" else torch.device("cpu")
-        self.ipc = config.backend == "ipc"
+        backend = make_backend(config)
+        self.send_device = backend.send_device(engine.device)
+        self.ipc = backend.writes_decode_pages
         self.server = PrefillTransferServer(
             config,
             self.transfer.layout,
@@ -87,7 +88,7 @@ class PrefillConnector(DisaggConnector):
             ),
             tp_size=engine.config.tp_size,
             ranks_host=self.ranks_host(),
-            pools=ipc_pools(self.transfer.stager) if self.ipc else None,
+            pools=ipc_pools(self.transfer.stager) if backend.needs_pools else None,
         )
         self.bootstrap_port = self.server.start()
         self.start_rank_links(self.server)

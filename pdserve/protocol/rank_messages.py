@@ -112,7 +112,7 @@ class RankScatterKV:
 
 # ---- per-rank-pair KV links (a disaggregated worker over nccl or gloo) --------------------
 # Rank 0 keeps the control plane (rooms, ledgers, deadlines, metadata); each rank moves its
-# own KV heads over links of its own to the peer worker's ranks (`pdserve.transfer.head_slices`
+# own KV heads over links of its own to the peer worker's ranks (`head_slices`
 # says which). These go to one rank each, in order with the passes; none is a collective.
 
 

@@ -63,7 +63,7 @@ class HelloReply:
     nonce: bytes
     proof: bytes
     # Prefill's tensor-parallel size: with a torch.distributed backend each of its ranks sends
-    # its KV heads to the decode ranks that hold them (`pdserve.transfer.head_slices`).
+    # its KV heads to the decode ranks that hold them (`head_slices`).
     tp_size: int = 1
     # The `ipc` backend: this host and process (see `Register.host_id`), so that decode
     # knows when no write of prefill's can land in its pages any more (the process is gone).

@@ -6,11 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.protocol.flags import option
+from pdserve.transfer.backends import BACKENDS
 from pdserve.transfer.peer_allow import PeerAllowList, default_allow_list, parse_allow_list
 
-BACKENDS = ("tcp", "nccl", "gloo", "ipc")
-# The backends that move KV over torch.distributed.
-DIST_BACKENDS = ("nccl", "gloo")
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 STREAMED_PIECE_BYTES = 64 << 20
 IPC_TENSOR_PARALLEL = (
@@ -138,11 +136,6 @@ class TransferConfig:
             )
         if self.bootstrap_allow is not None:
             parse_allow_list(self.bootstrap_allow)
-
-    @property
-    def over_dist(self) -> bool:
-        """KV moves over torch.distributed (nccl, gloo)."""
-        return self.backend in DIST_BACKENDS
 
     def allow_list(self) -> PeerAllowList:
         """The prefill addresses a decode worker may contact."""

@@ -19,7 +19,6 @@ next room makes a fresh connection.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -48,11 +47,10 @@ from pdserve.protocol.transfer_messages import (
 from pdserve.transfer import peer_auth
 from pdserve.transfer.endpoint import Peer
 from pdserve.transfer.outbox import Outbox
-from pdserve.transfer.page_ids import pack_page_ids
 from pdserve.transfer.wire_limits import max_prefill_frame_bytes
 
 if TYPE_CHECKING:
-    from pdserve.transfer.ipc_events import OpenedEvents
+    from pdserve.transfer.backends.ipc.ipc_events import OpenedEvents
 
 # What a prefill worker sends us.
 FROM_PREFILL = (
@@ -175,7 +173,7 @@ class PrefillPeers:
         if isinstance(msg, TransferRequest):
             with self.lock:
                 room = self.rooms.get(msg.room)
-                if self.config.backend == "ipc" and (room is None or room.done):
+                if self.backend.writes_decode_pages and (room is None or room.done):
                     return  # NOTE: its pages may be free already: nobody may write them now
                 if room is not None:
                     room.sent_to(peer.instance, peer.pid)
@@ -184,13 +182,7 @@ class PrefillPeers:
     def _transfer_request(self, receiver) -> TransferRequest:
         num_pages, num_draft = len(receiver.page_ids), len(receiver.draft_page_ids)
         request = TransferRequest(receiver.room, num_pages, num_draft, receiver.num_cached_pages)
-        if self.config.backend == "ipc":  # prefill writes these pages itself
-            request = dataclasses.replace(
-                request,
-                page_ids=pack_page_ids(receiver.page_ids),
-                draft_page_ids=pack_page_ids(receiver.draft_page_ids),
-            )
-        return request
+        return self.backend.transfer_request(request, receiver)
 
     def _tell_abort(self, address: str, room: int, kind: FailureKind, message: str) -> None:
         peer = self._peer(address)

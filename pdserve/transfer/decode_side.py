@@ -28,15 +28,12 @@ from pdserve.protocol.transfer_messages import (
 from pdserve.transfer.buffer_pool import BufferPool
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.decode_peers import PrefillPeers
-from pdserve.transfer.dist_receive_plane import DistReceivePlane
 from pdserve.transfer.endpoint import Endpoint
-from pdserve.transfer.ipc_plane import IpcReceivePlane
 from pdserve.transfer.metadata import MetadataMismatch, MetadataRecord
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.peer_allow import zmq_endpoint
 from pdserve.transfer.receiver_room import ReceiverRoom
 from pdserve.transfer.room_state import TransferState
-from pdserve.transfer.tcp_plane import TcpPlane
 
 
 class DecodeTransferClient(PrefillPeers, Endpoint):
@@ -74,12 +71,9 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         self.start_fanout(tp_size, ranks_host)
         # Rooms that ended with a write of prefill's possibly in flight (`ipc`), by id.
         self.unsettled: dict[int, ReceiverRoom] = {}
-        if config.backend == "tcp":
-            self.plane = TcpPlane(self)
-        elif config.backend == "ipc":
-            self.plane = IpcReceivePlane(self, pools, metadata_spec.nbytes)
-        else:
-            self.plane = DistReceivePlane(self, self.device, self.fanout)
+        self.plane = self.backend.receive_plane(
+            self, self.device, self.fanout, pools, metadata_spec.nbytes
+        )
 
     def start(self) -> None:
         self.io.start(self._on_socket, self.tick, tick_s=0.05)

@@ -26,12 +26,13 @@ import zmq
 from pdserve.protocol.failures import Failure, FailureKind
 from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.protocol.transfer_messages import AbortRoom, Heartbeat
+from pdserve.transfer.backends import make_backend
+from pdserve.transfer.backends.dist.rank_fanout import RankFanout
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.doorbell import Doorbell
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.outbox import Outbox, PeerBlocked
-from pdserve.transfer.rank_fanout import RankFanout
 from pdserve.transfer.room_state import Tombstones
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class Endpoint:
 
     def __init__(self, config: TransferConfig, worker_id: str, metrics: TransferMetrics | None):
         self.config = config
+        self.backend = make_backend(config)
         self.worker_id = worker_id
         self.metrics = metrics or TransferMetrics()
         self.context = zmq.Context()
@@ -91,7 +93,7 @@ class Endpoint:
     def start_fanout(self, tp_size: int, ranks_host: str) -> None:
         """A tensor-parallel worker over torch.distributed: where the orders for its other
         ranks queue and their reports arrive (`rank_fanout`); none otherwise."""
-        if self.config.over_dist and tp_size > 1:
+        if self.backend.per_rank and tp_size > 1:
             self.fanout = RankFanout(tp_size, self.context, ranks_host, self.doorbell)
             self.io.poller.register(self.fanout.reports.socket, zmq.POLLIN)
 

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
-from pdserve.transfer.head_slices import HeadSplitError, check_split
+from pdserve.transfer.backends.dist.head_slices import HeadSplitError, check_split
 
 # HF config keys that change the shape or meaning of the KV cache and hidden states.
 _FINGERPRINT_KEYS = (

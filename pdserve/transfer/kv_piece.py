@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.protocol.transfer_messages import KVPiece
-from pdserve.transfer.head_slices import LinkPart
+from pdserve.transfer.backends.dist.head_slices import LinkPart
 
 
 @dataclass(frozen=True)

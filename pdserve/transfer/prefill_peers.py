@@ -32,11 +32,11 @@ from pdserve.protocol.transfer_messages import (
     TransferRequest,
 )
 from pdserve.transfer import peer_auth
+from pdserve.transfer.backends.ipc.ipc_lane import LaneSender
+from pdserve.transfer.backends.ipc.shared_pools import ProcessWatch
 from pdserve.transfer.endpoint import Peer
 from pdserve.transfer.handshake import layout_mismatches
-from pdserve.transfer.ipc_lane import LaneSender
 from pdserve.transfer.outbox import Outbox
-from pdserve.transfer.shared_pools import ProcessWatch
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +154,8 @@ class DecodePeers:
         authenticated = peer_auth.proof_ok(expected, msg.proof)
         if not authenticated:
             reason = "authentication failed: wrong or missing transfer token"
-        elif msg.backend != self.config.backend:
-            reason = f"transfer backend: prefill {self.config.backend!r} != decode {msg.backend!r}"
+        elif (reason := self.backend.register_problem(msg.backend)) is not None:
+            pass
         else:
             reason = "; ".join(layout_mismatches(self.layout, msg.layout)) or None
             if reason is None:

@@ -35,20 +35,16 @@ from pdserve.protocol.transfer_messages import (
     RoomDone,
     TransferRequest,
 )
+from pdserve.transfer.backends.ipc.ipc_writes import IpcWrites
 from pdserve.transfer.bootstrap_connections import ConnectionLimit
 from pdserve.transfer.config import TransferConfig
-from pdserve.transfer.dist_plane import DistSendPlane
 from pdserve.transfer.endpoint import Endpoint, Peer
-from pdserve.transfer.ipc_plane import IpcSendPlane
-from pdserve.transfer.ipc_writes import IpcWrites
 from pdserve.transfer.kv_piece import OutgoingPiece
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.prefill_peers import DecodePeer, DecodePeers
 from pdserve.transfer.prefill_rooms import PrefillRooms
 from pdserve.transfer.sender_room import SenderRoom
 from pdserve.transfer.staged_sends import StagedSends
-from pdserve.transfer.tcp_plane import TcpPlane
-from pdserve.transfer.wire_limits import max_decode_message_bytes
 
 _FROM_DECODE = (Hello, Register, TransferRequest, AbortRoom, RoomAck, Heartbeat)
 # Pages of one room when the caller does not say (a 1M-token prompt in 16-token pages).
@@ -102,16 +98,10 @@ class PrefillTransferServer(PrefillRooms, IpcWrites, DecodePeers, Endpoint):
         # (under the lock; bounded, see `_waiting_limit`).
         self.waiting_rooms: dict[int, DecodePeer] = {}
         on_gpu = source_device is not None and source_device.type == "cuda"
-        if config.backend == "tcp":
-            self.plane = TcpPlane(self)
-        elif config.backend == "ipc":
-            self.plane = IpcSendPlane(self, pools)
-        else:
-            self.plane = DistSendPlane(self, device or torch.device("cpu"), self.fanout)
-        ipc = config.backend == "ipc"
-        staged = on_gpu and (ipc or (device or torch.device("cpu")).type == "cpu")
-        # NOTE: an ipc write's completion is on the handoff's critical path: polled closely.
-        poll_s = 20e-6 if ipc else 1e-3
+        device = device or torch.device("cpu")
+        self.plane = self.backend.send_plane(self, device, self.fanout, pools)
+        staged = on_gpu and self.backend.stages_gpu_pieces(device)
+        poll_s = self.backend.stage_poll_s
         self._staged = StagedSends(self.io, config.progress_timeout_s, poll_s) if staged else None
 
     # ---- life cycle ------------------------------------------------------------------
@@ -122,7 +112,7 @@ class PrefillTransferServer(PrefillRooms, IpcWrites, DecodePeers, Endpoint):
             self.context,
             zmq.ROUTER,
             _FROM_DECODE,
-            max_message_bytes=max_decode_message_bytes(self.config.backend, self.max_room_pages),
+            max_message_bytes=self.backend.max_decode_message_bytes(self.max_room_pages),
         )
         self.connections = ConnectionLimit(
             self.context,

@@ -12,13 +12,13 @@ import torch
 
 from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.transfer_messages import KVPiece
+from pdserve.transfer.backends.dist.head_slices import LinkPart
+from pdserve.transfer.backends.ipc.shared_pools import process_gone
 from pdserve.transfer.buffer_pool import BufferPool
-from pdserve.transfer.head_slices import LinkPart
 from pdserve.transfer.kv_piece import PageSpan, PieceLedger
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metadata import MetadataRecord
 from pdserve.transfer.room_state import Room, RoomState, TransferState
-from pdserve.transfer.shared_pools import process_gone
 
 if TYPE_CHECKING:
     from pdserve.transfer.decode_side import DecodeTransferClient
@@ -106,7 +106,7 @@ class ReceiverRoom(Room):
         """Our transfer request went to this prefill instance (None: to be sent again), of
         process `pid` (the `ipc` backend; under the client's lock)."""
         self.instance = instance
-        if self._client.config.backend == "ipc" and instance is not None:
+        if self._client.backend.writes_decode_pages and instance is not None:
             self.writer_pid = pid
 
     def retry(self) -> bool:

@@ -81,7 +81,7 @@ class SenderRoom(Room):
             self._server.announce(self, *steps)
             self._server.submit(self, lambda: self._server.written(self, piece), piece.ready)
             return
-        wanted = "cpu" if self._server.config.backend in ("tcp", "gloo") else "cuda"
+        wanted = self._server.backend.piece_device_type()
         buffers = [piece.data] if piece.data is not None else [data for _, data in piece.sends]
         for data in buffers:
             if data.dtype != torch.uint8 or data.device.type != wanted or not data.is_contiguous():
@@ -96,7 +96,7 @@ class SenderRoom(Room):
     def finish(self, metadata: MetadataRecord) -> None:
         """Every piece was given: send the metadata record and end the room's sending."""
         finish = self._finish_step(metadata)
-        if self._server.config.backend == "ipc":
+        if self._server.backend.writes_decode_pages:
             self._server.announce(self, finish)  # NOTE: after the announcements, not the writes
         else:
             self._server.submit(self, finish, None)

@@ -10,14 +10,7 @@ CONTROL_OVERHEAD_BYTES = 64 << 10
 # Decode -> prefill: control messages only (a transfer request carries page counts, not ids).
 MAX_DECODE_MESSAGE_BYTES = CONTROL_OVERHEAD_BYTES
 PAGE_ID_BYTES = 4  # `page_ids`: int32
-
-
-def max_decode_message_bytes(backend: str, max_room_pages: int) -> int:
-    """Decode -> prefill: with `ipc` a transfer request also lists the room's page ids
-    (target and draft, at most `max_room_pages` each)."""
-    if backend != "ipc":
-        return MAX_DECODE_MESSAGE_BYTES
-    return MAX_DECODE_MESSAGE_BYTES + 2 * PAGE_ID_BYTES * max_room_pages
+# (A backend's own: `Backend.max_decode_message_bytes`.)
 
 
 def max_prefill_frame_bytes(chunk_bytes: int, metadata_bytes: int) -> int:

@@ -1,4 +1,4 @@
-"""Write events reused round-robin (`transfer/ipc_events.py`): a reader process that waits on
+"""Write events reused round-robin (`ipc_events`): a reader process that waits on
 an event it opened once, by handle, sees every write whose announcement carried that event,
 though the writer records the event again, for later writes, before the reader waits.
 One GPU is enough."""
@@ -16,7 +16,7 @@ WRITES = 64
 
 
 def _reader(handles, values, opened_count) -> None:
-    from pdserve.transfer.ipc_events import OpenedEvents
+    from pdserve.transfer.backends.ipc.ipc_events import OpenedEvents
 
     device = torch.device("cuda:0")
     torch.cuda.set_device(device)
@@ -34,7 +34,7 @@ def _reader(handles, values, opened_count) -> None:
 
 
 def test_a_reader_waiting_on_a_reused_event_sees_the_write_it_was_announced_with():
-    from pdserve.transfer.ipc_events import IpcEventRing
+    from pdserve.transfer.backends.ipc.ipc_events import IpcEventRing
 
     device = torch.device("cuda:0")
     torch.cuda.set_device(device)

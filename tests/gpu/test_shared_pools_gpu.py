@@ -1,4 +1,4 @@
-"""A decode pool shared through CUDA IPC (`transfer/shared_pools.py`) between two processes
+"""A decode pool shared through CUDA IPC (`shared_pools`) between two processes
 that each see only their own GPU, as `pdserve launch --gpus` starts workers: the prefill
 process maps it onto its own device and `KVStager.write` copies pages into it exactly.
 Needs two GPUs (nvidia-h200-x2)."""
@@ -36,7 +36,7 @@ def _pool(num_pages: int, seed: int | None):
 
 def _decode(handles, orders, results) -> None:
     from pdserve.protocol.codec import encode
-    from pdserve.transfer.shared_pools import export_pool
+    from pdserve.transfer.backends.ipc.shared_pools import export_pool
 
     pool = _pool(PAGES, seed=None)
     handles.put(encode(export_pool(pool.storage)))  # as it travels in `Register`
@@ -48,8 +48,8 @@ def _decode(handles, orders, results) -> None:
 def _prefill(handles, results) -> None:
     from pdserve.protocol.codec import decode
     from pdserve.protocol.transfer_messages import PoolHandle
+    from pdserve.transfer.backends.ipc.shared_pools import open_pool
     from pdserve.transfer.kv_staging import KVStager
-    from pdserve.transfer.shared_pools import open_pool
 
     pool = _pool(PAGES, seed=5)
     handle = decode(handles.get(timeout=120), PoolHandle)

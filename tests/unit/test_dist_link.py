@@ -12,14 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from pdserve.transfer.dist_link import (
+from pdserve.transfer.backends.dist.dist_link import (
     DECODE_RANK,
     PREFILL_RANK,
     LinkError,
     LinkTimeout,
     PairLink,
 )
-from pdserve.transfer.dist_store import DecodeStoreServer, client_store
+from pdserve.transfer.backends.dist.dist_store import DecodeStoreServer, client_store
 
 SPAWN = multiprocessing.get_context("spawn")
 HOST = "127.0.0.1"

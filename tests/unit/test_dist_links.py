@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from pdserve.transfer import dist_links
-from pdserve.transfer.dist_links import DistLinks
+from pdserve.transfer.backends.dist import dist_links
+from pdserve.transfer.backends.dist.dist_links import DistLinks
 from tests.waiting import wait_until
 
 

@@ -1,5 +1,5 @@
 """The plan of which prefill rank sends which KV heads to which decode rank
-(`pdserve.transfer.head_slices`), checked against the engine's own split for every pair of
+(`head_slices`), checked against the engine's own split for every pair of
 TP sizes a model's KV heads allow."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import itertools
 import pytest
 
 from pdserve.engine.tensor_parallel import ModelSplit
-from pdserve.transfer.handshake import tp_mismatch
-from pdserve.transfer.head_slices import (
+from pdserve.transfer.backends.dist.head_slices import (
     HeadSplitError,
     head_slices,
     kv_heads_of,
     link_parts,
 )
+from pdserve.transfer.handshake import tp_mismatch
 
 
 def engine_heads(num_kv_heads: int, size: int, rank: int) -> range:

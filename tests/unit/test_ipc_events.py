@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.transfer.ipc_events import IPC_EVENT_BYTES, OpenedEvents
+from pdserve.transfer.backends.ipc.ipc_events import IPC_EVENT_BYTES, OpenedEvents
 
 
 @pytest.fixture

@@ -25,8 +25,7 @@ from pdserve.protocol.transfer_messages import (
     RoomAck,
     RoomDone,
 )
-from pdserve.transfer.endpoint import Endpoint
-from pdserve.transfer.ipc_lane import (
+from pdserve.transfer.backends.ipc.ipc_lane import (
     LANE_PREFIX,
     MAX_PACKET,
     LaneReceiver,
@@ -34,7 +33,8 @@ from pdserve.transfer.ipc_lane import (
     lane_address_problem,
     lane_fits,
 )
-from pdserve.transfer.ipc_lane import _parse as parse_packet
+from pdserve.transfer.backends.ipc.ipc_lane import _parse as parse_packet
+from pdserve.transfer.endpoint import Endpoint
 from pdserve.transfer.kv_piece import PageSpan
 from pdserve.transfer.room_state import TransferState
 from tests.e2e.transfer_peers import Case, record
@@ -283,7 +283,9 @@ def test_an_announcement_from_another_process_is_dropped(pair):
 @pytest.mark.parametrize("why", ["metadata too large", "lane unreachable"])
 def test_without_a_lane_announcements_go_over_the_connection(monkeypatch, why):
     if why == "metadata too large":
-        monkeypatch.setattr("pdserve.transfer.ipc_plane.lane_fits", lambda nbytes: False)
+        monkeypatch.setattr(
+            "pdserve.transfer.backends.ipc.ipc_plane.lane_fits", lambda nbytes: False
+        )
     pair = start_ipc_pair()
     try:
         if why == "lane unreachable":  # as from another network namespace: nobody there

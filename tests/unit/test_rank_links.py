@@ -25,7 +25,7 @@ from pdserve.protocol.rank_messages import (
     RankTransferReport,
     RankTransferStart,
 )
-from pdserve.transfer.dist_store import DecodeStoreServer
+from pdserve.transfer.backends.dist.dist_store import DecodeStoreServer
 
 HEADS = 4  # the model's; rank 1 of TP 2 holds heads 2 and 3
 PAIR = "pair/test/1-1"

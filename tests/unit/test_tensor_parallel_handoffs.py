@@ -20,8 +20,8 @@ from pdserve.disagg.tensor_parallel_stager import TensorParallelStager
 from pdserve.engine.tiny_model import make_tiny_model
 from pdserve.prefill.connector import PrefillConnector
 from pdserve.protocol.spec_settings import SpecSettings
+from pdserve.transfer.backends.dist.head_slices import head_slices
 from pdserve.transfer.config import TransferConfig
-from pdserve.transfer.head_slices import head_slices
 from pdserve.transfer.kv_staging import StagingError
 from tests.conftest import random_prompts
 from tests.unit.test_handoffs import boot, drive, finished, generate, tokens

@@ -19,14 +19,7 @@ import torch
 
 from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.transfer_messages import KVPiece, PoolHandle
-from pdserve.transfer.decode_side import DecodeTransferClient
-from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
-from pdserve.transfer.kv_staging import KVStager
-from pdserve.transfer.page_copy import copy_pages
-from pdserve.transfer.page_ids import pack_page_ids, unpack_page_ids
-from pdserve.transfer.prefill_side import PrefillTransferServer
-from pdserve.transfer.room_state import TransferState
-from pdserve.transfer.shared_pools import (
+from pdserve.transfer.backends.ipc.shared_pools import (
     SHARED_MEMORY,
     PoolMapError,
     ProcessWatch,
@@ -35,6 +28,13 @@ from pdserve.transfer.shared_pools import (
     process_gone,
     remove_counter_files,
 )
+from pdserve.transfer.decode_side import DecodeTransferClient
+from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
+from pdserve.transfer.kv_staging import KVStager
+from pdserve.transfer.page_copy import copy_pages
+from pdserve.transfer.page_ids import pack_page_ids, unpack_page_ids
+from pdserve.transfer.prefill_side import PrefillTransferServer
+from pdserve.transfer.room_state import TransferState
 from tests.e2e.transfer_peers import Case, layout, metadata_spec, pools, record
 from tests.unit.test_transfer_in_process import CONFIG
 from tests.waiting import wait_until

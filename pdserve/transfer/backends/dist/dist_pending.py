@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from pdserve.transfer.dist_store import LinkError, LinkTimeout, as_timedelta, check_timeout
+from pdserve.transfer.backends.dist.dist_store import LinkError, LinkTimeout, as_timedelta, check_timeout
 
 if TYPE_CHECKING:
-    from pdserve.transfer.dist_link import PairLink
+    from pdserve.transfer.backends.dist.dist_link import PairLink
 
 _POLL_MAX_SLEEP_S = 1e-4  # a waiter polls only while a transfer is in flight
 

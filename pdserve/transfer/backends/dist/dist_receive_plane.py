@@ -16,10 +16,10 @@ import torch
 from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.rank_messages import RankDropSlices, RankReceiveSlices, RankTransferReport
 from pdserve.protocol.transfer_messages import KVPiece, Register
-from pdserve.transfer.dist_plane import DistPlane
-from pdserve.transfer.head_slices import link_parts
+from pdserve.transfer.backends.dist.dist_plane import DistPlane
+from pdserve.transfer.backends.dist.head_slices import link_parts
 from pdserve.transfer.kv_piece import PageSpan
-from pdserve.transfer.rank_fanout import RankFanout
+from pdserve.transfer.backends.dist.rank_fanout import RankFanout
 
 if TYPE_CHECKING:
     from pdserve.transfer.endpoint import Endpoint, Peer

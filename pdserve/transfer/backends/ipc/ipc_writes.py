@@ -14,7 +14,7 @@ import torch
 
 from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.transfer_messages import RoomReleased, TransferRequest
-from pdserve.transfer.ipc_lane import LANE_MESSAGES
+from pdserve.transfer.backends.ipc.ipc_lane import LANE_MESSAGES
 from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
 from pdserve.transfer.page_ids import unpack_page_ids
 
@@ -28,7 +28,7 @@ class IpcWrites:
 
     def end_room(self, room, *, notify: bool = False) -> None:
         super().end_room(room, notify=notify)
-        if self.config.backend != "ipc":
+        if not self.backend.writes_decode_pages:
             return
         with self.lock:
             room.writes_closed = True
@@ -43,7 +43,7 @@ class IpcWrites:
     def _decode_pages(self, peer: Peer, msg: TransferRequest) -> tuple[list, list] | str:
         """The page ids decode asked us to write (`ipc`; empty otherwise), or what is wrong
         with them (checked against decode's pools as mapped)."""
-        if self.config.backend != "ipc":
+        if not self.backend.writes_decode_pages:
             return [], []
         pools = peer.pools
         if len(pools) == 1 and (msg.num_draft_pages or msg.draft_page_ids):
@@ -150,7 +150,7 @@ class IpcWrites:
     def _release_if_settled(self, peer: Peer, room_id: int) -> None:
         """Tell decode a room it asked about is over here with no write in flight (`ipc`),
         unless a live room or a write still in flight says otherwise."""
-        if self.config.backend != "ipc" or room_id in self.unreleased:
+        if not self.backend.writes_decode_pages or room_id in self.unreleased:
             return
         room = self.rooms.get(room_id)
         if room is None or room.writes_closed:

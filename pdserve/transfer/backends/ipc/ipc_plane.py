@@ -36,12 +36,14 @@ import torch
 
 from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.transfer_messages import HelloReply, KVPiece, Register, RoomReleased
-from pdserve.transfer.config import IPC_TENSOR_PARALLEL
-from pdserve.transfer.data_plane import DataPlane
-from pdserve.transfer.ipc_events import IpcEventRing, OpenedEvents
-from pdserve.transfer.ipc_lane import LaneReceiver, LaneSender, lane_address_problem, lane_fits
-from pdserve.transfer.kv_piece import OutgoingPiece
-from pdserve.transfer.shared_pools import (
+from pdserve.transfer.backends.ipc.ipc_events import IpcEventRing, OpenedEvents
+from pdserve.transfer.backends.ipc.ipc_lane import (
+    LaneReceiver,
+    LaneSender,
+    lane_address_problem,
+    lane_fits,
+)
+from pdserve.transfer.backends.ipc.shared_pools import (
     PoolMapError,
     ProcessWatch,
     export_pool,
@@ -49,6 +51,9 @@ from pdserve.transfer.shared_pools import (
     open_pool,
     remove_counter_files,
 )
+from pdserve.transfer.config import IPC_TENSOR_PARALLEL
+from pdserve.transfer.data_plane import DataPlane
+from pdserve.transfer.kv_piece import OutgoingPiece
 
 if TYPE_CHECKING:
     from pdserve.transfer.endpoint import Endpoint, Peer

@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.transfer.dist_link import LinkError, LinkTimeout, PairLink, PendingTransfer
-from pdserve.transfer.dist_store import DecodeStoreServer, client_store
+from pdserve.transfer.backends.dist.dist_link import LinkError, LinkTimeout, PairLink, PendingTransfer
+from pdserve.transfer.backends.dist.dist_store import DecodeStoreServer, client_store
 
 logger = logging.getLogger(__name__)
 

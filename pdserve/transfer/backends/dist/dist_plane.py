@@ -40,11 +40,11 @@ from pdserve.protocol.rank_messages import (
 )
 from pdserve.protocol.transfer_messages import HelloReply, Register
 from pdserve.transfer.data_plane import DataPlane
-from pdserve.transfer.dist_links import DistLinks
+from pdserve.transfer.backends.dist.dist_links import DistLinks
 from pdserve.transfer.handshake import tp_mismatch
-from pdserve.transfer.head_slices import PeerLinks, head_slices
+from pdserve.transfer.backends.dist.head_slices import PeerLinks, head_slices
 from pdserve.transfer.kv_piece import OutgoingPiece
-from pdserve.transfer.rank_fanout import RankFanout
+from pdserve.transfer.backends.dist.rank_fanout import RankFanout
 
 if TYPE_CHECKING:
     from pdserve.transfer.endpoint import Endpoint, Peer

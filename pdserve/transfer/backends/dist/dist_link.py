@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from pdserve.transfer.dist_pending import PendingTransfer
-from pdserve.transfer.dist_store import (
+from pdserve.transfer.backends.dist.dist_pending import PendingTransfer
+from pdserve.transfer.backends.dist.dist_store import (
     DECODE_RANK,
     PREFILL_RANK,
     LinkError,
@@ -40,7 +40,7 @@ _TAG = 0
 _PROBE_BYTE = 0x5A
 
 if TYPE_CHECKING:
-    from pdserve.transfer.dist_store import Group as _Group
+    from pdserve.transfer.backends.dist.dist_store import Group as _Group
 
 
 class PairLink:

@@ -1,0 +1,1 @@
+"""The `nccl` and `gloo` backends (`backend.DistBackend`)."""

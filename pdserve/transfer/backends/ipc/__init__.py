@@ -1,0 +1,1 @@
+"""The `ipc` backend (`backend.IpcBackend`)."""

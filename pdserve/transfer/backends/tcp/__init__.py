@@ -1,0 +1,1 @@
+"""The `tcp` backend (`backend.TcpBackend`)."""
