@@ -90,9 +90,7 @@ class DisaggConnector(KVConnector):
             logger.error("KV links: %s", e)
             self._endpoint.fail_all_rooms(FailureKind.INTERNAL, str(e))
 
-    def screen(
-        self, request_id: str, prompt_ids: list[int], bootstrap: Bootstrap
-    ) -> Failure | None:
+    def screen(self, bootstrap: Bootstrap) -> Failure | None:
         """A room in use here refuses the request (not the room's failure: it stays); one
         that failed here lately, before the request came (a router gave up on it, or the
         other side's refusal came first), fails it with that failure."""

@@ -334,7 +334,7 @@ class Engine:
 
     @property
     def role(self) -> str:
-        """ "colocated", or the connector's role ("prefill", "decode")."""
+        """The worker's role: the connector's ("prefill", "decode"), else colocated."""
         return self.connector.role if self.connector is not None else "colocated"
 
     @property
@@ -344,7 +344,7 @@ class Engine:
         if self.connector is None:
             return False
         scheduler = self.scheduler
-        return bool(scheduler.waiting_for_pages or scheduler.transfers or self.connector.busy)
+        return bool(scheduler.waiting_for_pages or scheduler.transfers)
 
     def count(self, status: RequestStatus) -> int:
         """How many requests are in `status` (FINISHED: those with pages still pinned)."""
@@ -363,7 +363,7 @@ class Engine:
         once ends here, its failure output reported by the next `poll_transfers`."""
         connector = self.connector
         prompt_ids = [int(t) for t in prompt] if not isinstance(prompt, str) else []
-        failure = connector.screen(request_id, prompt_ids, bootstrap)
+        failure = connector.screen(bootstrap)
         if failure is not None:
             self._refused.append(failed_output(request_id, prompt_ids, failure))
             return
@@ -753,8 +753,7 @@ class Engine:
         if reason is not None:
             # NOTE: a prefill worker's pages stay (SENDING_KV); the connector sends them once
             # the step is over (`_after_step`: the draft has caught up on the prompt by then).
-            keep = request.transfer is not None and self.connector.keeps_pages
-            self.scheduler.finish(request, reason, keep_pages=keep)
+            self.scheduler.finish(request, reason, keep_pages=request.hold_pages)
             request.detokenizer = None
             self._forget(request.request_id)
 

@@ -100,9 +100,7 @@ class KVConnector(ABC):
 
     # ---- requests ----------------------------------------------------------------------
 
-    def screen(
-        self, request_id: str, prompt_ids: list[int], bootstrap: Bootstrap
-    ) -> Failure | None:
+    def screen(self, bootstrap: Bootstrap) -> Failure | None:
         """Before a request is made: why its room refuses it at once (in use, failed here
         already), if it does. Nothing is held for it yet."""
         return None
@@ -160,11 +158,6 @@ class KVConnector(ABC):
     @abstractmethod
     def stats(self) -> DisaggStats:
         """Queues and transfer counters for `EngineStats`."""
-
-    @property
-    def busy(self) -> bool:
-        """Something outside a step is in flight (the loop polls now and then while idle)."""
-        return False
 
     @abstractmethod
     def stop(self) -> None:

@@ -120,8 +120,8 @@ class Scheduler:
         now RECEIVING_KV. First the cached pages holding the prompt's longest cached prefix,
         short of its last token (the transfer skips them), then free ones for the rest."""
         admitted = []
+        receiving = self.count(RequestStatus.RECEIVING_KV)
         while self.waiting_for_pages:
-            receiving = self.count(RequestStatus.RECEIVING_KV)
             if self.num_unfinished + receiving >= self.config.max_running_requests:
                 break
             request = self.waiting_for_pages[0]
@@ -140,6 +140,7 @@ class Scheduler:
             request.status = RequestStatus.RECEIVING_KV
             self.transfers[request.request_id] = request
             admitted.append(request)
+            receiving += 1
         return admitted
 
     def start_compute(self, request: Request) -> None:

@@ -97,11 +97,7 @@ class PrefillConnector(DisaggConnector):
     # ---- requests --------------------------------------------------------------------
 
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
-        """The first token only: decode samples the rest. min_new_tokens stays >= 1 if it
-        was, so EOS is suppressed for the first token exactly as in colocated mode."""
-        return dataclasses.replace(
-            params, max_new_tokens=1, min_new_tokens=min(params.min_new_tokens, 1)
-        )
+        return first_token_only(params)
 
     def rejected(self, request_id: str, bootstrap: Bootstrap, error: Exception) -> Failure:
         """Fail the room too, so the decode side is told."""
@@ -293,3 +289,12 @@ class PrefillConnector(DisaggConnector):
                 message = "the prefill worker is shutting down"
                 request.transfer.sender.abort(FailureKind.UNAVAILABLE, message)
         self.server.stop()
+
+
+def first_token_only(params: SamplingParams) -> SamplingParams:
+    """What a prefill worker samples: the first token only (decode samples the rest).
+    min_new_tokens stays >= 1 if it was, so EOS is suppressed for the first token exactly as
+    in colocated mode."""
+    return dataclasses.replace(
+        params, max_new_tokens=1, min_new_tokens=min(params.min_new_tokens, 1)
+    )

@@ -3,9 +3,7 @@ ask for, and the prefill connector serving its KV on the bootstrap port."""
 
 from __future__ import annotations
 
-import dataclasses
-
-from pdserve.disagg import rank_worker
+from pdserve.disagg.worker import connected, disaggregated_config
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.prefill.connector import PrefillConnector
@@ -16,12 +14,7 @@ from pdserve.transfer.config import TransferConfig
 def build_worker(config: EngineConfig, transfer: TransferConfig) -> Engine:
     """A `WorkerFactory` (pdserve.engine.kv_connector) once `transfer` is bound:
     `functools.partial(build_worker, transfer=...)`."""
-    # NOTE: the other ranks of a tensor-parallel worker move their own KV heads.
-    config = dataclasses.replace(config, rank_worker_module=rank_worker.__name__)
-    engine = Engine(config, build_speculator(config.speculative))
-    try:
-        PrefillConnector(engine, transfer)  # NOTE: it connects itself to the engine
-    except BaseException:
-        engine.close()
-        raise
-    return engine
+    config = disaggregated_config(config)
+    return connected(
+        Engine(config, build_speculator(config.speculative)), transfer, PrefillConnector
+    )

@@ -5,12 +5,12 @@ batch, freeing pages) is then tested apart from how bytes travel."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from pdserve.engine.kv_connector import KVConnector, KVLanded, KVReady, KVSent
 from pdserve.engine.page_allocator import pages_needed
 from pdserve.engine.request import RequestStatus
+from pdserve.prefill.connector import first_token_only
 from pdserve.protocol.engine_messages import Bootstrap
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.transfer.kv_staging import KVStager
@@ -26,8 +26,10 @@ class Link:
     decode_engine: object = None
 
 
-class _Local(KVConnector):
-    def __init__(self, engine, link: Link):
+class NullConnector(KVConnector):
+    """What both local connectors (and a test's own) keep alike: rooms are bare numbers."""
+
+    def __init__(self, engine, link: Link | None = None):
         super().__init__(engine)
         self.link = link
         self.ended_requests: list[tuple[str, Failure | None]] = []
@@ -58,7 +60,7 @@ class _Local(KVConnector):
         ]
 
 
-class LocalPrefill(_Local):
+class LocalPrefill(NullConnector):
     role = "prefill"
     initial_status = RequestStatus.WAITING_FOR_PEER
     keeps_pages = True
@@ -69,9 +71,7 @@ class LocalPrefill(_Local):
         self.records: dict[str, MetadataRecord] = {}
 
     def sampling_params(self, params):
-        return dataclasses.replace(
-            params, max_new_tokens=1, min_new_tokens=min(params.min_new_tokens, 1)
-        )
+        return first_token_only(params)
 
     def finished(self, request) -> None:
         engine = self.engine
@@ -103,7 +103,7 @@ class LocalPrefill(_Local):
         return events
 
 
-class LocalDecode(_Local):
+class LocalDecode(NullConnector):
     role = "decode"
     initial_status = RequestStatus.WAITING_FOR_PAGES
 

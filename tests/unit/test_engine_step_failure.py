@@ -9,8 +9,9 @@ import dataclasses
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.kv_connector import KVConnector, KVReady
+from pdserve.engine.kv_connector import KVReady
 from pdserve.engine.request import RequestStatus
+from pdserve.prefill.connector import first_token_only
 from pdserve.protocol.engine_messages import (
     AbortRequest,
     Bootstrap,
@@ -20,6 +21,7 @@ from pdserve.protocol.engine_messages import (
 )
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.server.engine_process import MAX_CONSECUTIVE_FAILURES, EngineLoop
+from tests.unit.local_connectors import NullConnector
 
 DEVICE_LOST = "the engine failed while running this request: RuntimeError: device lost"
 
@@ -105,7 +107,7 @@ def test_a_step_that_succeeds_resets_the_failure_count(engine, loop, monkeypatch
     assert outputs[0].error is None and loop.consecutive_failures == 0
 
 
-class BrokenConnector(KVConnector):
+class BrokenConnector(NullConnector):
     """A prefill-like connector whose KV moves at once; `finished` (inside a step) or
     `poll` raises the next `count` times."""
 
@@ -117,7 +119,6 @@ class BrokenConnector(KVConnector):
         super().__init__(engine)
         self.broken, self.left = broken, count
         self.new: list[str] = []
-        self.aborted: list[str] = []
 
     def _maybe_raise(self, method: str) -> None:
         if self.broken == method and self.left:
@@ -125,36 +126,19 @@ class BrokenConnector(KVConnector):
             raise RuntimeError(f"{method} broke")
 
     def sampling_params(self, params):
-        return dataclasses.replace(params, max_new_tokens=1)
-
-    def rejected(self, request_id, bootstrap, error):
-        return Failure(FailureKind.INVALID, FailureStage.BOOTSTRAP, str(error))
+        return first_token_only(params)
 
     def add(self, request, bootstrap):
-        request.transfer = bootstrap
         self.new.append(request.request_id)
-        return None
+        return super().add(request, bootstrap)
 
     def finished(self, request) -> None:
         self._maybe_raise("finished")
-
-    def ended(self, request, failure) -> bool:
-        self.aborted.append(request.request_id)
-        return False
 
     def poll(self):
         self._maybe_raise("poll")
         ready, self.new = self.new, []
         return [KVReady(request_id) for request_id in ready]
-
-    def fail_room(self, msg) -> None:
-        pass
-
-    def stats(self):
-        return None
-
-    def stop(self) -> None:
-        pass
 
 
 @pytest.fixture
@@ -179,7 +163,7 @@ def test_a_connector_that_fails_on_a_steps_outputs_fails_their_requests(fresh_en
         )
         assert output.new_token_ids == []
     # Ended through the connector, and in the engine: nothing left, pages free.
-    assert sorted(connector.aborted) == ["a", "b"]
+    assert sorted(request_id for request_id, _ in connector.ended_requests) == ["a", "b"]
     assert not engine.has_unfinished() and not engine.has_transfers
     assert engine.kv_pages_in_use == 0
     assert loop.consecutive_failures == 1
