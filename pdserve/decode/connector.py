@@ -35,21 +35,20 @@ from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.transfer.backends import make_backend
 from pdserve.transfer.config import TransferConfig
-from pdserve.transfer.decode_side import DecodeTransferClient
+from pdserve.transfer.decode_side import DecodeTransferClient, Receiver
 from pdserve.transfer.peer_allow import PeerNotAllowed
-from pdserve.transfer.receiver_room import ReceiverRoom
 from pdserve.transfer.room_state import TransferState
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Room:
+class _Handoff:
     """A decode request's handoff (`Request.transfer`)."""
 
     bootstrap: Bootstrap
     queued_at: float = field(default_factory=time.monotonic)
-    receiver: ReceiverRoom | None = None
+    receiver: Receiver | None = None
     landed: bool = False  # its KV was committed and the room released
 
 
@@ -78,8 +77,8 @@ class DecodeConnector(DisaggConnector):
         self.start_rank_links(self.client)
         self.doorbell = self.client.doorbell
         # Failed requests whose pages stay pinned while a prefill write into them may be in
-        # flight (`ipc`): released once `ReceiverRoom.pages_settled`.
-        self.held_back: list[tuple[Request, ReceiverRoom]] = []
+        # flight (`ipc`): released once `Receiver.pages_settled`.
+        self.held_back: list[tuple[Request, Receiver]] = []
 
     # ---- requests --------------------------------------------------------------------
 
@@ -95,7 +94,7 @@ class DecodeConnector(DisaggConnector):
             address = self.client.allow_list.resolve(bootstrap.host)
         except PeerNotAllowed as e:
             return self.rejected(request.request_id, bootstrap, e)
-        request.transfer = _Room(dataclasses.replace(bootstrap, host=address))
+        request.transfer = _Handoff(dataclasses.replace(bootstrap, host=address))
         self.rooms_in_use.add(bootstrap.room)
         self.requests[request.request_id] = request
         return None
@@ -117,12 +116,12 @@ class DecodeConnector(DisaggConnector):
 
     def admitted(self, request: Request) -> Failure | None:
         """Pages reserved: start receiving the room's KV into them."""
-        room: _Room = request.transfer
-        boot, pages = room.bootstrap, request.pages
+        handoff: _Handoff = request.transfer
+        boot, pages = handoff.bootstrap, request.pages
         # NOTE: no cached pages with a draft pool (the engine caches no draft KV).
         draft_pages = pages if len(self.stager.pools) > 1 else None
         try:
-            room.receiver = self.client.receiver(
+            handoff.receiver = self.client.receiver(
                 boot.room, boot.host, boot.port, pages, draft_pages, len(request.cached_pages)
             )
         except ValueError as e:  # the room is in use here
@@ -130,24 +129,24 @@ class DecodeConnector(DisaggConnector):
         return None
 
     def ended(self, request: Request, failure: Failure | None) -> bool:
-        room: _Room = request.transfer
+        handoff: _Handoff = request.transfer
         self.requests.pop(request.request_id, None)
         if failure is not None:
             self.failed(request.request_id, failure)
-        if room.landed:
+        if handoff.landed:
             return False  # NOTE: its room was released when its KV was committed
         if request.status is RequestStatus.WAITING_FOR_PAGES and failure is None:
-            self.rooms_in_use.discard(room.bootstrap.room)  # nothing reserved, nothing asked
+            self.rooms_in_use.discard(handoff.bootstrap.room)  # nothing reserved, nothing asked
             return False
-        receiver = room.receiver
+        receiver = handoff.receiver
         if receiver is not None and failure is None:
             receiver.abort(FailureKind.ABORTED, "the decode request was aborted (client gone)")
-        self._release_room(room)
+        self._release_room(handoff)
         if receiver is None or receiver.pages_settled:
             return False
         logger.warning(
             "room %d: its pages stay reserved until prefill's writes into them are over",
-            room.bootstrap.room,
+            handoff.bootstrap.room,
         )
         self.held_back.append((request, receiver))
         return True
@@ -159,16 +158,16 @@ class DecodeConnector(DisaggConnector):
         events: list[TransferEvent] = self._settled()
         now = time.monotonic()
         for request in list(self.requests.values()):
-            room: _Room = request.transfer
+            handoff: _Handoff = request.transfer
             if request.status is RequestStatus.WAITING_FOR_PAGES:
-                if now - room.queued_at > self.config.progress_timeout_s:
+                if now - handoff.queued_at > self.config.progress_timeout_s:
                     events.append(KVFailed(request.request_id, self._no_pages()))
                 continue
-            state = room.receiver.poll()
+            state = handoff.receiver.poll()
             if state is TransferState.SUCCESS:
-                events.append(self._commit(request, room))
+                events.append(self._commit(request, handoff))
             elif state is TransferState.FAILED:
-                events.append(KVFailed(request.request_id, room.receiver.failure))
+                events.append(KVFailed(request.request_id, handoff.receiver.failure))
         return events
 
     def _no_pages(self) -> Failure:
@@ -178,18 +177,18 @@ class DecodeConnector(DisaggConnector):
         )
         return Failure(FailureKind.NO_PAGES, FailureStage.BOOTSTRAP, message)
 
-    def _commit(self, request: Request, room: _Room) -> TransferEvent:
+    def _commit(self, request: Request, handoff: _Handoff) -> TransferEvent:
         """Write the room's KV into the request's pages (the engine joins it to the batch)."""
         try:
-            record = room.receiver.commit(self.stager)
+            record = handoff.receiver.commit(self.stager)
         except (ValueError, RuntimeError) as e:
             message = f"could not commit the KV: {e}"
             return KVFailed(
                 request.request_id, Failure(FailureKind.TRANSFER, FailureStage.TRANSFER, message)
             )
-        room.landed = True
+        handoff.landed = True
         self.requests.pop(request.request_id)
-        self._release_room(room)
+        self._release_room(handoff)
         self.metrics.bytes_skipped += len(request.cached_pages) * self.stager.page_bytes[0]
         return KVLanded(request.request_id, record)
 
@@ -207,10 +206,10 @@ class DecodeConnector(DisaggConnector):
         self.held_back = still
         return events
 
-    def _release_room(self, room: _Room) -> None:
-        self.client.release(room.bootstrap.room)
-        self.rooms_in_use.discard(room.bootstrap.room)
-        self.recently_ended.add(room.bootstrap.room)
+    def _release_room(self, handoff: _Handoff) -> None:
+        self.client.release(handoff.bootstrap.room)
+        self.rooms_in_use.discard(handoff.bootstrap.room)
+        self.recently_ended.add(handoff.bootstrap.room)
 
     # ---- reporting -------------------------------------------------------------------
 

@@ -47,17 +47,17 @@ from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
 from pdserve.transfer.kv_staging import StagingError
 from pdserve.transfer.metadata import MetadataRecord
-from pdserve.transfer.prefill_side import PrefillTransferServer, SenderRoom
+from pdserve.transfer.prefill_side import PrefillTransferServer, Sender
 from pdserve.transfer.room_state import TransferState
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Room:
+class _Handoff:
     """A prefill request's handoff (`Request.transfer`)."""
 
-    sender: SenderRoom
+    sender: Sender
     started: bool = False  # the engine began computing it (it left the engine's queue)
     num_pages: int = 0  # pages the transfer moves (target pool; the draft pool's are as many)
     # Target pages already sent as pieces, or that decode holds already (its prefix cache):
@@ -109,7 +109,7 @@ class PrefillConnector(DisaggConnector):
         return self.refused(request_id, failure)
 
     def add(self, request: Request, bootstrap: Bootstrap) -> Failure | None:
-        request.transfer = _Room(self.server.sender(bootstrap.room))
+        request.transfer = _Handoff(self.server.sender(bootstrap.room))
         self.rooms_in_use.add(bootstrap.room)
         self.requests[request.request_id] = request
         return None
@@ -127,11 +127,12 @@ class PrefillConnector(DisaggConnector):
 
     def ended(self, request: Request, failure: Failure | None) -> bool:
         """End the room (the first failure stands: one that failed there keeps its own)."""
-        room: _Room = request.transfer
+        handoff: _Handoff = request.transfer
         if failure is None:
-            room.sender.abort(FailureKind.ABORTED, "the prefill request was aborted (client gone)")
+            message = "the prefill request was aborted (client gone)"
+            handoff.sender.abort(FailureKind.ABORTED, message)
         else:
-            room.sender.abort(failure.kind, failure.message)
+            handoff.sender.abort(failure.kind, failure.message)
             self.failed(request.request_id, failure)
         self._release_room(request)
         return False
@@ -143,15 +144,15 @@ class PrefillConnector(DisaggConnector):
         self.send_rank_orders()
         events: list[TransferEvent] = []
         for request in list(self.requests.values()):
-            room: _Room = request.transfer
-            state = room.sender.poll()
+            handoff: _Handoff = request.transfer
+            state = handoff.sender.poll()
             if state is TransferState.FAILED:
-                events.append(KVFailed(request.request_id, room.sender.failure))
+                events.append(KVFailed(request.request_id, handoff.sender.failure))
             elif request.status is RequestStatus.WAITING_FOR_PEER:
                 if state is TransferState.WAITING_FOR_INPUT:
                     tokens = self.engine.kv_tokens_for_transfer(request.num_prompt_tokens)
-                    room.num_pages = pages_needed(tokens, self.engine.config.page_size)
-                    room.pages_sent = room.sender.num_cached_pages
+                    handoff.num_pages = pages_needed(tokens, self.engine.config.page_size)
+                    handoff.pages_sent = handoff.sender.num_cached_pages
                     events.append(KVReady(request.request_id))
             elif request.status is RequestStatus.SENDING_KV and state is TransferState.SUCCESS:
                 self._release_room(request)
@@ -160,35 +161,36 @@ class PrefillConnector(DisaggConnector):
 
     def started(self, request: Request) -> None:
         """The prefill left the engine's queue: the room's progress deadline starts now."""
-        room: _Room = request.transfer
-        if not room.started:
-            room.started = True
-            room.sender.started()
+        handoff: _Handoff = request.transfer
+        if not handoff.started:
+            handoff.started = True
+            handoff.sender.started()
 
     def computed(self, request: Request) -> None:
         """Send the pages prefill completed since the last piece, once they are worth it."""
         piece_bytes = self.config.piece_bytes
-        room: _Room = request.transfer
-        if piece_bytes <= 0 or room.sender.done:
+        handoff: _Handoff = request.transfer
+        if piece_bytes <= 0 or handoff.sender.done:
             return
         bytes_per_page = self.transfer.stager.page_bytes[0]
-        complete = min(request.num_computed_tokens // self.engine.config.page_size, room.num_pages)
-        count = complete - room.pages_sent
+        page_size = self.engine.config.page_size
+        complete = min(request.num_computed_tokens // page_size, handoff.num_pages)
+        count = complete - handoff.pages_sent
         # NOTE: never the last page: the final piece always has one (and the draft's KV).
-        count = min(count, room.num_pages - 1 - room.pages_sent)
+        count = min(count, handoff.num_pages - 1 - handoff.pages_sent)
         if count <= 0 or count * bytes_per_page < piece_bytes:
             return
-        self._send_piece(room.sender, request.pages, PageSpan(room.pages_sent, count))
-        room.pages_sent += count
+        self._send_piece(handoff.sender, request.pages, PageSpan(handoff.pages_sent, count))
+        handoff.pages_sent += count
 
     def finished(self, request: Request) -> None:
         """The first token: send the last piece (every page not sent yet, and the draft's KV
         whole if any) with the metadata record; the pages stay until decode has it all."""
-        room: _Room = request.transfer
+        handoff: _Handoff = request.transfer
         pages = self.transfer.transfer_pages(self.engine, request.pages, request.num_prompt_tokens)
         rest = PageSpan(
-            room.pages_sent,
-            len(pages) - room.pages_sent,
+            handoff.pages_sent,
+            len(pages) - handoff.pages_sent,
             0,
             len(pages) if len(self.transfer.stager.pools) > 1 else 0,
         )
@@ -205,17 +207,17 @@ class PrefillConnector(DisaggConnector):
             topk_index=None if seed is None else seed.topk_index,
             hidden_states=None if seed is None else seed.hidden,
         )
-        self._send_piece(room.sender, pages, rest, then=record)
+        self._send_piece(handoff.sender, pages, rest, then=record)
 
     def _send_piece(
         self,
-        sender: SenderRoom,
+        sender: Sender,
         pages: list[int],
         span: PageSpan,
         then: MetadataRecord | None = None,
     ) -> None:
         """Send the span's pages: written into decode's pages (`ipc`), else gathered; `then`,
-        the last piece's, finishes the room (see `SenderRoom.send_piece`)."""
+        the last piece's, finishes the room (see `Sender.send_piece`)."""
         if not self.ipc:
             sender.send_piece(self._piece(sender, pages, span), then)
             return
@@ -234,7 +236,7 @@ class PrefillConnector(DisaggConnector):
         piece = OutgoingPiece(span, None, ready, nbytes=nbytes, targets=peer_pools, event=event)
         sender.send_piece(piece, then)
 
-    def _piece(self, sender: SenderRoom, pages: list[int], span: PageSpan) -> OutgoingPiece:
+    def _piece(self, sender: Sender, pages: list[int], span: PageSpan) -> OutgoingPiece:
         """Gather the span's pages into buffers to send, with the event that orders the sends
         after the gather (and the copy to host memory, when sent from there). Per-rank-pair
         links: rank 0's parts, the other ranks told to send theirs."""
@@ -269,10 +271,10 @@ class PrefillConnector(DisaggConnector):
     # ---- endings ---------------------------------------------------------------------
 
     def _release_room(self, request: Request) -> None:
-        room: _Room = self.requests.pop(request.request_id).transfer
-        self.server.release(room.sender.room)
-        self.rooms_in_use.discard(room.sender.room)
-        self.recently_ended.add(room.sender.room)
+        handoff: _Handoff = self.requests.pop(request.request_id).transfer
+        self.server.release(handoff.sender.room)
+        self.rooms_in_use.discard(handoff.sender.room)
+        self.recently_ended.add(handoff.sender.room)
 
     # ---- reporting -------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from pdserve.protocol.transfer_messages import HelloReply, Register
 
 if TYPE_CHECKING:
-    from pdserve.transfer.endpoint import Peer
+    from pdserve.transfer.peer import Peer
 
 
 class DataPlane:
@@ -50,6 +50,11 @@ class DataPlane:
 
     def room_ended(self, room) -> None:
         pass
+
+    def pages_settled(self, room) -> bool:
+        """Receiver (under the endpoint's lock): no write of the sender's into `room`'s pages
+        can still land (only a plane whose sender writes them says otherwise)."""
+        return True
 
     def forget(self, peer: Peer) -> None:
         pass

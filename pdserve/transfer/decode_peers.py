@@ -45,8 +45,9 @@ from pdserve.protocol.transfer_messages import (
     TransferRequest,
 )
 from pdserve.transfer import peer_auth
-from pdserve.transfer.endpoint import Peer
 from pdserve.transfer.outbox import Outbox
+from pdserve.transfer.peer import Peer
+from pdserve.transfer.room_state import room_failure
 from pdserve.transfer.wire_limits import max_prefill_frame_bytes
 
 if TYPE_CHECKING:
@@ -176,7 +177,8 @@ class PrefillPeers:
                 if self.backend.writes_decode_pages and (room is None or room.done):
                     return  # NOTE: its pages may be free already: nobody may write them now
                 if room is not None:
-                    room.sent_to(peer.instance, peer.pid)
+                    writer = peer.pid if self.backend.writes_decode_pages else None
+                    room.sent_to(peer.instance, writer)
         self.send(peer, msg)
 
     def _transfer_request(self, receiver) -> TransferRequest:
@@ -221,7 +223,7 @@ class PrefillPeers:
             for room in self.live_rooms(peer):
                 if room.instance is not None and room.instance != msg.instance:
                     message = f"prefill worker at {peer.key} restarted; the room was lost"
-                    self.fail_room(room, FailureKind.PEER_LOST, message, notify=False)
+                    self.fail_room(room, room_failure(message, FailureKind.PEER_LOST), notify=False)
         problem = self.plane.hello_problem(peer, msg)
         if problem is not None:
             self.drop_peer(peer, FailureKind.HANDSHAKE, f"handshake failed: {problem}")
@@ -255,6 +257,6 @@ class PrefillPeers:
                 peer.waiting.append(self._transfer_request(room))
             else:
                 message = f"prefill at {peer.key} refused the room twice"
-                self.fail_room(room, FailureKind.PEER_LOST, message, notify=False)
+                self.fail_room(room, room_failure(message, FailureKind.PEER_LOST), notify=False)
         if peer.registered or not peer.nonce:
             self._hello(peer)

@@ -16,7 +16,7 @@ import torch
 import zmq
 
 from pdserve.protocol.codec import ProtocolError
-from pdserve.protocol.failures import FailureKind
+from pdserve.protocol.failures import Failure, FailureKind
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import (
     AbortRoom,
@@ -29,11 +29,13 @@ from pdserve.transfer.buffer_pool import BufferPool
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.decode_peers import PrefillPeers
 from pdserve.transfer.endpoint import Endpoint
+from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.metadata import MetadataMismatch, MetadataRecord
 from pdserve.transfer.metrics import TransferMetrics
+from pdserve.transfer.peer import Peer
 from pdserve.transfer.peer_allow import zmq_endpoint
 from pdserve.transfer.receiver_room import ReceiverRoom
-from pdserve.transfer.room_state import TransferState
+from pdserve.transfer.room_state import RoomState, TransferState, room_failure
 
 
 class DecodeTransferClient(PrefillPeers, Endpoint):
@@ -105,10 +107,22 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         with self.lock:
             if room in self.rooms or room in self.tombstones:
                 raise ValueError(f"bootstrap_room {room} is already in use on this decode worker")
-            receiver = ReceiverRoom(self, room, list(page_ids), draft_page_ids, num_cached_pages)
+            state = RoomState(
+                room,
+                progress_timeout_s=self.config.progress_timeout_s,
+                on_change=self.doorbell.ring,
+            )
+            receiver = ReceiverRoom(
+                state,
+                list(page_ids),
+                draft_page_ids,
+                self.page_bytes,
+                num_cached_pages,
+                queue_timeout_s=self.config.queue_timeout_s,
+            )
             self.rooms[room] = receiver
         self.io.call(lambda: self._start_room(receiver, address))
-        return receiver
+        return Receiver(self, receiver)
 
     def release(self, room: int) -> None:
         """Forget a finished room; one whose pages a prefill write may still reach (`ipc`)
@@ -141,7 +155,8 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         if peer is None:
             message = f"no connection to prefill {address} (limit of {self.config.max_peers} "
             message += "prefill peers reached, or the connection failed)"
-            self.fail_room(receiver, FailureKind.PEER_LOST, message, notify=False)
+            failure = room_failure(message, FailureKind.PEER_LOST)
+            self.fail_room(receiver, failure, notify=False)
             return
         self.attach(receiver, peer)
         self.deliver(peer, self._transfer_request(receiver))
@@ -174,17 +189,17 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         if room is None:
             return  # late message for a finished, aborted or foreign room: ignore
         if isinstance(msg, AbortRoom):
-            self.fail_room(room, *self.peer_failure(msg.failure), notify=False)
+            self.fail_room(room, self.peer_failure(msg.failure), notify=False)
         elif isinstance(msg, MetadataHeader):
             try:
                 data = bytes(payload) if payload is not None else b""
                 room.on_metadata(MetadataRecord.unpack(msg, data, self.metadata_spec))
             except MetadataMismatch as e:
-                self.fail_room(room, FailureKind.TRANSFER, f"metadata mismatch: {e}", notify=True)
+                self.fail_room(room, room_failure(f"metadata mismatch: {e}"), notify=True)
         elif isinstance(msg, RoomDone):
             problem = room.on_done(msg.total_bytes, msg.num_pieces)
             if problem is not None:
-                self.fail_room(room, FailureKind.TRANSFER, problem, notify=True)
+                self.fail_room(room, problem, notify=True)
             else:
                 self.room_landed(room)
 
@@ -194,7 +209,7 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
             room = self.rooms.get(room_id) or self.unsettled.get(room_id)
             if room is None or room.writer_pid != peer.pid:
                 return  # NOTE: by process: it may answer for a room of a lost connection
-            room.released = True
+            room.writes_released()
             self.unsettled.pop(room_id, None)
         self.doorbell.ring()
 
@@ -209,3 +224,69 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
     def end_room(self, room, *, notify: bool = False) -> None:
         super().end_room(room, notify=notify)
         self.plane.room_ended(room)
+
+    def recycle(self, buffers: list) -> None:
+        for buffer in buffers:
+            self.buffers.give(buffer)
+
+
+class Receiver:
+    """The decode worker's hold on one room (`DecodeTransferClient.receiver`): what its
+    thread calls to abort the room or commit its KV, each step handed to the client, which
+    alone changes the room (`ReceiverRoom`) otherwise. Reads from any thread."""
+
+    def __init__(self, client: DecodeTransferClient, room: ReceiverRoom):
+        self.client = client
+        self.entry = room
+
+    @property
+    def room(self) -> int:
+        return self.entry.room
+
+    def poll(self) -> TransferState:
+        return self.entry.poll()
+
+    @property
+    def done(self) -> bool:
+        return self.entry.done
+
+    @property
+    def failure(self) -> Failure | None:
+        return self.entry.failure
+
+    @property
+    def num_cached_pages(self) -> int:
+        return self.entry.num_cached_pages
+
+    @property
+    def peer(self) -> Peer | None:
+        return self.entry.peer
+
+    @property
+    def stamps(self) -> dict[str, float]:
+        return self.entry.stamps
+
+    def abort(self, kind: FailureKind, message: str) -> None:
+        """Fail the room and tell prefill. The pages may be freed once `pages_settled`: right
+        after this returns, but with the `ipc` backend (nothing else writes them before
+        `commit`)."""
+        room, client = self.entry, self.client
+        room.fail(room_failure(message, kind))
+        client.io.call(lambda: client.end_room(room, notify=True))
+
+    def commit(self, stager: KVStager) -> MetadataRecord:
+        """Write the received KV into this room's pages; call once, after SUCCESS."""
+        record = self.entry.scatter(stager)
+        self.client.recycle(self.entry.take_buffers())
+        self.entry.stamp("commit_queued")
+        return record
+
+    @property
+    def pages_settled(self) -> bool:
+        """No write into the room's pages can still land, so they may be reused: always,
+        but with a backend whose sender writes them (`ipc`) until the room succeeded, it
+        said its writes are over, or it is gone."""
+        if self.entry.poll() is TransferState.SUCCESS:
+            return True
+        with self.client.lock:
+            return self.client.plane.pages_settled(self.entry)

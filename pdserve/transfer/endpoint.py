@@ -4,9 +4,11 @@ flushes send queues, drops peers that fall silent, sends heartbeats and fails ro
 their deadline.
 
 `PrefillTransferServer` and `DecodeTransferClient` are endpoints; each adds its half of the
-handshake, the messages it accepts and how a room starts. KV bytes move through a data plane
-(`tcp_plane`, or `dist_plane` for torch.distributed), and a room (`SenderRoom`,
-`ReceiverRoom`) changes only through its own methods.
+handshake, the messages it accepts and how a room starts. KV bytes move through the data
+plane its backend builds (`backends/`). A room (`SenderRoom`, `ReceiverRoom`) is pure state
+that changes only through its own methods and holds no reference back to its endpoint; the
+worker's thread holds it through the endpoint's `Sender` / `Receiver`. Whatever goes wrong
+with a room is a `Failure` (`fail_room(room, failure)`).
 
 A peer's silence is measured from the last message it sent: a connection that has not
 registered, or that serves live rooms, may be silent `peer_timeout_s`; an idle one is closed
@@ -18,7 +20,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -32,33 +33,13 @@ from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.doorbell import Doorbell
 from pdserve.transfer.io_thread import IOThread
 from pdserve.transfer.metrics import TransferMetrics
-from pdserve.transfer.outbox import Outbox, PeerBlocked
-from pdserve.transfer.room_state import Tombstones
+from pdserve.transfer.outbox import PeerBlocked
+from pdserve.transfer.peer import Peer
+from pdserve.transfer.room_state import Tombstones, room_failure
 
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.05
-
-
-@dataclass
-class Peer:
-    """A peer worker as one side sees it."""
-
-    key: Any  # the ROUTER identity (prefill side) or the ZMQ address (decode side)
-    outbox: Outbox
-    name: str = ""  # the peer's worker id once known
-    registered: bool = False
-    last_seen: float = field(default_factory=time.monotonic)
-    last_heartbeat: float = 0.0
-    # When it last registered or was given a room: among idle peers, the oldest gives way.
-    last_busy: float = field(default_factory=time.monotonic)
-    rooms: set[int] = field(default_factory=set)
-    tp_size: int = 1  # the peer worker's tensor-parallel size, from its handshake
-    links: Any = None  # its torch.distributed links (`head_slices.PeerLinks`) once made
-
-    def __str__(self) -> str:
-        """Its worker id, else its address (decode side) or "(unregistered)" (prefill side)."""
-        return self.name or (self.key if isinstance(self.key, str) else "(unregistered)")
 
 
 class Endpoint:
@@ -106,13 +87,14 @@ class Endpoint:
 
     def fail_all_rooms(self, kind: FailureKind, message: str) -> None:
         """Fail every live room and tell its peer (from any thread; runs on the IO thread)."""
+        failure = room_failure(message, kind)
 
         def fail() -> None:
             with self.lock:
                 rooms = list(self.rooms.values())
             for room in rooms:
                 if not room.done:
-                    self.fail_room(room, kind, message, notify=True)
+                    self.fail_room(room, failure, notify=True)
 
         self.io.call(fail)
 
@@ -146,8 +128,9 @@ class Endpoint:
         (decode) holds it until then."""
         self.send(peer, msg)
 
-    def attach(self, room, peer: Peer) -> None:
-        room.attach(peer)
+    def attach(self, room, peer: Peer, *details) -> None:
+        """`peer` asked for `room` (with the side's `details`): the room is its."""
+        room.attach(peer, *details)
         peer.rooms.add(room.room)
         # NOTE: an idle peer's old silence does not count
         peer.last_seen = peer.last_busy = time.monotonic()
@@ -163,19 +146,22 @@ class Endpoint:
         rooms = (self.rooms.get(room_id) for room_id in list(peer.rooms))
         return [room for room in rooms if room is not None and not room.done]
 
-    def fail_room(self, room, kind: FailureKind, message: str, *, notify: bool) -> None:
+    def fail_room(self, room, failure: Failure, *, notify: bool) -> None:
         """Fail `room` (the first failure stands), tell its peer if asked, and end it."""
-        failed_now = room.fail(kind, message)
+        failed_now = room.fail(failure)
         self.end_room(room, notify=notify and failed_now)
 
     def end_room(self, room, *, notify: bool = False) -> None:
         """A room ended: tell its peer why (if asked), free its buffer, leave a tombstone."""
         if notify and room.peer is not None and room.failure is not None:
             self.deliver(room.peer, AbortRoom(room.room, room.failure))
-        room.drop_buffer()
+        self.recycle(room.drop_buffers())
         self.tombstones.add(room.room, room.failure)
         if room.peer is not None:
             room.peer.rooms.discard(room.room)
+
+    def recycle(self, buffers: list) -> None:
+        """Buffers an ended room gave back (a side that pools them takes them)."""
 
     def drop_peer(self, peer: Peer, kind: FailureKind, reason: str | None) -> None:
         """Forget a peer and fail its live rooms (reason None: an idle peer closed quietly);
@@ -184,25 +170,26 @@ class Endpoint:
             return
         del self.peers[peer.key]
         message = f"{self.peer_side} peer {peer} {reason or 'was closed'}"
+        failure = room_failure(message, kind)
         for room in self.live_rooms(peer):
-            self.fail_room(room, kind, message, notify=False)
+            self.fail_room(room, failure, notify=False)
         if reason is not None:
             self.peer_log.warning("dropped %s", message)
         peer.outbox.clear()
         self.plane.forget(peer)
         self._closed(peer)
 
-    def peer_failure(self, failure: Failure) -> tuple[FailureKind, str]:
+    def peer_failure(self, failure: Failure) -> Failure:
         """A peer's failure as this side's: the request's fault stays so (INVALID), the peer's
         own trouble (INTERNAL, UNAVAILABLE) ended our room (ABORTED), the rest keep their
-        kind; the message names the peer's side."""
+        kind; the message names the peer's side; the stage is the peer's."""
         kind = failure.kind
         if kind in (FailureKind.INTERNAL, FailureKind.UNAVAILABLE):
             kind = FailureKind.ABORTED
         message = failure.message
         if not message.startswith(self.peer_side):
             message = f"{self.peer_side}: {message}"
-        return kind, message
+        return Failure(kind, failure.stage, message)
 
     def malformed(self, peer: Peer | None, problem: str) -> None:
         self.metrics.malformed_messages += 1

@@ -13,16 +13,24 @@ arrive in any order and interleaved with other rooms' pieces.
 Over torch.distributed a piece travels in parts, one per pair of ranks of the two workers
 (`head_slices`): rank 0 receives its own parts into buffers the ledger holds, the other ranks
 receive theirs and report when they landed; a piece has landed when every part has.
+
+Torch-free: a piece's buffers are the data plane's (it allocates and fills them); the ledger
+only holds them, slices them and hands them to the stager.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
+from pdserve.protocol.failures import Failure
 from pdserve.protocol.transfer_messages import KVPiece
-from pdserve.transfer.backends.dist.head_slices import LinkPart
+from pdserve.transfer.room_state import room_failure
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.transfer.backends.dist.head_slices import LinkPart
 
 
 @dataclass(frozen=True)
@@ -128,27 +136,27 @@ class PieceLedger:
         self.announced_bytes = 0
         self.landed_bytes = 0
 
-    def check(self, index: int, span: PageSpan, nbytes: int) -> str | None:
+    def check(self, index: int, span: PageSpan, nbytes: int) -> Failure | None:
         """What is wrong with announcing this piece, if anything (nothing is allocated)."""
         if index in self.pieces:
-            return f"KV piece {index} announced twice"
+            return room_failure(f"KV piece {index} announced twice")
         bounds = ((span.first, span.count, self.num_pages),)
         bounds += ((span.draft_first, span.draft_count, self.num_draft_pages),)
         for first, count, reserved in bounds:
             if first < 0 or count < 0 or first + count > reserved:
-                return (
+                return room_failure(
                     f"KV piece {index} covers pages [{first}, {first + count}) of a room "
                     f"with {reserved} reserved"
                 )
         if span.count and span.first < self.num_cached:
-            return (
+            return room_failure(
                 f"KV piece {index} covers page {span.first}, but the first {self.num_cached} "
                 "pages are the receiver's own (cached): they must not be sent"
             )
         if span.count + span.draft_count == 0:
-            return f"KV piece {index} covers no page"
+            return room_failure(f"KV piece {index} covers no page")
         if nbytes != span.nbytes(self.page_bytes):
-            return (
+            return room_failure(
                 f"KV piece {index} announced {nbytes} bytes for "
                 f"{span.count}+{span.draft_count} pages ({span.nbytes(self.page_bytes)} bytes)"
             )
@@ -157,7 +165,7 @@ class PieceLedger:
             (self._covered[1], span.draft_first, span.draft_count),
         ):
             if any(covered[first : first + count]):
-                return f"KV piece {index} covers pages another piece already covered"
+                return room_failure(f"KV piece {index} covers pages another piece already covered")
         return None
 
     def add(
@@ -201,16 +209,16 @@ class PieceLedger:
         self.pieces[index] = piece
         self.announced_bytes += piece.nbytes
 
-    def chunk_target(self, index: int, offset: int, nbytes: int) -> torch.Tensor | str:
+    def chunk_target(self, index: int, offset: int, nbytes: int) -> torch.Tensor | Failure:
         """Where a tcp chunk of piece `index` goes (its slice of the piece's buffer), or what
         is wrong with it: chunks of a piece come in order and fill it exactly."""
         piece = self.pieces.get(index)
         buffer = None if piece is None or piece.parts else piece.buffers.get(0)
         if buffer is None:
-            return f"KV chunk for piece {index}, which was not announced"
+            return room_failure(f"KV chunk for piece {index}, which was not announced")
         size = buffer.numel()
         if offset != piece.received or nbytes <= 0 or offset + nbytes > size:
-            return (
+            return room_failure(
                 f"bad KV chunk for piece {index} (offset {offset}, {nbytes} bytes; expected "
                 f"offset {piece.received} of {size})"
             )
@@ -258,7 +266,7 @@ class PieceLedger:
             if piece.parts is None and not piece.buffers:
                 # Written into the pages by the sender (`add_written`): our work waits for it.
                 if piece.ready is not None:
-                    torch.cuda.current_stream(stager.device).wait_event(piece.ready)
+                    stager.wait_for(piece.ready)
                 continue
             if piece.parts is None:
                 stager.scatter(lists, piece.buffers[0])

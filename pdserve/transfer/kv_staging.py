@@ -99,6 +99,11 @@ class KVStager:
             else:
                 dst.index_copy_(1, index[1], src.index_select(1, index[0]))
 
+    def wait_for(self, event: torch.cuda.Event) -> None:
+        """Order the work queued after this on the pools' device after `event` (a write of
+        another process's into the pools, `ipc`)."""
+        torch.cuda.current_stream(self.device).wait_event(event)
+
     def commit_parts(self, room: int, pieces: list) -> None:
         """Pieces that came over torch.distributed links (`kv_piece.PieceLedger.scatter`):
         between workers without tensor parallelism, each is one part, from prefill rank 0 to

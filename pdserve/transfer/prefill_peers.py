@@ -34,9 +34,10 @@ from pdserve.protocol.transfer_messages import (
 from pdserve.transfer import peer_auth
 from pdserve.transfer.backends.ipc.ipc_lane import LaneSender
 from pdserve.transfer.backends.ipc.shared_pools import ProcessWatch
-from pdserve.transfer.endpoint import Peer
 from pdserve.transfer.handshake import layout_mismatches
 from pdserve.transfer.outbox import Outbox
+from pdserve.transfer.peer import Peer
+from pdserve.transfer.room_state import room_failure
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class DecodePeers:
             self._register(peer, msg)
         elif peer.rejected is not None and isinstance(msg, TransferRequest):
             message = f"handshake failed: {peer.rejected}"
-            self.refuse_room(peer, msg.room, FailureKind.HANDSHAKE, message)
+            self.refuse_room(peer, msg.room, room_failure(message, FailureKind.HANDSHAKE))
         elif not peer.registered:
             self._not_registered(identity, getattr(msg, "room", -1))
         else:

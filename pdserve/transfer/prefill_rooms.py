@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.protocol.transfer_messages import AbortRoom, TransferRequest
-from pdserve.transfer.room_state import RoomState
+from pdserve.transfer.room_state import RoomState, room_failure
 from pdserve.transfer.sender_room import SenderRoom
 
 if TYPE_CHECKING:
-    from pdserve.transfer.endpoint import Peer
+    from pdserve.transfer.peer import Peer
     from pdserve.transfer.prefill_peers import DecodePeer
 
 
@@ -38,10 +38,10 @@ class PrefillRooms:
             )
             ended, failure = self.tombstones.lookup(room)
             if ended and failure is None:
-                state.fail(FailureKind.INVALID, "bootstrap_room reused: it finished")
+                state.fail(room_failure("bootstrap_room reused: it finished", FailureKind.INVALID))
             elif ended:
-                state.fail(failure.kind, failure.message)
-            self.rooms[room] = SenderRoom(self, room, state)
+                state.fail(failure)
+            self.rooms[room] = SenderRoom(room, state)
         return self.rooms[room]
 
     def release(self, room: int) -> None:
@@ -75,24 +75,24 @@ class PrefillRooms:
     # ---- IO thread -------------------------------------------------------------------
 
     def _abort_from_peer(self, peer: Peer, msg: AbortRoom) -> None:
-        kind, message = self.peer_failure(msg.failure)
+        failure = self.peer_failure(msg.failure)
         with self.lock:
             room = self.rooms.get(msg.room)
             if room is None:
                 # NOTE: the prefill leg may not have arrived yet; it fails when it does. Under
                 # the lock: a leg arriving meanwhile either finds this tombstone or the room.
-                self.tombstones.add_new(msg.room, Failure(kind, msg.failure.stage, message))
+                self.tombstones.add_new(msg.room, failure)
         if room is not None:
-            self.fail_room(room, kind, message, notify=False)
+            self.fail_room(room, failure, notify=False)
             if room.peer is not peer:  # decode asks again, on a new connection (`ipc`)
                 self._release_if_settled(peer, msg.room)
             return
         self._release_if_settled(peer, msg.room)
 
-    def refuse_room(self, peer: Peer, room_id: int, kind: FailureKind, message: str) -> None:
+    def refuse_room(self, peer: Peer, room_id: int, failure: Failure) -> None:
         with self.lock:
             room = self._room(room_id)
-        room.fail(kind, message)
+        room.fail(failure)
         self.tombstones.add(room_id, room.failure)
         self._reply(peer.key, AbortRoom(room_id, room.failure))
         self._release_if_settled(peer, room_id)
@@ -123,18 +123,18 @@ class PrefillRooms:
                 f"prefill rejected the request: the prompt exceeds this prefill worker's context "
                 f"length (its KV needs {longest} pages, at most {self.max_room_pages})"
             )
-            self.refuse_room(peer, msg.room, FailureKind.INVALID, message)
+            self.refuse_room(peer, msg.room, room_failure(message, FailureKind.INVALID))
             return
         if not 0 <= msg.num_cached_pages < max(msg.num_pages, 1):
             message = (
                 f"decode's transfer request skips {msg.num_cached_pages} cached pages of a room "
                 f"of {msg.num_pages}: at least the last page must be sent"
             )
-            self.refuse_room(peer, msg.room, FailureKind.TRANSFER, message)
+            self.refuse_room(peer, msg.room, room_failure(message))
             return
         destination = self._decode_pages(peer, msg)
-        if isinstance(destination, str):
-            self.refuse_room(peer, msg.room, FailureKind.TRANSFER, destination)
+        if isinstance(destination, Failure):
+            self.refuse_room(peer, msg.room, destination)
             return
         with self.lock:
             room, limit = self.rooms.get(msg.room), None
@@ -149,10 +149,7 @@ class PrefillRooms:
             self._refuse_waiting(peer, msg.room, limit)
             return
         if room.peer is None and not room.done:  # else a duplicate, or a room that ended
-            room.num_pages, room.num_draft_pages = msg.num_pages, msg.num_draft_pages
-            room.num_cached_pages = msg.num_cached_pages
-            room.decode_pages, room.decode_draft_pages = destination
-            self.attach(room, peer)
+            self.attach(room, peer, msg, destination, self.config.queue_timeout_s)
 
     def end_room(self, room, *, notify: bool = False) -> None:
         super().end_room(room, notify=notify)

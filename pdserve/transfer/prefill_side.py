@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
 
 import torch
 import zmq
 
 from pdserve.protocol.channel import Channel
 from pdserve.protocol.codec import ProtocolError
-from pdserve.protocol.failures import FailureKind
+from pdserve.protocol.failures import Failure, FailureKind
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import (
     AbortRoom,
@@ -38,11 +37,14 @@ from pdserve.protocol.transfer_messages import (
 from pdserve.transfer.backends.ipc.ipc_writes import IpcWrites
 from pdserve.transfer.bootstrap_connections import ConnectionLimit
 from pdserve.transfer.config import TransferConfig
-from pdserve.transfer.endpoint import Endpoint, Peer
-from pdserve.transfer.kv_piece import OutgoingPiece
+from pdserve.transfer.endpoint import Endpoint
+from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
+from pdserve.transfer.metadata import MetadataRecord
 from pdserve.transfer.metrics import TransferMetrics
+from pdserve.transfer.peer import Peer
 from pdserve.transfer.prefill_peers import DecodePeer, DecodePeers
 from pdserve.transfer.prefill_rooms import PrefillRooms
+from pdserve.transfer.room_state import TransferState, room_failure
 from pdserve.transfer.sender_room import SenderRoom
 from pdserve.transfer.staged_sends import StagedSends
 
@@ -50,7 +52,7 @@ _FROM_DECODE = (Hello, Register, TransferRequest, AbortRoom, RoomAck, Heartbeat)
 # Pages of one room when the caller does not say (a 1M-token prompt in 16-token pages).
 DEFAULT_MAX_ROOM_PAGES = 1 << 16
 
-__all__ = ["PrefillTransferServer", "SenderRoom"]
+__all__ = ["PrefillTransferServer", "Sender"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,12 +156,12 @@ class PrefillTransferServer(PrefillRooms, IpcWrites, DecodePeers, Endpoint):
         self.context.term()
         self.doorbell.close()
 
-    def sender(self, room: int) -> SenderRoom:
+    def sender(self, room: int) -> Sender:
         """The room's sender, created in BOOTSTRAPPING if decode has not asked for it yet."""
         with self.lock:
             sender = self._room(room).claim()
             self._stop_waiting(room)
-            return sender
+            return Sender(self, sender)
 
     @property
     def pending_sends(self) -> int:
@@ -214,34 +216,136 @@ class PrefillTransferServer(PrefillRooms, IpcWrites, DecodePeers, Endpoint):
         message = (
             f"the KV copy from the GPU did not complete in {self.config.progress_timeout_s:g} s"
         )
-        self._staged.submit(
-            command, ready, lambda: self.fail_room(room, FailureKind.INTERNAL, message, notify=True)
-        )
+        failure = room_failure(message, FailureKind.INTERNAL)
+        self._staged.submit(command, ready, lambda: self.fail_room(room, failure, notify=True))
 
     def send_piece(self, room: SenderRoom, piece: OutgoingPiece) -> None:
-        index = "the room ended" if room.done else room.begin_piece()
-        if isinstance(index, str):
+        index = room_failure("the room ended") if room.done else room.begin_piece()
+        if isinstance(index, Failure):
             self.fail_on_io_thread(room, index)
             if piece.remote and room.peer is not None:
                 # NOTE: the other ranks posted their parts already: decode must post the
                 # matching receives (into scratch), or each link's order breaks.
-                room.pieces_sent += 1
-                self.plane.send_piece(room, piece, room.pieces_sent - 1)
+                self.plane.send_piece(room, piece, room.skip_piece())
             return
         if piece.span is None:
             piece.span = room.whole()
         if self.plane.send_piece(room, piece, index):
             self.metrics.pieces_sent += 1
-            room.bytes_sent += piece.nbytes
-            room.stamps.setdefault("first_piece_sent", time.monotonic())
+            room.sent(piece.nbytes)
 
     def finish_room(self, room: SenderRoom, header, payload: bytes) -> None:
         """After the last piece: the metadata record, then `RoomDone`."""
         if room.done:
             return
         if room.pieces_sent == 0:
-            self.fail_on_io_thread(room, "finished without any KV")
+            self.fail_on_io_thread(room, room_failure("finished without any KV"))
             return
-        room.stamps["finished"] = time.monotonic()
+        room.stamp("finished")
         if self.send(room.peer, header, payload):
             self.send(room.peer, RoomDone(room.room, room.bytes_sent, room.pieces_sent))
+
+
+class Sender:
+    """The prefill worker's hold on one room (`PrefillTransferServer.sender`): what its thread
+    calls to send the room's KV, each step handed to the server, which alone changes the room
+    (`SenderRoom`). The room's state and failure read from any thread."""
+
+    def __init__(self, server: PrefillTransferServer, room: SenderRoom):
+        self.server = server
+        self.state = room
+
+    @property
+    def room(self) -> int:
+        return self.state.room
+
+    def poll(self) -> TransferState:
+        return self.state.poll()
+
+    @property
+    def done(self) -> bool:
+        return self.state.done
+
+    @property
+    def failure(self) -> Failure | None:
+        return self.state.failure
+
+    @property
+    def num_cached_pages(self) -> int:
+        """The room's first pages, which decode holds already (never sent)."""
+        return self.state.num_cached_pages
+
+    @property
+    def peer(self) -> Peer | None:
+        return self.state.peer
+
+    @property
+    def stamps(self) -> dict[str, float]:
+        return self.state.stamps
+
+    def started(self) -> None:
+        """The prefill began computing this room: the progress deadline counts from now (the
+        wait in the prefill queue before it had its own, longer, deadline)."""
+        self.server.io.call(self.state.restart_clock)
+
+    def destination(self, span: PageSpan) -> tuple[list[torch.Tensor], list[list[int]]] | None:
+        """Where to write a piece's pages (`ipc`): decode's pools mapped here, and its page
+        ids, one list per pool; None if the room takes no more writes (it ended). Each write
+        given a destination must be handed to `send_piece` once queued."""
+        return self.server.open_write(self.state, span)
+
+    def write_failed(self, message: str) -> None:
+        """A write given a `destination` could not be queued (nothing of it runs)."""
+        room, failure = self.state, room_failure(message, FailureKind.INTERNAL)
+        self.server.io.call(lambda: self.server.write_failed(room, failure))
+
+    def send_piece(self, piece: OutgoingPiece, then: MetadataRecord | None = None) -> None:
+        """Send one piece of the room's KV (flat uint8 from `KVStager.gather`: on the CPU for
+        tcp and gloo, on the GPU for nccl; with `ipc`, written into decode's pages already,
+        see `destination`). Pieces go out in the order given. `then`: the room's last piece,
+        and what `finish` is then called with (with `ipc`, announced with the piece)."""
+        server, room = self.server, self.state
+        if piece.targets:
+            # NOTE: announced at once: decode's work on the pages waits for the write's event
+            # on the GPU. The write counts as in flight until that event is seen complete.
+            room.stamp("first_piece_called", first=True)
+            steps = [lambda: server.send_piece(room, piece)]
+            if then is not None:
+                steps.append(self._finish_step(then))
+            server.announce(room, *steps)
+            server.submit(room, lambda: server.written(room, piece), piece.ready)
+            return
+        wanted = server.backend.piece_device_type()
+        buffers = [piece.data] if piece.data is not None else [data for _, data in piece.sends]
+        for data in buffers:
+            if data.dtype != torch.uint8 or data.device.type != wanted or not data.is_contiguous():
+                raise ValueError(
+                    f"a KV piece must be contiguous uint8 buffers on {wanted} (see KVStager.gather)"
+                )
+        room.stamp("first_piece_called", first=True)
+        server.submit(room, lambda: server.send_piece(room, piece), piece.ready)
+        if then is not None:
+            self.finish(then)
+
+    def finish(self, metadata: MetadataRecord) -> None:
+        """Every piece was given: send the metadata record and end the room's sending."""
+        finish = self._finish_step(metadata)
+        if self.server.backend.writes_decode_pages:
+            self.server.announce(self.state, finish)  # NOTE: after the announcements
+        else:
+            self.server.submit(self.state, finish, None)
+
+    def _finish_step(self, metadata: MetadataRecord):
+        server, room = self.server, self.state
+        header, payload = metadata.pack(room.room, server.metadata_spec)
+        room.stamp("finish_called")
+        return lambda: server.finish_room(room, header, payload)
+
+    def send(self, kv: torch.Tensor, metadata: MetadataRecord) -> None:
+        """Send the room's KV whole (every page decode reserved, as one piece) and finish."""
+        self.send_piece(OutgoingPiece(None, kv))
+        self.finish(metadata)
+
+    def abort(self, kind: FailureKind, message: str) -> None:
+        server, room, failure = self.server, self.state, room_failure(message, kind)
+        server.io.call(lambda: server.fail_room(room, failure, notify=True))

@@ -1,12 +1,13 @@
 """Per-room transfer state on one side of a handoff. Torch-free.
 
 `Bootstrapping -> WaitingForInput -> Transferring -> Success`, or `Failed` from anywhere.
-States only move forward; `Failed` is sticky and keeps the first `Failure` (its stage is
-`bootstrap` before any KV moved, `transfer` after); `Success` is final. Every state has a
-deadline: a room that makes no progress for `progress_timeout_s` fails (TIMEOUT) with a
-message that names the state it was stuck in. Finished rooms leave a tombstone for a while,
-so a late or duplicate message for them is recognised and ignored rather than applied to a
-new request.
+States only move forward; `Failed` is sticky and keeps the first `Failure` (its stage is the
+room's to say: `bootstrap` before any KV moved, `transfer` after); `Success` is final.
+What goes wrong with a room is a `Failure` from where it is found (`room_failure`), never a
+string. Every state has a deadline: a room that makes no progress for `progress_timeout_s`
+fails (TIMEOUT) with a message that names the state it was stuck in. Finished rooms leave
+a tombstone for a while, so a late or duplicate message for them is recognised and ignored
+rather than applied to a new request.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
+
+
+def room_failure(message: str, kind: FailureKind = FailureKind.TRANSFER) -> Failure:
+    """What went wrong with a room, as the room will record it (`RoomState.fail` sets the
+    stage from how far the room got)."""
+    return Failure(kind, FailureStage.TRANSFER, message)
 
 
 class TransferState(enum.IntEnum):
@@ -68,7 +75,7 @@ class RoomState:
         InvalidTransition for a move backwards, sideways, out of Success or into Failed
         (use `fail`)."""
         if new_state is TransferState.FAILED:
-            raise InvalidTransition("use fail(kind, message) to fail a room")
+            raise InvalidTransition("use fail(failure) to fail a room")
         with self._lock:
             if self.state is TransferState.FAILED:
                 return False
@@ -93,14 +100,15 @@ class RoomState:
         self.entered_at = self._clock()
         self.limit_s = self.progress_timeout_s
 
-    def fail(self, kind: FailureKind, message: str) -> bool:
-        """Fail the room. False if it already ended (the first outcome stands)."""
+    def fail(self, failure: Failure) -> bool:
+        """Fail the room with `failure`, its stage the room's (`bootstrap` unless KV moved).
+        False if it already ended (the first outcome stands)."""
         with self._lock:
             if self.done:
                 return False
             moved = self.state is TransferState.TRANSFERRING
             stage = FailureStage.TRANSFER if moved else FailureStage.BOOTSTRAP
-            self.failure = Failure(kind, stage, message)
+            self.failure = Failure(failure.kind, stage, failure.message)
             self.state = TransferState.FAILED
             self.entered_at = self._clock()
         self._changed()
@@ -117,15 +125,14 @@ class RoomState:
         waited = self._clock() - self.entered_at
         if waited <= self.limit_s:
             return False
-        return self.fail(
-            FailureKind.TIMEOUT,
-            f"timed out after {waited:.1f} s in {self.state.name} (limit {self.limit_s:g} s)",
-        )
+        message = f"timed out after {waited:.1f} s in {self.state.name} (limit {self.limit_s:g} s)"
+        return self.fail(room_failure(message, FailureKind.TIMEOUT))
 
 
 class Room:
-    """A room on either side: its number and state. Only the room changes its state (the
-    endpoint calls `fail`, `check_deadline` and the side's own methods); any thread reads."""
+    """A room on either side: its number and state, and no reference to the endpoint that
+    owns it. Only the room changes its state and attributes (the endpoint calls `fail`,
+    `check_deadline` and the side's own methods); any thread reads."""
 
     claimed = True  # a worker's own request asked for it (that worker releases it)
 
@@ -144,8 +151,8 @@ class Room:
     def failure(self) -> Failure | None:
         return self._state.failure
 
-    def fail(self, kind: FailureKind, message: str) -> bool:
-        return self._state.fail(kind, message)
+    def fail(self, failure: Failure) -> bool:
+        return self._state.fail(failure)
 
     def check_deadline(self) -> bool:
         return self._state.check_deadline()

@@ -13,7 +13,7 @@ import zmq
 from pdserve.protocol.failures import FailureKind
 from pdserve.server.engine_process import _receive
 from pdserve.transfer.doorbell import Doorbell
-from pdserve.transfer.room_state import RoomState, TransferState
+from pdserve.transfer.room_state import RoomState, TransferState, room_failure
 
 
 def rung(bell: Doorbell) -> bool:
@@ -45,8 +45,10 @@ def test_a_room_rings_on_every_move_a_worker_acts_on_and_on_failing_once():
     state.advance(TransferState.SUCCESS)
     other = RoomState(8, progress_timeout_s=5, on_change=lambda: changes.append(other.state))
     other.advance(TransferState.TRANSFERRING)
-    other.fail(FailureKind.PEER_LOST, "gone")
-    other.fail(FailureKind.TIMEOUT, "late")  # the first outcome stands: no second ring
+    other.fail(room_failure("gone", FailureKind.PEER_LOST))
+    other.fail(
+        room_failure("late", FailureKind.TIMEOUT)
+    )  # the first outcome stands: no second ring
     assert changes == [
         TransferState.WAITING_FOR_INPUT,
         TransferState.SUCCESS,

@@ -11,7 +11,13 @@ from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.protocol.metadata_spec import MetadataSpec, MetadataSpecError
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
 from pdserve.transfer.handshake import layout_mismatches, model_fingerprint
-from pdserve.transfer.room_state import InvalidTransition, RoomState, Tombstones, TransferState
+from pdserve.transfer.room_state import (
+    InvalidTransition,
+    RoomState,
+    Tombstones,
+    TransferState,
+    room_failure,
+)
 
 
 class FakeClock:
@@ -42,8 +48,8 @@ def test_backwards_and_repeated_states_are_refused():
 
 def test_failed_is_sticky_and_keeps_the_first_reason():
     room = RoomState(7, progress_timeout_s=5)
-    assert room.fail(FailureKind.ABORTED, "peer aborted")
-    assert not room.fail(FailureKind.TIMEOUT, "second reason")
+    assert room.fail(room_failure("peer aborted", FailureKind.ABORTED))
+    assert not room.fail(room_failure("second reason", FailureKind.TIMEOUT))
     assert not room.advance(TransferState.SUCCESS)
     assert room.state is TransferState.FAILED
     assert room.failure == Failure(FailureKind.ABORTED, FailureStage.BOOTSTRAP, "peer aborted")
@@ -52,7 +58,7 @@ def test_failed_is_sticky_and_keeps_the_first_reason():
 def test_a_failure_after_bytes_moved_is_a_transfer_failure():
     room = RoomState(7, progress_timeout_s=5)
     room.advance(TransferState.TRANSFERRING)
-    room.fail(FailureKind.PEER_LOST, "peer silent")
+    room.fail(room_failure("peer silent", FailureKind.PEER_LOST))
     assert (
         room.failure.stage is FailureStage.TRANSFER and room.failure.label == "transfer/peer_lost"
     )
@@ -61,7 +67,7 @@ def test_a_failure_after_bytes_moved_is_a_transfer_failure():
 def test_success_is_final_and_cannot_fail_later():
     room = RoomState(7, progress_timeout_s=5)
     room.advance(TransferState.SUCCESS)
-    assert not room.fail(FailureKind.ABORTED, "late abort")
+    assert not room.fail(room_failure("late abort", FailureKind.ABORTED))
     assert room.state is TransferState.SUCCESS
 
 

@@ -181,9 +181,9 @@ def test_rooms_that_never_reached_prefill_or_whose_prefill_is_gone_are_settled(p
     assert receiver.pages_settled  # no request went out: nothing can write
     _, receiver = open_room(pair, Case(room=65, draft=True))
     pid = exited_pid()
-    assert process_gone(pid) and not process_gone(receiver.writer_pid)
+    assert process_gone(pid) and not process_gone(receiver.entry.writer_pid)
     with pair.client.lock:
-        receiver.writer_pid = pid  # as if prefill had exited
+        receiver.entry.writer_pid = pid  # as if prefill had exited
     receiver.abort(FailureKind.ABORTED, "the client left")
     assert receiver.pages_settled
 
@@ -196,7 +196,7 @@ def test_a_transfer_request_with_page_ids_outside_decodes_pool_is_refused(pair):
     assert unpack_page_ids(b"\x00" * 7, 2, 30) == "7 bytes of page ids for 2 pages"
     sender, receiver = open_room(pair, Case(room=66, draft=True))
     peer = sender.peer
-    request = pair.client._transfer_request(receiver)
+    request = pair.client._transfer_request(receiver.entry)
     forged = dataclasses.replace(request, room=67, page_ids=pack_page_ids([0, 7, 99]))
     server.io.call(lambda: server._transfer_request(peer, forged))
     wait_until(lambda: server.sender(67).poll() is TransferState.FAILED, "the refusal", 10)

@@ -25,15 +25,15 @@ PAGE_BYTES = [100, 10]  # target pool, draft pool
 def test_a_piece_is_checked_against_the_reservation_before_anything_is_allocated():
     ledger = PieceLedger(num_pages=4, num_draft_pages=4, page_bytes=PAGE_BYTES)
     assert ledger.expected_bytes == 440
-    assert "covers pages [3, 5)" in ledger.check(0, PageSpan(3, 2), 200)
-    assert "covers pages [-1, 0)" in ledger.check(0, PageSpan(-1, 1), 100)
-    assert "covers pages [0, 5)" in ledger.check(0, PageSpan(0, 0, 0, 5), 50)
-    assert "covers no page" in ledger.check(0, PageSpan(1, 0), 0)
-    assert "announced 150 bytes" in ledger.check(0, PageSpan(0, 1, 0, 1), 150)
+    assert "covers pages [3, 5)" in ledger.check(0, PageSpan(3, 2), 200).message
+    assert "covers pages [-1, 0)" in ledger.check(0, PageSpan(-1, 1), 100).message
+    assert "covers pages [0, 5)" in ledger.check(0, PageSpan(0, 0, 0, 5), 50).message
+    assert "covers no page" in ledger.check(0, PageSpan(1, 0), 0).message
+    assert "announced 150 bytes" in ledger.check(0, PageSpan(0, 1, 0, 1), 150).message
     assert ledger.check(0, PageSpan(0, 2), 200) is None
     ledger.add(0, PageSpan(0, 2), torch.empty(200, dtype=torch.uint8))
-    assert "announced twice" in ledger.check(0, PageSpan(2, 1), 100)
-    assert "already covered" in ledger.check(1, PageSpan(1, 2), 200)
+    assert "announced twice" in ledger.check(0, PageSpan(2, 1), 100).message
+    assert "already covered" in ledger.check(1, PageSpan(1, 2), 200).message
     assert ledger.check(1, PageSpan(2, 2, 0, 4), 240) is None
 
 
@@ -41,9 +41,9 @@ def test_a_room_is_complete_only_when_every_page_is_covered_and_every_byte_lande
     ledger = PieceLedger(num_pages=2, num_draft_pages=0, page_bytes=PAGE_BYTES[:1])
     ledger.add(1, PageSpan(1, 1), torch.empty(100, dtype=torch.uint8))
     chunk = ledger.chunk_target(1, 0, 60)
-    assert chunk.numel() == 60 and "expected offset 0" in ledger.chunk_target(1, 10, 10)
+    assert chunk.numel() == 60 and "expected offset 0" in ledger.chunk_target(1, 10, 10).message
     ledger.landed(1, 60)
-    assert "expected offset 60 of 100" in ledger.chunk_target(1, 60, 50)
+    assert "expected offset 60 of 100" in ledger.chunk_target(1, 60, 50).message
     ledger.landed(1, 40)
     assert not ledger.complete  # page 0 never announced
     ledger.add(0, PageSpan(0, 1), torch.empty(100, dtype=torch.uint8), in_flight=True)
@@ -55,7 +55,9 @@ def test_a_room_is_complete_only_when_every_page_is_covered_and_every_byte_lande
 def test_pages_the_receiver_holds_already_are_neither_expected_nor_accepted():
     ledger = PieceLedger(num_pages=4, num_draft_pages=0, page_bytes=PAGE_BYTES[:1], num_cached=2)
     assert ledger.expected_bytes == 200
-    assert "the first 2 pages are the receiver's own" in ledger.check(0, PageSpan(1, 2), 200)
+    assert (
+        "the first 2 pages are the receiver's own" in ledger.check(0, PageSpan(1, 2), 200).message
+    )
     assert ledger.check(0, PageSpan(2, 1), 100) is None
     ledger.add(0, PageSpan(2, 1), torch.empty(100, dtype=torch.uint8))
     ledger.landed(0, 100)

@@ -47,7 +47,8 @@ from pdserve.transfer.kv_piece import OutgoingPiece
 from pdserve.transfer.backends.dist.rank_fanout import RankFanout
 
 if TYPE_CHECKING:
-    from pdserve.transfer.endpoint import Endpoint, Peer
+    from pdserve.transfer.endpoint import Endpoint
+    from pdserve.transfer.peer import Peer
 
 logger = logging.getLogger(__name__)
 

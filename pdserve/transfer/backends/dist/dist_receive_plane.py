@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import uuid
 from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.protocol.failures import FailureKind
+from pdserve.protocol.failures import Failure, FailureKind
 from pdserve.protocol.rank_messages import RankDropSlices, RankReceiveSlices, RankTransferReport
 from pdserve.protocol.transfer_messages import KVPiece, Register
 from pdserve.transfer.backends.dist.dist_plane import DistPlane
@@ -22,7 +23,8 @@ from pdserve.transfer.kv_piece import PageSpan
 from pdserve.transfer.backends.dist.rank_fanout import RankFanout
 
 if TYPE_CHECKING:
-    from pdserve.transfer.endpoint import Endpoint, Peer
+    from pdserve.transfer.endpoint import Endpoint
+    from pdserve.transfer.peer import Peer
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +74,10 @@ class DistReceivePlane(DistPlane):
         buffers = None
         if room is not None:
             sizes = self._sizes(parts, span)
-            taken = room.on_parts(msg, parts, sizes, writer=self.links.stream)
-            if isinstance(taken, str):
-                endpoint.fail_room(room, FailureKind.TRANSFER, taken, notify=True)
+            take = functools.partial(endpoint.buffers.take, writer=self.links.stream)
+            taken = room.on_parts(msg, parts, sizes, take)
+            if isinstance(taken, Failure):
+                endpoint.fail_room(room, taken, notify=True)
                 room = None
             else:
                 buffers = taken

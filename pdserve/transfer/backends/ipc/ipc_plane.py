@@ -18,7 +18,7 @@ back at once: a write may be in flight. Prefill counts each room's writes (a wai
 watches each write's event, `staged_sends`): once the room ended here and none is in
 flight, none will start, and it says so (`RoomReleased`). Decode
 keeps a failed room's pages until then, or until the prefill process is gone
-(`ReceiverRoom.pages_settled`). The handshake checks that both workers share a host and a PID
+(`IpcReceivePlane.pages_settled`). The handshake checks that both workers share a host and a PID
 namespace, and that neither is tensor-parallel.
 
 The interface is `data_plane`'s.
@@ -49,14 +49,17 @@ from pdserve.transfer.backends.ipc.shared_pools import (
     export_pool,
     host_id,
     open_pool,
+    process_gone,
     remove_counter_files,
 )
 from pdserve.transfer.config import IPC_TENSOR_PARALLEL
 from pdserve.transfer.data_plane import DataPlane
 from pdserve.transfer.kv_piece import OutgoingPiece
+from pdserve.transfer.room_state import room_failure
 
 if TYPE_CHECKING:
-    from pdserve.transfer.endpoint import Endpoint, Peer
+    from pdserve.transfer.endpoint import Endpoint
+    from pdserve.transfer.peer import Peer
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +224,12 @@ class IpcReceivePlane(_IpcPlane):
         if self.lane is not None:
             self.lane.close()
 
+    def pages_settled(self, room) -> bool:
+        """The prefill process writes a room's pages until the room succeeded, it said its
+        writes are over (`RoomReleased`), or it is gone."""
+        pid = room.writer_pid
+        return pid is None or room.released or process_gone(pid)
+
     def _opened(self, peer: Peer) -> OpenedEvents:
         """The events this prefill peer announced (kept while the peer is: `ipc_events`)."""
         if peer.events is None:
@@ -243,12 +252,12 @@ class IpcReceivePlane(_IpcPlane):
         if msg.event:
             ready = self._opened(peer).open(msg.event)
             if isinstance(ready, str):
-                problem = f"KV piece {msg.index}: {ready}"
-                endpoint.fail_room(room, FailureKind.TRANSFER, problem, notify=True)
+                failure = room_failure(f"KV piece {msg.index}: {ready}")
+                endpoint.fail_room(room, failure, notify=True)
                 return True
         problem = room.on_written(msg, ready)
         if problem is not None:
-            endpoint.fail_room(room, FailureKind.TRANSFER, problem, notify=True)
+            endpoint.fail_room(room, problem, notify=True)
             return True
         endpoint.metrics.bytes_received += msg.nbytes
         endpoint.room_landed(room)

@@ -12,14 +12,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.protocol.failures import FailureKind
+from pdserve.protocol.failures import Failure, FailureKind
 from pdserve.protocol.transfer_messages import RoomReleased, TransferRequest
 from pdserve.transfer.backends.ipc.ipc_lane import LANE_MESSAGES
 from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
 from pdserve.transfer.page_ids import unpack_page_ids
+from pdserve.transfer.room_state import room_failure
 
 if TYPE_CHECKING:
-    from pdserve.transfer.endpoint import Peer
+    from pdserve.transfer.peer import Peer
     from pdserve.transfer.sender_room import SenderRoom
 
 
@@ -31,8 +32,7 @@ class IpcWrites:
         if not self.backend.writes_decode_pages:
             return
         with self.lock:
-            room.writes_closed = True
-            settled = room.writes_in_flight == 0
+            settled = room.close_writes()
         if room.failure is None:
             return  # NOTE: decode has the room whole: its pages are its engine's now
         if settled:
@@ -40,20 +40,22 @@ class IpcWrites:
         else:
             self.unreleased[room.room] = room
 
-    def _decode_pages(self, peer: Peer, msg: TransferRequest) -> tuple[list, list] | str:
+    def _decode_pages(self, peer: Peer, msg: TransferRequest) -> tuple[list, list] | Failure:
         """The page ids decode asked us to write (`ipc`; empty otherwise), or what is wrong
         with them (checked against decode's pools as mapped)."""
         if not self.backend.writes_decode_pages:
             return [], []
         pools = peer.pools
         if len(pools) == 1 and (msg.num_draft_pages or msg.draft_page_ids):
-            return "decode's transfer request asks for draft pages; it shared no draft KV pool"
+            return room_failure(
+                "decode's transfer request asks for draft pages; it shared no draft KV pool"
+            )
         lists = [[], []]
         wire = ((msg.page_ids, msg.num_pages), (msg.draft_page_ids, msg.num_draft_pages))
         for i, ((data, count), pool) in enumerate(zip(wire, pools, strict=False)):
             ids = unpack_page_ids(data, count, pool.shape[2])
             if isinstance(ids, str):
-                return f"decode's transfer request: {ids}"
+                return room_failure(f"decode's transfer request: {ids}")
             lists[i] = ids
         return lists[0], lists[1]
 
@@ -74,9 +76,8 @@ class IpcWrites:
             peer = room.peer
             # NOTE: read once: the IO thread's `forget` may set it to None at any moment.
             mapped = None if peer is None else peer.pools
-            if room.writes_closed or mapped is None:
+            if mapped is None or not room.open_write():
                 return None
-            room.writes_in_flight += 1
             pools = list(mapped)
         pages = span.page_lists(room.decode_pages, room.decode_draft_pages, len(pools))
         return pools, pages
@@ -102,7 +103,7 @@ class IpcWrites:
         finally:
             problem = lane.flush()
         if problem is not None:
-            self.fail_on_io_thread(room, problem, FailureKind.PEER_LOST)
+            self.fail_on_io_thread(room, room_failure(problem, FailureKind.PEER_LOST))
 
     def send(self, peer: Peer, msg, *payload, copy: bool = True) -> bool:
         """`Endpoint.send`, but for what a decode peer's lane carries (`ipc_lane`), from
@@ -113,33 +114,34 @@ class IpcWrites:
         problem = lane.send(msg, *payload)
         room = self.rooms.get(msg.room)
         if problem is not None and room is not None:
-            self.fail_on_io_thread(room, problem, FailureKind.PEER_LOST)
+            self.fail_on_io_thread(room, room_failure(problem, FailureKind.PEER_LOST))
         return problem is None
 
-    def fail_on_io_thread(self, room, message: str, kind=FailureKind.INTERNAL) -> None:
+    def fail_on_io_thread(self, room, failure: Failure) -> None:
         """Fail a room that has not ended, from any thread: on the IO thread, which owns the
         connection (now, if that is the caller's)."""
         if room.done:
             return
         if self.io.is_current:
-            self.fail_room(room, kind, message, notify=True)
+            self.fail_room(room, failure, notify=True)
         else:
-            self.io.call(lambda: self.fail_room(room, kind, message, notify=True))
+            self.io.call(lambda: self.fail_room(room, failure, notify=True))
 
-    def write_failed(self, room: SenderRoom, message: str) -> None:
+    def write_failed(self, room: SenderRoom, failure: Failure) -> None:
         """IO thread (`ipc`): a write given a destination was not queued (nothing of it
         runs): the room fails."""
         with self.lock:
-            room.writes_in_flight -= 1
-        self.fail_room(room, FailureKind.INTERNAL, message, notify=True)
+            settled = room.write_ended()
+        self.fail_room(room, failure, notify=True)
+        if settled and self.unreleased.pop(room.room, None) is not None:
+            self._released(room)
 
     def written(self, room: SenderRoom, piece: OutgoingPiece) -> None:
         """IO thread (`ipc`): a write into decode's pages completed (`piece` kept decode's
         pools mapped until now). If the room ended meanwhile and this was its last write,
         tell decode its pages are free."""
         with self.lock:
-            room.writes_in_flight -= 1
-            settled = room.writes_closed and room.writes_in_flight == 0
+            settled = room.write_ended()
         if settled and self.unreleased.pop(room.room, None) is not None:
             self._released(room)
 

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdserve.protocol.failures import FailureKind
+import torch
+
+from pdserve.protocol.failures import Failure
 from pdserve.protocol.transfer_messages import KVChunk, KVPiece
 from pdserve.transfer.data_plane import DataPlane
 from pdserve.transfer.kv_piece import OutgoingPiece
+from pdserve.transfer.room_state import room_failure
 
 if TYPE_CHECKING:
-    from pdserve.transfer.endpoint import Endpoint, Peer
+    from pdserve.transfer.endpoint import Endpoint
+    from pdserve.transfer.peer import Peer
 
 
 class TcpPlane(DataPlane):
@@ -49,13 +53,25 @@ class TcpPlane(DataPlane):
         if room is None:
             return True  # late bytes for a finished or foreign room
         if isinstance(msg, KVPiece):
-            taken = room.on_piece(msg)
-            problem = taken if isinstance(taken, str) else None
+            problem = room.on_piece(msg, self.endpoint.buffers.take)
         else:
             data = payload.buffer if payload is not None else None
-            problem = room.on_chunk(msg.piece, msg.offset, msg.nbytes, data)
-            if problem is None:
-                self.endpoint.metrics.bytes_received += msg.nbytes
+            problem = self._chunk(room, msg, data)
         if problem is not None:
-            self.endpoint.fail_room(room, FailureKind.TRANSFER, problem, notify=True)
+            self.endpoint.fail_room(room, problem, notify=True)
         return True
+
+    def _chunk(self, room, msg: KVChunk, data: memoryview | None) -> Failure | None:
+        """Copy a chunk's bytes into its piece (checked against the room's ledger first)."""
+        target = room.chunk_target(msg.piece, msg.offset, msg.nbytes)
+        if isinstance(target, Failure):
+            return target
+        size = len(data) if data is not None else -1
+        if size != msg.nbytes:
+            return room_failure(
+                f"KV chunk of piece {msg.piece} announced {msg.nbytes} bytes, carried {size}"
+            )
+        target.copy_(torch.frombuffer(data, dtype=torch.uint8))
+        room.chunk_landed(msg.piece, msg.nbytes)
+        self.endpoint.metrics.bytes_received += msg.nbytes
+        return None
