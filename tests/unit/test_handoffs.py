@@ -284,11 +284,12 @@ def test_an_abort_message_ends_a_request_that_joined_the_decode_batch(pair):
     assert not decode.engine.has_unfinished() and decode.engine.kv_pages_in_use == 0
 
 
-@pytest.fixture(params=["tcp", "ipc"])
+@pytest.fixture(params=["tcp", "ipc", "memory"])
 def streaming_pair(request, tiny_model_dirs):
     """Prefill computes prompts 8 tokens (2 pages) a step and sends every completed page at
     once: a room's KV leaves in several pieces while its prompt is still being computed. Over
-    tcp, and with prefill writing straight into decode's pages (ipc)."""
+    tcp, with prefill writing straight into decode's pages (ipc), and handed over inside the
+    process (memory)."""
     model = tiny_model_dirs("qwen3")
     config = dataclasses.replace(CONFIG, piece_bytes=1, backend=request.param)
     prefill_engine = LLM(model, device="cpu", page_size=PAGE, chunked_prefill_size=8).engine
