@@ -135,6 +135,11 @@ class PieceRegistry:
         with self._lock:
             return sender in self._senders
 
+    def holding(self, sender: int) -> int:
+        """`sender`'s entries that still hold a piece's bytes (not markers)."""
+        with self._lock:
+            return sum(e.data is not None for e in self._senders.get(sender, {}).values())
+
     def __len__(self) -> int:
         """Entries held (pieces and markers)."""
         with self._lock:
