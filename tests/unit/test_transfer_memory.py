@@ -1,17 +1,22 @@
-"""The `memory` backend (transfer/backends/memory): its registry's keys, bound, owners and
-markers; nothing left in it after a room ends mid-transfer on either side; the handshake
-refuses a peer outside the process; a piece the registry does not hold fails its room."""
+"""The `memory` backend (transfer/backends/memory): settings take it, the command line does
+not; its registry's keys, bound, owners and markers; nothing left in it after a room ends
+mid-transfer on either side; the handshake refuses a peer outside the process; a piece the
+registry does not hold fails its room."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import threading
 
 import pytest
 
 from pdserve.protocol.failures import FailureKind
+from pdserve.protocol.flags import add_flags
 from pdserve.protocol.transfer_messages import KVPiece
+from pdserve.transfer.backends import make_backend
 from pdserve.transfer.backends.memory.piece_registry import REGISTRY, WITHDRAWN, PieceRegistry
+from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
 from pdserve.transfer.kv_staging import KVStager
 from pdserve.transfer.room_state import TransferState
@@ -20,6 +25,16 @@ from tests.unit.test_transfer_in_process import CONFIG, Pair, start_pair
 from tests.waiting import wait_until
 
 MEMORY = dataclasses.replace(CONFIG, backend="memory")
+
+
+def test_the_settings_take_memory_but_the_command_line_does_not_offer_it(capsys):
+    assert TransferConfig(backend="memory").backend == make_backend("memory").name == "memory"
+    parser = argparse.ArgumentParser()
+    add_flags(parser, TransferConfig)
+    assert parser.parse_args(["--transfer-backend", "ipc"]).transfer_backend == "ipc"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--transfer-backend", "memory"])
+    assert "invalid choice: 'memory'" in capsys.readouterr().err
 
 
 class Clock:
