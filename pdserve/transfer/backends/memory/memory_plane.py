@@ -126,7 +126,9 @@ class MemoryReceivePlane(_MemoryPlane):
 
     def _land(self, room, msg: KVPiece, data) -> str | None:
         """Check the piece against the room's reservation, then copy it into the room's
-        buffer; what is wrong with it, if anything."""
+        buffer; what is wrong with it, if anything. NOTE: copied, not adopted: a receive
+        buffer is the room's own (from its pool, given back at the commit), and `on_piece`
+        is where every backend's pieces are checked and given one."""
         if data is None:
             return f"KV piece {msg.index} was announced, but prefill registered no such piece"
         taken = room.on_piece(msg)
