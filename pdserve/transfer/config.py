@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.protocol.flags import option
-from pdserve.transfer.backends import BACKENDS
+from pdserve.transfer.backends import BACKENDS, CLI_BACKENDS
 from pdserve.transfer.peer_allow import PeerAllowList, default_allow_list, parse_allow_list
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
@@ -47,7 +47,7 @@ class TransferConfig:
         "tcp (ZMQ, anywhere), nccl (GPU to GPU), gloo (CPU stand-in for nccl), ipc (prefill "
         "writes straight into decode's pages: one host, no tensor parallelism)",
         name="--transfer-backend",
-        choices=BACKENDS,
+        choices=CLI_BACKENDS,
     )
     bootstrap_host: str = option(
         "127.0.0.1",

@@ -25,6 +25,7 @@ from pdserve.protocol.engine_messages import (
 )
 from pdserve.protocol.failures import FailureKind
 from pdserve.server.engine_process import EngineLoop
+from pdserve.transfer.backends.memory.piece_registry import REGISTRY
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.peer_allow import PeerAllowList, parse_allow_list
 from tests.conftest import random_prompts
@@ -284,11 +285,12 @@ def test_an_abort_message_ends_a_request_that_joined_the_decode_batch(pair):
     assert not decode.engine.has_unfinished() and decode.engine.kv_pages_in_use == 0
 
 
-@pytest.fixture(params=["tcp", "ipc"])
+@pytest.fixture(params=["tcp", "ipc", "memory"])
 def streaming_pair(request, tiny_model_dirs):
     """Prefill computes prompts 8 tokens (2 pages) a step and sends every completed page at
     once: a room's KV leaves in several pieces while its prompt is still being computed. Over
-    tcp, and with prefill writing straight into decode's pages (ipc)."""
+    tcp, with prefill writing straight into decode's pages (ipc), and handed over inside the
+    process (memory: which leaves nothing in its registry once every room ended)."""
     model = tiny_model_dirs("qwen3")
     config = dataclasses.replace(CONFIG, piece_bytes=1, backend=request.param)
     prefill_engine = LLM(model, device="cpu", page_size=PAGE, chunked_prefill_size=8).engine
@@ -296,8 +298,12 @@ def streaming_pair(request, tiny_model_dirs):
     prefill = PrefillConnector(prefill_engine, config)
     decode = DecodeConnector(decode_engine, config)
     yield prefill, decode, model
-    prefill.stop()
-    decode.stop()
+    try:
+        if request.param == "memory":
+            wait_until(lambda: len(REGISTRY) == 0, "the memory registry to empty", 5)
+    finally:
+        prefill.stop()
+        decode.stop()
 
 
 def test_kv_streamed_while_prefill_runs_equals_colocated(streaming_pair):

@@ -1,6 +1,6 @@
 """A room's KV in pieces (transfer/kv_piece): the receiving side's checks before it allocates,
-pieces of several rooms arriving out of order and interleaved on both data planes, and a
-prefill that fails after sending some of a room's pieces."""
+pieces of several rooms arriving out of order and interleaved on the tcp, gloo and memory
+data planes, and a prefill that fails after sending some of a room's pieces."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_pages_the_receiver_holds_already_are_neither_expected_nor_accepted():
 DRAFT = Case(room=0, draft=True)  # both sides hold a target and a draft KV pool
 
 
-@pytest.fixture(params=["tcp", "gloo"])
+@pytest.fixture(params=["tcp", "gloo", "memory"])
 def backend_pair(request):
     config = dataclasses.replace(CONFIG, backend=request.param)
     server = PrefillTransferServer(config, layout(DRAFT), metadata_spec(DRAFT), "p")

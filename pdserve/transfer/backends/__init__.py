@@ -1,6 +1,6 @@
 """The transfer backends, one folder each (`base.Backend` is what one implements), and the
 one place that reads a backend's name: `make_backend`. Adding a backend is its folder plus
-its line in `_BACKEND_CLASSES`; the CLI's choices follow `BACKENDS`.
+its line in `_BACKEND_CLASSES`; the CLI's choices follow `CLI_BACKENDS`.
 
 Torch-free: the settings import `BACKENDS`; a backend's module is imported when it is made.
 """
@@ -19,8 +19,12 @@ _BACKEND_CLASSES = {
     "nccl": "pdserve.transfer.backends.dist.backend:DistBackend",
     "gloo": "pdserve.transfer.backends.dist.backend:DistBackend",
     "ipc": "pdserve.transfer.backends.ipc.backend:IpcBackend",
+    "memory": "pdserve.transfer.backends.memory.backend:MemoryBackend",
 }
 BACKENDS = tuple(_BACKEND_CLASSES)
+# What `--transfer-backend` offers: not `memory`, whose two workers share one process (tests),
+# which no launched worker does (`make_backend` and `TransferConfig` take every backend).
+CLI_BACKENDS = tuple(name for name in BACKENDS if name != "memory")
 
 
 def make_backend(config_or_name) -> Backend:
