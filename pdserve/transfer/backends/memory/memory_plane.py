@@ -1,8 +1,8 @@
 """KV handed over inside one process (the `memory` backend): the sender registers each piece's
 buffer in the process-wide `piece_registry` and announces it (`KVPiece`) on the control
 connection, with no bytes after it; the receiver checks the announcement against its own
-reservation exactly as over tcp (`ReceiverRoom.on_piece`, then `on_chunk` for the whole
-piece: bounds before a byte is allocated), takes the buffer from the registry and copies it
+reservation exactly as over tcp (`ReceiverRoom.on_piece`, then `chunk_target` for the
+whole piece: bounds before a byte is allocated), takes the buffer from the registry and copies it
 into the piece's receive buffer. The metadata record and `RoomDone` follow the last piece.
 
 Nothing stays behind: the receiver takes every piece it reads an announcement of, and drops
@@ -19,15 +19,17 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
-from pdserve.protocol.failures import FailureKind
+from pdserve.protocol.failures import Failure
 from pdserve.protocol.transfer_messages import HelloReply, KVPiece, Register
 from pdserve.transfer.backends.ipc.shared_pools import host_id
 from pdserve.transfer.backends.memory.piece_registry import REGISTRY, WITHDRAWN, PieceRegistry
 from pdserve.transfer.data_plane import DataPlane
 from pdserve.transfer.kv_piece import OutgoingPiece
+from pdserve.transfer.room_state import room_failure
 
 if TYPE_CHECKING:
-    from pdserve.transfer.endpoint import Endpoint, Peer
+    from pdserve.transfer.endpoint import Endpoint
+    from pdserve.transfer.peer import Peer
 
 OTHER_PROCESS = (
     "the memory backend hands KV over inside one process, so both workers must run in it "
@@ -67,7 +69,7 @@ class MemorySendPlane(_MemoryPlane):
         endpoint, owner = self.endpoint, room.peer.decode_nonce
         problem = self.registry.put(self.sender, room.room, index, piece.data, owner)
         if problem is not None:
-            endpoint.fail_room(room, FailureKind.TRANSFER, problem, notify=True)
+            endpoint.fail_room(room, room_failure(problem), notify=True)
             return False
         if not endpoint.send(room.peer, piece.announcement(room.room, index)):
             self.registry.take(self.sender, room.room, index, owner)  # NOTE: never announced
@@ -121,23 +123,32 @@ class MemoryReceivePlane(_MemoryPlane):
             return True  # a room that ended on either side (prefill's reason follows)
         problem = self._land(room, msg, data)
         if problem is not None:
-            endpoint.fail_room(room, FailureKind.TRANSFER, problem, notify=True)
+            endpoint.fail_room(room, problem, notify=True)
         return True
 
-    def _land(self, room, msg: KVPiece, data) -> str | None:
+    def _land(self, room, msg: KVPiece, data) -> Failure | None:
         """Check the piece against the room's reservation, then copy it into the room's
         buffer; what is wrong with it, if anything. NOTE: copied, not adopted: a receive
         buffer is the room's own (from its pool, given back at the commit), and `on_piece`
         is where every backend's pieces are checked and given one."""
         if data is None:
-            return f"KV piece {msg.index} was announced, but prefill registered no such piece"
-        taken = room.on_piece(msg)
-        if isinstance(taken, str):
-            return taken
-        problem = room.on_chunk(msg.index, 0, msg.nbytes, memoryview(data.numpy()))
-        if problem is None:
-            self.endpoint.metrics.bytes_received += msg.nbytes
-        return problem
+            return room_failure(
+                f"KV piece {msg.index} was announced, but prefill registered no such piece"
+            )
+        problem = room.on_piece(msg, self.endpoint.buffers.take)
+        if problem is not None:
+            return problem
+        target = room.chunk_target(msg.index, 0, msg.nbytes)
+        if isinstance(target, Failure):
+            return target
+        if data.numel() != msg.nbytes:
+            return room_failure(
+                f"KV piece {msg.index} announced {msg.nbytes} bytes, registered {data.numel()}"
+            )
+        target.copy_(data)
+        room.chunk_landed(msg.index, msg.nbytes)
+        self.endpoint.metrics.bytes_received += msg.nbytes
+        return None
 
     def room_ended(self, room) -> None:
         peer = room.peer
