@@ -42,7 +42,11 @@ def run_once(tree: Path, rest: list[str], output: Path, timeout_s: float) -> dic
     command = [sys.executable, "benchmarks/transfer.py", *rest, "--output", str(output)]
     try:
         done = subprocess.run(
-            command, cwd=tree, env=tree_env(tree), capture_output=True, text=True,
+            command,
+            cwd=tree,
+            env=tree_env(tree),
+            capture_output=True,
+            text=True,
             timeout=timeout_s,
         )
     except subprocess.TimeoutExpired:
