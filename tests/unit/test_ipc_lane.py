@@ -284,7 +284,7 @@ def test_an_announcement_from_another_process_is_dropped(pair):
 def test_without_a_lane_announcements_go_over_the_connection(monkeypatch, why):
     if why == "metadata too large":
         monkeypatch.setattr(
-            "pdserve.transfer.backends.ipc.ipc_plane.lane_fits", lambda nbytes: False
+            "pdserve.transfer.backends.ipc.ipc_receive_plane.lane_fits", lambda nbytes: False
         )
     pair = start_ipc_pair()
     try:

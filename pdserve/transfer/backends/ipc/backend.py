@@ -8,7 +8,8 @@ import dataclasses
 import torch
 
 from pdserve.transfer.backends.base import Backend
-from pdserve.transfer.backends.ipc.ipc_plane import IpcReceivePlane, IpcSendPlane
+from pdserve.transfer.backends.ipc.ipc_receive_plane import IpcReceivePlane
+from pdserve.transfer.backends.ipc.ipc_send_plane import IpcSendPlane
 from pdserve.transfer.config import IPC_TENSOR_PARALLEL
 from pdserve.transfer.page_ids import pack_page_ids
 from pdserve.transfer.wire_limits import MAX_DECODE_MESSAGE_BYTES, PAGE_ID_BYTES
