@@ -219,7 +219,9 @@ class PrefillConnector(DisaggConnector):
         """Send the span's pages: written into decode's pages (`ipc`), else gathered; `then`,
         the last piece's, finishes the room (see `Sender.send_piece`)."""
         if not self.ipc:
-            sender.send_piece(self._piece(sender, pages, span), then)
+            piece = self._piece(sender, pages, span)
+            if piece is not None:
+                sender.send_piece(piece, then)
             return
         destination = sender.destination(span)
         if destination is None:
@@ -236,15 +238,19 @@ class PrefillConnector(DisaggConnector):
         piece = OutgoingPiece(span, None, ready, nbytes=nbytes, targets=peer_pools, event=event)
         sender.send_piece(piece, then)
 
-    def _piece(self, sender: Sender, pages: list[int], span: PageSpan) -> OutgoingPiece:
+    def _piece(self, sender: Sender, pages: list[int], span: PageSpan) -> OutgoingPiece | None:
         """Gather the span's pages into buffers to send, with the event that orders the sends
         after the gather (and the copy to host memory, when sent from there). Per-rank-pair
-        links: rank 0's parts, the other ranks told to send theirs."""
+        links: rank 0's parts, the other ranks told to send theirs; None if the peer's links
+        are gone (it was dropped, and the room failed with it)."""
         stager = self.transfer.stager
         page_ids = span.page_lists(pages, pages, len(stager.pools))
         if isinstance(stager, PerRankKV):
+            links = self.server.plane.links_of(sender.peer)
+            if links is None:
+                return None
             self.send_rank_orders()  # NOTE: the ranks' links to this peer are asked for first
-            sends, remote = stager.gather_piece(sender.peer.links, page_ids)
+            sends, remote = stager.gather_piece(links, page_ids)
             sends = [(dst, self._staged(data)) for dst, data in sends]
             nbytes = span.nbytes(stager.page_bytes)
             return OutgoingPiece(span, None, self._ready(), sends, remote, nbytes)

@@ -228,7 +228,7 @@ class PrefillPeers:
         if problem is not None:
             self.drop_peer(peer, FailureKind.HANDSHAKE, f"handshake failed: {problem}")
             return
-        peer.instance, peer.tp_size, peer.pid = msg.instance, msg.tp_size, msg.pid
+        peer.instance, peer.pid = msg.instance, msg.pid
         proof = peer_auth.decode_proof(self.config.auth_token, msg.nonce, peer.nonce)
         peer.nonce = b""
         register = Register(self.decode_id, self.layout, proof, backend=self.config.backend)

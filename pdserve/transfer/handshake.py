@@ -8,7 +8,6 @@ import json
 from typing import Any
 
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
-from pdserve.transfer.backends.dist.head_slices import HeadSplitError, check_split
 
 # HF config keys that change the shape or meaning of the KV cache and hidden states.
 _FINGERPRINT_KEYS = (
@@ -51,13 +50,3 @@ def _fields(prefill: KVLayout, decode: KVLayout):
                 yield f"spec.{name}", getattr(ours, name), getattr(theirs, name)
         else:
             yield field.name, ours, theirs
-
-
-def tp_mismatch(num_kv_heads: int, peer_tp_size: int, peer_side: str) -> str | None:
-    """Why a peer's tensor-parallel size cannot pair with us over torch.distributed (each of
-    its ranks exchanges the KV heads it holds with ours), or None."""
-    try:
-        check_split(num_kv_heads, peer_tp_size)
-    except HeadSplitError as e:
-        return f"{peer_side}'s tensor-parallel size: {e}"
-    return None

@@ -23,8 +23,6 @@ class Peer:
     # When it last registered or was given a room: among idle peers, the oldest gives way.
     last_busy: float = field(default_factory=time.monotonic)
     rooms: set[int] = field(default_factory=set)
-    tp_size: int = 1  # the peer worker's tensor-parallel size, from its handshake
-    links: Any = None  # its torch.distributed links (`head_slices.PeerLinks`) once made
 
     def __str__(self) -> str:
         """Its worker id, else its address (decode side) or "(unregistered)" (prefill side)."""

@@ -170,7 +170,7 @@ class DecodePeers:
             else:
                 del self.peers[peer.key]
             return
-        peer.name, peer.registered, peer.tp_size = msg.decode_id, True, msg.tp_size
+        peer.name, peer.registered = msg.decode_id, True
         peer.last_busy = time.monotonic()
         self._reply(peer.key, RegisterAck(self.prefill_id, self.instance))
         self.plane.registered(peer, msg)

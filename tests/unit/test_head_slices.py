@@ -14,8 +14,8 @@ from pdserve.transfer.backends.dist.head_slices import (
     head_slices,
     kv_heads_of,
     link_parts,
+    tp_mismatch,
 )
-from pdserve.transfer.handshake import tp_mismatch
 
 
 def engine_heads(num_kv_heads: int, size: int, rank: int) -> range:

@@ -19,6 +19,9 @@ after gathering them, in order with the passes, so the piece must then be announ
 room ended meanwhile; on a decode worker when the announcement arrives. They report each
 part's end back, and a piece has landed when all its parts have.
 
+What the plane knows of each peer (its TP size from the handshake, its links) lives in the
+plane's own table, not on the peer: the endpoint's `Peer` knows nothing of torch.distributed.
+
 The interface is `data_plane`'s; the decode side's plane is `dist_receive_plane`'s.
 """
 
@@ -27,7 +30,8 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
@@ -41,8 +45,7 @@ from pdserve.protocol.rank_messages import (
 from pdserve.protocol.transfer_messages import HelloReply, Register
 from pdserve.transfer.data_plane import DataPlane
 from pdserve.transfer.backends.dist.dist_links import DistLinks
-from pdserve.transfer.handshake import tp_mismatch
-from pdserve.transfer.backends.dist.head_slices import PeerLinks, head_slices
+from pdserve.transfer.backends.dist.head_slices import PeerLinks, head_slices, tp_mismatch
 from pdserve.transfer.kv_piece import OutgoingPiece
 from pdserve.transfer.backends.dist.rank_fanout import RankFanout
 
@@ -60,6 +63,16 @@ def _links(endpoint: Endpoint, device: torch.device) -> DistLinks:
     )
 
 
+@dataclass
+class _PeerState:
+    """What the plane knows of one peer object (a new connection under the same key is a new
+    peer, with a state of its own): its TP size from the handshake, its links once made."""
+
+    peer: Peer
+    tp_size: int
+    links: PeerLinks | None = None
+
+
 class DistPlane(DataPlane):
     """What both sides' planes share: the links, the plan per peer, the ranks' reports."""
 
@@ -69,29 +82,55 @@ class DistPlane(DataPlane):
         self.fanout = fanout
         self.tp_size = fanout.tp_size if fanout is not None else 1
         self._link_ids = itertools.count()
-        self._peers: dict[int, Peer] = {}  # by links id
+        self._states: dict[Any, _PeerState] = {}  # by peer key
+        self._peers: dict[int, Peer] = {}  # by links id: whom a rank's report is about
         # KV bytes moved, by (our rank, the peer's rank): which links carried the KV.
         self.bytes_by_link: collections.Counter[tuple[int, int]] = collections.Counter()
+
+    def links_of(self, peer: Peer) -> PeerLinks | None:
+        """The peer's links, None before they are made or once it was forgotten."""
+        state = self._state(peer)
+        return state.links if state is not None else None
+
+    def tp_size_of(self, peer: Peer) -> int | None:
+        """The peer's tensor-parallel size from its handshake, None if not seen yet."""
+        state = self._state(peer)
+        return state.tp_size if state is not None else None
+
+    def _state(self, peer: Peer) -> _PeerState | None:
+        state = self._states.get(peer.key)
+        return state if state is not None and state.peer is peer else None
+
+    def _shook_hands(self, peer: Peer, tp_size: int) -> None:
+        """Start the peer's state; an older peer's still under its key goes, links and all."""
+        stale = self._states.get(peer.key)
+        if stale is not None:
+            self.forget(stale.peer)
+        self._states[peer.key] = _PeerState(peer, tp_size)
 
     def _connect(self, peer: Peer, store: str, pair: str, prefill_tp: int, decode_tp: int):
         """Make every link of ours to the peer's ranks: rank 0's here, the other ranks' by
         telling them."""
         slices = head_slices(self.endpoint.layout.num_kv_heads, prefill_tp, decode_tp)
-        peer.links = PeerLinks(next(self._link_ids), tuple(slices))
-        self._peers[peer.links.id] = peer
+        links = PeerLinks(next(self._link_ids), tuple(slices))
+        state = self._state(peer)
+        if state.links is not None:
+            self._peers.pop(state.links.id, None)
+        state.links = links
+        self._peers[links.id] = peer
         ours, theirs = ("src", "dst") if self.endpoint.side == "prefill" else ("dst", "src")
         for piece_slice in slices:
             rank, peer_rank = getattr(piece_slice, ours), getattr(piece_slice, theirs)
-            name = peer.links.pair_name(pair, piece_slice.src, piece_slice.dst)
+            name = links.pair_name(pair, piece_slice.src, piece_slice.dst)
             if rank == 0:
                 self.links.connect((peer.key, peer_rank), store, name, self._link_failed(peer))
             else:
-                self.fanout.post(rank, RankLinkConnect(peer.links.id, peer_rank, store, name))
+                self.fanout.post(rank, RankLinkConnect(links.id, peer_rank, store, name))
 
-    def _our_ranks(self, peer: Peer) -> set[tuple[int, int]]:
+    def _our_ranks(self, links: PeerLinks) -> set[tuple[int, int]]:
         """(our rank, the peer's rank) of every link to the peer."""
         prefill = self.endpoint.side == "prefill"
-        return {(s.src, s.dst) if prefill else (s.dst, s.src) for s in peer.links.slices}
+        return {(s.src, s.dst) if prefill else (s.dst, s.src) for s in links.slices}
 
     def _link_failed(self, peer: Peer):
         def on_link(error: str | None) -> None:
@@ -104,19 +143,29 @@ class DistPlane(DataPlane):
         self.endpoint.io.call(lambda: self.endpoint.drop_peer(peer, FailureKind.TRANSFER, error))
 
     def forget(self, peer: Peer) -> None:
-        if peer.links is None:
+        """Drop the peer's state and its links, ours and the other ranks'."""
+        state = self._state(peer)
+        if state is None:
             return
-        self._peers.pop(peer.links.id, None)
-        ranks = self._our_ranks(peer)
+        del self._states[peer.key]
+        links = state.links
+        if links is None:
+            return
+        self._peers.pop(links.id, None)
+        ranks = self._our_ranks(links)
         for rank, peer_rank in ranks:
             if rank == 0:
                 self.links.forget((peer.key, peer_rank))
         for rank in sorted({rank for rank, _ in ranks} - {0}):
-            self.fanout.post(rank, RankLinkForget(peer.links.id))
+            self.fanout.post(rank, RankLinkForget(links.id))
 
     def hello_problem(self, peer: Peer, msg: HelloReply) -> str | None:
-        """Decode: a prefill worker whose ranks cannot split our KV heads."""
-        return tp_mismatch(self.endpoint.layout.num_kv_heads, msg.tp_size, "prefill")
+        """Decode: a prefill worker whose ranks cannot split our KV heads; else its TP size
+        is the peer's."""
+        problem = tp_mismatch(self.endpoint.layout.num_kv_heads, msg.tp_size, "prefill")
+        if problem is None:
+            self._shook_hands(peer, msg.tp_size)
+        return problem
 
     def register_problem(self, peer: Peer, msg: Register) -> str | None:
         """Prefill: a decode worker whose ranks cannot split our KV heads."""
@@ -171,7 +220,7 @@ class DistSendPlane(DistPlane):
         if not self.endpoint.send(peer, piece.announcement(room.room, index)):
             return False
         sends = piece.sends if piece.data is None else [(0, piece.data)]
-        self._pending[peer.links.id] += piece.remote + len(sends)
+        self._pending[self.links_of(peer).id] += piece.remote + len(sends)
         for dst, data in sends:
             nbytes = data.numel()
             self.links.send(
@@ -185,13 +234,14 @@ class DistSendPlane(DistPlane):
         return True
 
     def forget(self, peer: Peer) -> None:
-        if peer.links is not None:
-            self._pending.pop(peer.links.id, None)
+        links = self.links_of(peer)
+        if links is not None:
+            self._pending.pop(links.id, None)
         super().forget(peer)
 
     def _ended(self, peer: Peer) -> None:
         """One of the peer's sends ended (nothing if the peer was dropped meanwhile)."""
-        key = peer.links.id
+        key = self.links_of(peer).id
         if self._pending[key] > 1:
             self._pending[key] -= 1
         else:
@@ -214,4 +264,5 @@ class DistSendPlane(DistPlane):
             self.bytes_by_link[report.rank, report.peer_rank] += report.nbytes
 
     def registered(self, peer: Peer, msg: Register) -> None:
+        self._shook_hands(peer, msg.tp_size)
         self._connect(peer, msg.store_address, msg.pair_name, self.tp_size, msg.tp_size)

@@ -47,7 +47,7 @@ class DistReceivePlane(DistPlane):
         endpoint = self.endpoint
         store = self.links.serve_store(endpoint.config.bootstrap_host)
         pair = f"pair/{endpoint.worker_id}/{uuid.uuid4().hex[:12]}"
-        self._connect(peer, store, pair, peer.tp_size, self.tp_size)
+        self._connect(peer, store, pair, self.tp_size_of(peer), self.tp_size)
         return dataclasses.replace(
             register, store_address=store, pair_name=pair, tp_size=self.tp_size
         )
@@ -58,8 +58,10 @@ class DistReceivePlane(DistPlane):
         self._ended[room.room] = room.expected_bytes
         while len(self._ended) > _ENDED_ROOMS_KEPT:
             self._ended.popitem(last=False)
-        if room.has_remote_parts and room.failure is not None and room.peer is not None:
-            for rank in sorted({rank for rank, _ in self._our_ranks(room.peer)} - {0}):
+        if room.has_remote_parts and room.failure is not None:
+            # NOTE: every rank of ours is in the plan with any peer (each gets every head it
+            # holds), so this needs no state of the room's peer, which may be forgotten.
+            for rank in range(1, self.tp_size):
                 self.fanout.post(rank, RankDropSlices(room.room))
 
     def handle(self, peer: Peer, msg, payload) -> bool:
@@ -68,7 +70,7 @@ class DistReceivePlane(DistPlane):
         if not isinstance(msg, KVPiece):
             return False
         endpoint = self.endpoint
-        parts = link_parts(list(peer.links.slices), self.draft_page_bytes > 0)
+        parts = link_parts(list(self.links_of(peer).slices), self.draft_page_bytes > 0)
         span = PageSpan(msg.first_page, msg.num_pages, msg.first_draft_page, msg.num_draft_pages)
         room = endpoint.room_of(peer, msg.room)
         buffers = None
@@ -124,7 +126,7 @@ class DistReceivePlane(DistPlane):
                     msg.room,
                     msg.index,
                     scratch,
-                    peer.links.id,
+                    self.links_of(peer).id,
                     [part.src for part in ours],
                     sizes,
                     [part.first_head for part in ours],

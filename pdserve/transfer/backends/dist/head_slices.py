@@ -35,6 +35,16 @@ def check_split(num_kv_heads: int, tp_size: int) -> None:
         )
 
 
+def tp_mismatch(num_kv_heads: int, peer_tp_size: int, peer_side: str) -> str | None:
+    """Why a peer's tensor-parallel size cannot pair with us over torch.distributed (each of
+    its ranks exchanges the KV heads it holds with ours), or None."""
+    try:
+        check_split(num_kv_heads, peer_tp_size)
+    except HeadSplitError as e:
+        return f"{peer_side}'s tensor-parallel size: {e}"
+    return None
+
+
 def kv_heads_of(num_kv_heads: int, tp_size: int, rank: int) -> range:
     """The KV heads rank `rank` of a worker at TP `tp_size` holds."""
     check_split(num_kv_heads, tp_size)
