@@ -56,6 +56,26 @@ class DataPlane:
         can still land (only a plane whose sender writes them says otherwise)."""
         return True
 
+    def admit_request(self, peer: Peer, room) -> bool:
+        """Receiver (under the endpoint's lock): the transfer request for `room` (None: the
+        room was forgotten) is about to go to `peer`; False: it must not go (a plane whose
+        sender writes the room's pages records that writer here)."""
+        return True
+
+    def writes_pending(self, room, by: Peer | None = None) -> bool:
+        """Receiver (under the endpoint's lock): the sender (`by`, if given) was asked for
+        `room` and may write its pages, and has not said its writes are over."""
+        return False
+
+    def writes_released(self, peer: Peer, room) -> bool:
+        """Receiver (under the endpoint's lock): `peer` said its writes into `room`'s pages
+        are over; False if it is not the sender that may write them (the word is ignored)."""
+        return False
+
+    def room_forgotten(self, room) -> None:
+        """Receiver (under the endpoint's lock): the endpoint forgot `room` (released, and no
+        write of the sender's pending): drop what the plane keeps for it."""
+
     def forget(self, peer: Peer) -> None:
         pass
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -50,9 +49,6 @@ from pdserve.transfer.peer import Peer
 from pdserve.transfer.room_state import room_failure
 from pdserve.transfer.wire_limits import max_prefill_frame_bytes
 
-if TYPE_CHECKING:
-    from pdserve.transfer.backends.ipc.ipc_events import OpenedEvents
-
 # What a prefill worker sends us.
 FROM_PREFILL = (
     HelloReply,
@@ -80,8 +76,6 @@ class PrefillPeer(Peer):
     monitor: zmq.Socket | None = None  # its connection's handshake refusals
     nonce: bytes = b""  # our Hello's nonce while the handshake is under way
     instance: int | None = None  # the prefill process we registered with
-    pid: int = 0  # its process id (the `ipc` backend: see `shared_pools.process_gone`)
-    events: OpenedEvents | None = None  # `ipc`: its write events we opened (`ipc_events`)
     waiting: list = field(default_factory=list)  # messages held until registered
 
 
@@ -174,11 +168,10 @@ class PrefillPeers:
         if isinstance(msg, TransferRequest):
             with self.lock:
                 room = self.rooms.get(msg.room)
-                if self.backend.writes_decode_pages and (room is None or room.done):
-                    return  # NOTE: its pages may be free already: nobody may write them now
+                if not self.plane.admit_request(peer, room):
+                    return  # NOTE: e.g. its pages may be free already: nobody may write them
                 if room is not None:
-                    writer = peer.pid if self.backend.writes_decode_pages else None
-                    room.sent_to(peer.instance, writer)
+                    room.sent_to(peer.instance)
         self.send(peer, msg)
 
     def _transfer_request(self, receiver) -> TransferRequest:
@@ -228,7 +221,7 @@ class PrefillPeers:
         if problem is not None:
             self.drop_peer(peer, FailureKind.HANDSHAKE, f"handshake failed: {problem}")
             return
-        peer.instance, peer.pid = msg.instance, msg.pid
+        peer.instance = msg.instance
         proof = peer_auth.decode_proof(self.config.auth_token, msg.nonce, peer.nonce)
         peer.nonce = b""
         register = Register(self.decode_id, self.layout, proof, backend=self.config.backend)
@@ -244,7 +237,8 @@ class PrefillPeers:
         was lost: abort them again on this one, which prefill answers with `RoomReleased` once
         their writes are over."""
         with self.lock:
-            rooms = [r for r in self.unsettled.values() if r.writer_pid == peer.pid and r.failure]
+            unsettled = self.unsettled.values()
+            rooms = [r for r in unsettled if r.failure and self.plane.writes_pending(r, peer)]
         for room in rooms:
             self.send(peer, AbortRoom(room.room, room.failure))
 

@@ -126,17 +126,23 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
 
     def release(self, room: int) -> None:
         """Forget a finished room; one whose pages a prefill write may still reach (`ipc`)
-        is kept until prefill says its writes are over (`room_released`)."""
+        is kept until prefill says its writes are over (`room_released`), or is gone."""
         with self.lock:
             receiver = self.rooms.pop(room, None)
-            held = receiver is not None and receiver.writer_pid is not None
-            if held and not receiver.released and receiver.poll() is not TransferState.SUCCESS:
+            if receiver is None:
+                return
+            succeeded = receiver.poll() is TransferState.SUCCESS
+            if not succeeded and self.plane.writes_pending(receiver):
                 self.unsettled[room] = receiver
+            else:
+                self.plane.room_forgotten(receiver)
 
     def forget_unsettled(self, room: int) -> None:
         """The caller freed a room's pages: no write of prefill's can reach them any more."""
         with self.lock:
-            self.unsettled.pop(room, None)
+            receiver = self.unsettled.pop(room, None)
+            if receiver is not None:
+                self.plane.room_forgotten(receiver)
 
     def abort_room(self, room: int, host: str, port: int, kind: FailureKind, message: str) -> None:
         """Fail a room we never received into (we refused its request): tell its prefill
@@ -207,10 +213,10 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         """The prefill worker's writes for this room are over (`ipc`)."""
         with self.lock:
             room = self.rooms.get(room_id) or self.unsettled.get(room_id)
-            if room is None or room.writer_pid != peer.pid:
+            if room is None or not self.plane.writes_released(peer, room):
                 return  # NOTE: by process: it may answer for a room of a lost connection
-            room.writes_released()
-            self.unsettled.pop(room_id, None)
+            if self.unsettled.pop(room_id, None) is not None:
+                self.plane.room_forgotten(room)
         self.doorbell.ring()
 
     def room_landed(self, room: ReceiverRoom) -> None:
@@ -220,6 +226,19 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         self.metrics.succeeded(time.monotonic() - room.started_at)
         self.send(room.peer, RoomAck(room.room))
         self.end_room(room)
+
+    def tick(self) -> None:
+        super().tick()
+        self._forget_settled()
+
+    def _forget_settled(self) -> None:
+        """Kept rooms whose writer is gone (and its writes with it) need not wait for its word,
+        nor for the caller, which may have seen them settled first."""
+        with self.lock:
+            for room_id, room in list(self.unsettled.items()):
+                if self.plane.pages_settled(room):
+                    del self.unsettled[room_id]
+                    self.plane.room_forgotten(room)
 
     def end_room(self, room, *, notify: bool = False) -> None:
         super().end_room(room, notify=notify)

@@ -56,10 +56,6 @@ class ReceiverRoom(Room):
         # it was sent again after that prefill worker asked us to register first.
         self.instance: int | None = None
         self.retried = False
-        # The `ipc` backend: the prefill process our transfer request went to, which may write
-        # our pages (None: none asked yet), and whether it said its writes are over.
-        self.writer_pid: int | None = None
-        self.released = False
 
     def stamp(self, step: str, *, first: bool = False) -> None:
         """When `step` happened (`first`: only the first time)."""
@@ -82,18 +78,10 @@ class ReceiverRoom(Room):
     def attach(self, peer: Peer) -> None:
         self.peer = peer
 
-    def sent_to(self, instance: int | None, writer_pid: int | None = None) -> None:
-        """Our transfer request went to this prefill instance (None: to be sent again), whose
-        process `writer_pid` may write our pages from now on (the `ipc` backend; under the
-        client's lock)."""
+    def sent_to(self, instance: int | None) -> None:
+        """Our transfer request went to this prefill instance (None: to be sent again; under
+        the client's lock)."""
         self.instance = instance
-        if writer_pid is not None and instance is not None:
-            self.writer_pid = writer_pid
-
-    def writes_released(self) -> None:
-        """The prefill process said its writes into our pages are over (under the client's
-        lock)."""
-        self.released = True
 
     def retry(self) -> bool:
         """The request may be sent once more (the prefill worker had forgotten us)."""

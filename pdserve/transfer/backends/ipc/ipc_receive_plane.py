@@ -1,4 +1,9 @@
-"""The decode side of the `ipc` backend (`ipc_plane` says how it works)."""
+"""The decode side of the `ipc` backend (`ipc_plane` says how it works).
+
+What it knows of its prefill peers (each one's process and the write events it announced)
+and of its rooms (which prefill process may write a room's pages, and whether that process
+said its writes are over) lives here, in tables tied to the peer and room objects: an entry
+goes when its peer is forgotten or its room is (`room_forgotten`), and all at `close`."""
 
 from __future__ import annotations
 
@@ -20,6 +25,16 @@ from pdserve.transfer.room_state import room_failure
 if TYPE_CHECKING:
     from pdserve.transfer.endpoint import Endpoint
     from pdserve.transfer.peer import Peer
+    from pdserve.transfer.receiver_room import ReceiverRoom
+
+
+@dataclasses.dataclass
+class PrefillProcess:
+    """One prefill peer as the decode side of `ipc` knows it from its `HelloReply`."""
+
+    peer: Peer
+    pid: int  # its process (see `shared_pools.process_gone`)
+    events: OpenedEvents  # its write events we opened (`ipc_events`)
 
 
 class IpcReceivePlane(IpcPlane):
@@ -34,9 +49,14 @@ class IpcReceivePlane(IpcPlane):
         self.handles = [export_pool(pool) for pool in pools]
         self.lane = None
         self._read_at: float | None = None  # NOTE: when the lane packet in hand was read
+        self.prefills: dict[object, PrefillProcess] = {}  # by peer key, while the peer is
+        # Under the endpoint's lock: the prefill process each room's transfer request went
+        # to, which may write its pages, and the rooms whose writer said its writes are over.
+        self.writers: dict[ReceiverRoom, int] = {}
+        self.released: set[ReceiverRoom] = set()
         if lane_fits(metadata_bytes):
             # NOTE: a prefill peer's pid is known from its HelloReply, before it connects.
-            wanted = lambda pid: any(p.pid == pid for p in endpoint.peers.values())  # noqa: E731
+            wanted = lambda pid: any(p.pid == pid for p in self.prefills.values())  # noqa: E731
             limit = 2 * endpoint.config.max_peers  # NOTE: one closing per peer, at most
             self.lane = LaneReceiver(endpoint.io.poller, wanted, limit)
 
@@ -46,8 +66,13 @@ class IpcReceivePlane(IpcPlane):
             return OTHER_HOST
         if msg.tp_size != 1 or self.endpoint.fanout is not None:
             return IPC_TENSOR_PARALLEL
-        problem = self._opened(peer).open_all(msg.events)
-        return f"prefill's write events: {problem}" if problem is not None else None
+        known = self._prefill(peer)
+        events = known.events if known is not None else OpenedEvents(self.endpoint.device)
+        problem = events.open_all(msg.events)
+        if problem is not None:
+            return f"prefill's write events: {problem}"
+        self.prefills[peer.key] = PrefillProcess(peer, msg.pid, events)
+        return None
 
     def registration(self, peer: Peer, register: Register) -> Register:
         lane = self.lane.address if self.lane is not None else ""
@@ -65,7 +90,8 @@ class IpcReceivePlane(IpcPlane):
         try:
             for pid, *received in self.lane.read(socket):
                 peer = next(
-                    (p for p in endpoint.peers.values() if p.registered and p.pid == pid), None
+                    (p.peer for p in self.prefills.values() if p.peer.registered and p.pid == pid),
+                    None,
                 )
                 if peer is None:
                     problem = f"an announcement from process {pid}, not a prefill peer"
@@ -82,18 +108,56 @@ class IpcReceivePlane(IpcPlane):
     def close(self) -> None:
         if self.lane is not None:
             self.lane.close()
+        self.prefills.clear()
+        self.writers.clear()
+        self.released.clear()
+
+    def forget(self, peer: Peer) -> None:
+        if self._prefill(peer) is not None:
+            del self.prefills[peer.key]
 
     def pages_settled(self, room) -> bool:
         """The prefill process writes a room's pages until the room succeeded, it said its
         writes are over (`RoomReleased`), or it is gone."""
-        pid = room.writer_pid
-        return pid is None or room.released or process_gone(pid)
+        pid = self.writers.get(room)
+        return pid is None or room in self.released or process_gone(pid)
 
-    def _opened(self, peer: Peer) -> OpenedEvents:
-        """The events this prefill peer announced (kept while the peer is: `ipc_events`)."""
-        if peer.events is None:
-            peer.events = OpenedEvents(self.endpoint.device)
-        return peer.events
+    def admit_request(self, peer: Peer, room) -> bool:
+        """The prefill process behind `peer` may write the room's pages from now on; none may
+        once the room ended (its pages may be free already) or was forgotten."""
+        prefill = self._prefill(peer)
+        if room is None or room.done or prefill is None:
+            return False
+        self.writers[room] = prefill.pid
+        return True
+
+    def writes_pending(self, room, by: Peer | None = None) -> bool:
+        pid = self.writers.get(room)
+        if pid is None or room in self.released:
+            return False
+        return by is None or self._pid_of(by) == pid
+
+    def writes_released(self, peer: Peer, room) -> bool:
+        """Taken from the room's writer only: a process that may write a room's pages
+        answers for it on whatever connection it has (one of a lost connection's rooms)."""
+        pid = self.writers.get(room)
+        if pid is None or self._pid_of(peer) != pid:
+            return False
+        self.released.add(room)
+        return True
+
+    def room_forgotten(self, room) -> None:
+        self.writers.pop(room, None)
+        self.released.discard(room)
+
+    def _prefill(self, peer: Peer) -> PrefillProcess | None:
+        """What we know of this prefill peer (not of an earlier one at its address)."""
+        prefill = self.prefills.get(peer.key)
+        return prefill if prefill is not None and prefill.peer is peer else None
+
+    def _pid_of(self, peer: Peer) -> int | None:
+        prefill = self._prefill(peer)
+        return prefill.pid if prefill is not None else None
 
     def handle(self, peer: Peer, msg, payload) -> bool:
         endpoint = self.endpoint
@@ -109,7 +173,8 @@ class IpcReceivePlane(IpcPlane):
             room.stamps.setdefault("lane_read", self._read_at)
         ready = None
         if msg.event:
-            ready = self._opened(peer).open(msg.event)
+            prefill = self._prefill(peer)
+            ready = prefill.events.open(msg.event) if prefill else "from an unknown prefill peer"
             if isinstance(ready, str):
                 failure = room_failure(f"KV piece {msg.index}: {ready}")
                 endpoint.fail_room(room, failure, notify=True)
