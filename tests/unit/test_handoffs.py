@@ -401,7 +401,8 @@ def test_a_room_that_ends_before_its_kv_drops_its_cached_pages(streaming_pair):
     ipc = decode.config.backend == "ipc"
     gate = threading.Event()
     if ipc:  # the request reached prefill, which may write the pages from now on
-        wait_until(lambda: room.entry.writer_pid is not None, "the transfer request to go out", 10)
+        plane = decode.client.plane
+        wait_until(lambda: plane.writes_pending(room.entry), "the transfer request to go out", 10)
         # NOTE: prefill's IO thread waits, so that its answer cannot come before we look.
         prefill.server.io.call(lambda: gate.wait(10))
     loop.tick([AbortRequest("d2")])

@@ -180,10 +180,10 @@ def test_rooms_that_never_reached_prefill_or_whose_prefill_is_gone_are_settled(p
     receiver.abort(FailureKind.ABORTED, "the client left")
     assert receiver.pages_settled  # no request went out: nothing can write
     _, receiver = open_room(pair, Case(room=65, draft=True))
-    pid = exited_pid()
-    assert process_gone(pid) and not process_gone(receiver.entry.writer_pid)
+    pid, writers = exited_pid(), pair.client.plane.writers
+    assert process_gone(pid) and not process_gone(writers[receiver.entry])
     with pair.client.lock:
-        receiver.entry.writer_pid = pid  # as if prefill had exited
+        writers[receiver.entry] = pid  # as if prefill had exited
     receiver.abort(FailureKind.ABORTED, "the client left")
     assert receiver.pages_settled
 
