@@ -234,7 +234,7 @@ class PrefillConnector(DisaggConnector):
             sender.write_failed(f"could not write the KV into decode's pages: {e}")
             return
         nbytes = span.nbytes(stager.page_bytes)
-        ready, event = self.server.write_event()
+        ready, event = self.server.plane.write_event()
         piece = OutgoingPiece(span, None, ready, nbytes=nbytes, targets=peer_pools, event=event)
         sender.send_piece(piece, then)
 

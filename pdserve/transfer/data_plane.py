@@ -6,15 +6,18 @@ need.
 one of them), `on_socket` (receiver: a socket of the plane's own in the IO thread's poller),
 `hello_reply` / `hello_problem` / `register_problem` (the handshake's fields and checks of
 the plane's own), `registration` (receiver: what the plane adds to `Register`), `registered`
-(sender: a peer was accepted), `room_ended` (receiver), `forget` (a peer was dropped),
-`tick`, `close`.
+(sender: a peer was accepted), `room_ended` (either side), `forget` (a peer was dropped),
+`tick`, `close`. A sender's room: `accept_pages` and `room_attached` (a transfer request),
+`release_if_settled`, `carry` and `announce_step` (for a plane whose sender writes the
+receiver's pages; such a plane also gives `Sender.destination` its `open_write`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdserve.protocol.transfer_messages import HelloReply, Register
+from pdserve.protocol.failures import Failure
+from pdserve.protocol.transfer_messages import HelloReply, Register, TransferRequest
 
 if TYPE_CHECKING:
     from pdserve.transfer.peer import Peer
@@ -50,6 +53,30 @@ class DataPlane:
 
     def room_ended(self, room) -> None:
         pass
+
+    def accept_pages(self, peer: Peer, msg: TransferRequest) -> object | Failure:
+        """Sender: what the plane keeps of a transfer request (`room_attached` gets it), or
+        why the request is refused (a plane whose sender writes decode's pages checks their
+        ids)."""
+        return None
+
+    def room_attached(self, room, accepted: object) -> None:
+        """Sender: `room` is the peer's now, with what `accept_pages` returned."""
+
+    def release_if_settled(self, peer: Peer, room_id: int) -> None:
+        """Sender: `peer` asked about a room that ended here; a plane whose sender writes the
+        receiver's pages tells it once none of its writes is in flight."""
+
+    def carry(self, peer: Peer, msg, payload: tuple) -> bool | None:
+        """Sender, any thread: send `msg` another way than the control connection (True:
+        sent); None: not the plane's to carry."""
+        return None
+
+    def announce_step(self, room, step) -> bool:
+        """Sender, the worker's thread: run a room's step with no piece (`Sender.finish`) in
+        order with the pieces the plane announced itself; False: not such a plane (the
+        server submits the step)."""
+        return False
 
     def pages_settled(self, room) -> bool:
         """Receiver (under the endpoint's lock): no write of the sender's into `room`'s pages

@@ -32,8 +32,6 @@ from pdserve.protocol.transfer_messages import (
     TransferRequest,
 )
 from pdserve.transfer import peer_auth
-from pdserve.transfer.backends.ipc.ipc_lane import LaneSender
-from pdserve.transfer.backends.ipc.shared_pools import ProcessWatch
 from pdserve.transfer.handshake import layout_mismatches
 from pdserve.transfer.outbox import Outbox
 from pdserve.transfer.peer import Peer
@@ -47,10 +45,6 @@ class DecodePeer(Peer):
     decode_nonce: bytes = b""
     prefill_nonce: bytes = b""
     rejected: str | None = None  # proved the token, but its layout does not fit ours
-    pools: list | None = None  # the `ipc` backend: decode's pools, mapped into this process
-    pid: int = 0  # the `ipc` backend: decode's process, which must be alive while we write
-    watch: ProcessWatch | None = None  # whether it still is (`ipc`)
-    lane: LaneSender | None = None  # the `ipc` backend: where announcements go (`ipc_lane`)
     host: str = ""  # the address it connects from
     # Rooms it asked for whose prefill request has not arrived (under the server's lock).
     waiting_rooms: set[int] = field(default_factory=set)

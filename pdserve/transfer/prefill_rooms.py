@@ -85,9 +85,9 @@ class PrefillRooms:
         if room is not None:
             self.fail_room(room, failure, notify=False)
             if room.peer is not peer:  # decode asks again, on a new connection (`ipc`)
-                self._release_if_settled(peer, msg.room)
+                self.plane.release_if_settled(peer, msg.room)
             return
-        self._release_if_settled(peer, msg.room)
+        self.plane.release_if_settled(peer, msg.room)
 
     def refuse_room(self, peer: Peer, room_id: int, failure: Failure) -> None:
         with self.lock:
@@ -95,7 +95,7 @@ class PrefillRooms:
         room.fail(failure)
         self.tombstones.add(room_id, room.failure)
         self._reply(peer.key, AbortRoom(room_id, room.failure))
-        self._release_if_settled(peer, room_id)
+        self.plane.release_if_settled(peer, room_id)
 
     def _refuse_waiting(self, peer: Peer, room_id: int, limit: str) -> None:
         """Refuse a room over the waiting-room limit: no room is made for it, only its
@@ -112,7 +112,7 @@ class PrefillRooms:
             # fails decode's room at once; a duplicate for a finished room is ignored.
             if failure is not None:
                 self.send(peer, AbortRoom(msg.room, failure))
-                self._release_if_settled(peer, msg.room)
+                self.plane.release_if_settled(peer, msg.room)
             return
         # NOTE: checked before any room exists for it. Only a prompt longer than this worker's
         # max_model_len needs more pages: the request is at fault, as when the prefill leg's
@@ -132,9 +132,9 @@ class PrefillRooms:
             )
             self.refuse_room(peer, msg.room, room_failure(message))
             return
-        destination = self._decode_pages(peer, msg)
-        if isinstance(destination, Failure):
-            self.refuse_room(peer, msg.room, destination)
+        accepted = self.plane.accept_pages(peer, msg)
+        if isinstance(accepted, Failure):
+            self.refuse_room(peer, msg.room, accepted)
             return
         with self.lock:
             room, limit = self.rooms.get(msg.room), None
@@ -149,7 +149,8 @@ class PrefillRooms:
             self._refuse_waiting(peer, msg.room, limit)
             return
         if room.peer is None and not room.done:  # else a duplicate, or a room that ended
-            self.attach(room, peer, msg, destination, self.config.queue_timeout_s)
+            self.attach(room, peer, msg, self.config.queue_timeout_s)
+            self.plane.room_attached(room, accepted)
 
     def end_room(self, room, *, notify: bool = False) -> None:
         super().end_room(room, notify=notify)

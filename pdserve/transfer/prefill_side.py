@@ -34,7 +34,6 @@ from pdserve.protocol.transfer_messages import (
     RoomDone,
     TransferRequest,
 )
-from pdserve.transfer.backends.ipc.ipc_writes import IpcWrites
 from pdserve.transfer.bootstrap_connections import ConnectionLimit
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.endpoint import Endpoint
@@ -57,7 +56,7 @@ __all__ = ["PrefillTransferServer", "Sender"]
 logger = logging.getLogger(__name__)
 
 
-class PrefillTransferServer(PrefillRooms, IpcWrites, DecodePeers, Endpoint):
+class PrefillTransferServer(PrefillRooms, DecodePeers, Endpoint):
     side, peer_side = "prefill", "decode"
 
     def __init__(
@@ -94,8 +93,6 @@ class PrefillTransferServer(PrefillRooms, IpcWrites, DecodePeers, Endpoint):
         self.connections: ConnectionLimit | None = None  # once started
         self.tp_size = tp_size
         self.start_fanout(tp_size, ranks_host)
-        # Rooms that ended with writes into decode's pages in flight (`ipc`), by id.
-        self.unreleased: dict[int, SenderRoom] = {}
         # Rooms a decode peer asked for whose prefill request has not arrived, and that peer
         # (under the lock; bounded, see `_waiting_limit`).
         self.waiting_rooms: dict[int, DecodePeer] = {}
@@ -207,6 +204,28 @@ class PrefillTransferServer(PrefillRooms, IpcWrites, DecodePeers, Endpoint):
         else:
             self.plane.handle(peer, msg, None)
 
+    def send(self, peer: Peer, msg, *payload, copy: bool = True) -> bool:
+        """`Endpoint.send`, but for what the plane carries itself (`ipc`: a decode peer's
+        announcement lane, from whichever thread announces)."""
+        carried = self.plane.carry(peer, msg, payload)
+        if carried is not None:
+            return carried
+        return super().send(peer, msg, *payload, copy=copy)
+
+    def end_room(self, room, *, notify: bool = False) -> None:
+        super().end_room(room, notify=notify)
+        self.plane.room_ended(room)
+
+    def fail_on_io_thread(self, room, failure: Failure) -> None:
+        """Fail a room that has not ended, from any thread: on the IO thread, which owns the
+        connection (now, if that is the caller's)."""
+        if room.done:
+            return
+        if self.io.is_current:
+            self.fail_room(room, failure, notify=True)
+        else:
+            self.io.call(lambda: self.fail_room(room, failure, notify=True))
+
     def submit(self, room: SenderRoom, command, ready: torch.cuda.Event | None) -> None:
         """Run a room's send step on the IO thread, in order; with GPU pieces staged in host
         memory, each after its copy completed (`ready`), or the room fails."""
@@ -292,12 +311,13 @@ class Sender:
         """Where to write a piece's pages (`ipc`): decode's pools mapped here, and its page
         ids, one list per pool; None if the room takes no more writes (it ended). Each write
         given a destination must be handed to `send_piece` once queued."""
-        return self.server.open_write(self.state, span)
+        return self.server.plane.open_write(self.state, span)
 
     def write_failed(self, message: str) -> None:
         """A write given a `destination` could not be queued (nothing of it runs)."""
         room, failure = self.state, room_failure(message, FailureKind.INTERNAL)
-        self.server.io.call(lambda: self.server.write_failed(room, failure))
+        server = self.server
+        server.io.call(lambda: server.plane.write_failed(room, failure))
 
     def send_piece(self, piece: OutgoingPiece, then: MetadataRecord | None = None) -> None:
         """Send one piece of the room's KV (flat uint8 from `KVStager.gather`: on the CPU for
@@ -306,14 +326,11 @@ class Sender:
         and what `finish` is then called with (with `ipc`, announced with the piece)."""
         server, room = self.server, self.state
         if piece.targets:
-            # NOTE: announced at once: decode's work on the pages waits for the write's event
-            # on the GPU. The write counts as in flight until that event is seen complete.
             room.stamp("first_piece_called", first=True)
             steps = [lambda: server.send_piece(room, piece)]
             if then is not None:
                 steps.append(self._finish_step(then))
-            server.announce(room, *steps)
-            server.submit(room, lambda: server.written(room, piece), piece.ready)
+            server.plane.written_piece(room, piece, steps)
             return
         wanted = server.backend.piece_device_type()
         buffers = [piece.data] if piece.data is not None else [data for _, data in piece.sends]
@@ -330,9 +347,7 @@ class Sender:
     def finish(self, metadata: MetadataRecord) -> None:
         """Every piece was given: send the metadata record and end the room's sending."""
         finish = self._finish_step(metadata)
-        if self.server.backend.writes_decode_pages:
-            self.server.announce(self.state, finish)  # NOTE: after the announcements
-        else:
+        if not self.server.plane.announce_step(self.state, finish):  # NOTE: in their order
             self.server.submit(self.state, finish, None)
 
     def _finish_step(self, metadata: MetadataRecord):

@@ -26,12 +26,6 @@ class SenderRoom(Room):
         self.num_pages = 0
         self.num_draft_pages = 0
         self.num_cached_pages = 0
-        # The `ipc` backend: decode's page ids (what the pieces are written into), the writes
-        # queued and not completed, and whether the room takes more (under the server's lock).
-        self.decode_pages: list[int] = []
-        self.decode_draft_pages: list[int] = []
-        self.writes_in_flight = 0
-        self.writes_closed = False
         self._kept: list[object] = []
         self.pieces_sent = 0
         self.bytes_sent = 0
@@ -55,16 +49,13 @@ class SenderRoom(Room):
         if not first or step not in self.stamps:
             self.stamps[step] = time.monotonic()
 
-    def attach(
-        self, peer: Peer, request: TransferRequest, destination: tuple[list, list], queue_s: float
-    ) -> None:
-        """Decode reserved pages for this room (`request`; `destination`: its page ids for the
-        `ipc` backend): wait for the prefill queue up to `queue_s` (not a stall: `restart_clock`
-        restarts the progress deadline when compute begins)."""
+    def attach(self, peer: Peer, request: TransferRequest, queue_s: float) -> None:
+        """Decode reserved pages for this room (`request`): wait for the prefill queue up to
+        `queue_s` (not a stall: `restart_clock` restarts the progress deadline when compute
+        begins)."""
         self.peer = peer
         self.num_pages, self.num_draft_pages = request.num_pages, request.num_draft_pages
         self.num_cached_pages = request.num_cached_pages
-        self.decode_pages, self.decode_draft_pages = destination
         if self._state.state is TransferState.BOOTSTRAPPING:
             self._state.advance(TransferState.WAITING_FOR_INPUT)
             self._state.hold(queue_s)
@@ -103,26 +94,6 @@ class SenderRoom(Room):
     def keep(self, kept: object) -> None:
         """Keep `kept` alive until the room ends (frames sent zero-copy are views of it)."""
         self._kept.append(kept)
-
-    def open_write(self) -> bool:
-        """A write into decode's pages starts (`ipc`; under the server's lock); False if the
-        room takes no more."""
-        if self.writes_closed:
-            return False
-        self.writes_in_flight += 1
-        return True
-
-    def write_ended(self) -> bool:
-        """A write completed or was not queued (under the server's lock); True if the room
-        ended and this was its last."""
-        self.writes_in_flight -= 1
-        return self.writes_closed and self.writes_in_flight == 0
-
-    def close_writes(self) -> bool:
-        """The room ended: it takes no more writes (under the server's lock); True if none
-        is in flight."""
-        self.writes_closed = True
-        return self.writes_in_flight == 0
 
     def acked(self) -> bool:
         """Decode has the room whole; False if it had ended otherwise."""

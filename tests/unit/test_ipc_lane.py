@@ -230,7 +230,7 @@ def test_pieces_and_the_finish_go_over_the_lane_not_the_io_thread(pair, monkeypa
     )
     case = Case(room=70, draft=True)
     sender, receiver = open_room(pair, case)
-    assert sender.peer.lane is not None
+    assert pair.server.plane.decode_of(sender.peer).lane is not None
     write_piece(pair, sender, case, PageSpan(0, 2))
     write_piece(pair, sender, case, PageSpan(2, 1, 0, 3), then=record(case))
     wait_until(lambda: receiver.poll() is TransferState.SUCCESS, "the room", 20)
@@ -292,7 +292,7 @@ def test_without_a_lane_announcements_go_over_the_connection(monkeypatch, why):
             pair.client.plane.lane.address = LANE_PREFIX + "nobody-listens"
         case = Case(room=72, draft=True)
         sender, receiver = open_room(pair, case)
-        assert sender.peer.lane is None
+        assert pair.server.plane.decode_of(sender.peer).lane is None
         write_piece(pair, sender, case, PageSpan(0, 3, 0, 3))
         sender.finish(record(case))
         wait_until(lambda: receiver.poll() is TransferState.SUCCESS, "the room", 20)

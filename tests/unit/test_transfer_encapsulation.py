@@ -115,7 +115,7 @@ def test_the_checker_finds_writes_into_a_room():
 
 def test_the_room_attributes_are_found():
     room_only, shared = room_attributes()
-    assert {"retried", "writes_in_flight", "expected_bytes"} <= room_only
+    assert {"retried", "claimed", "expected_bytes"} <= room_only
     assert {"peer", "metadata", "pieces_sent"} <= room_only | shared
 
 

@@ -303,7 +303,7 @@ def test_pages_held_across_a_lost_connection_are_released_on_the_next_one(pair):
 def test_no_write_goes_to_a_decode_process_that_exited(pair):
     case = Case(room=95, draft=True)
     sender, _ = open_room(pair, case)
-    sender.peer.watch = ProcessWatch(exited_pid())  # as if decode had died
+    pair.server.plane.decode_of(sender.peer).watch = ProcessWatch(exited_pid())  # decode died
     assert sender.destination(PageSpan(0, 1)) is None
     wait_until(lambda: sender.poll() is TransferState.FAILED, "prefill to drop the peer", 10)
     assert "decode peer d exited (its process is gone)" in sender.failure.message
