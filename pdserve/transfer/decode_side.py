@@ -105,7 +105,8 @@ class DecodeTransferClient(PrefillPeers, Endpoint):
         if draft_page_ids and len(self.page_bytes) < 2:
             raise ValueError("draft pages given, but this worker has no draft KV pool")
         with self.lock:
-            if room in self.rooms or room in self.tombstones:
+            # NOTE: a kept room outlives its tombstone if a flood of rooms evicted it
+            if room in self.rooms or room in self.unsettled or room in self.tombstones:
                 raise ValueError(f"bootstrap_room {room} is already in use on this decode worker")
             state = RoomState(
                 room,

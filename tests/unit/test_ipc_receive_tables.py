@@ -119,3 +119,18 @@ def test_close_leaves_no_entry():
         started.client.stop()
         started.server.stop()
     assert (plane.prefills, plane.writers, plane.released) == ({}, {}, set())
+
+
+def test_a_kept_rooms_id_is_refused_after_its_tombstone_was_evicted(pair):
+    client, case = pair.client, Case(room=70, draft=True)
+    sender, receiver = open_room(pair, case)
+    assert sender.destination(PageSpan(0, 1)) is not None  # a write in flight: no word comes
+    receiver.abort(FailureKind.ABORTED, "the client left")
+    client.release(case.room)
+    client.tombstones.capacity = 1
+    client.tombstones.add(71)  # a flood of other rooms evicts room 70's tombstone
+    assert case.room not in client.tombstones and case.room in client.unsettled
+    pages = list(case.decode_pages)
+    with pytest.raises(ValueError, match="already in use"):
+        client.receiver(case.room, "127.0.0.1", pair.server.port, pages, pages)
+    assert client.unsettled[case.room] is receiver.entry  # the kept room is not overwritten
