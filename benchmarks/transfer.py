@@ -192,7 +192,7 @@ def write_into_decode(server, stager: KVStager, sender, pages, copy) -> dict[str
     steps["write_queued"] = time.monotonic()
     if copy is not None:
         copy[1].record()
-    ready, event = server.write_event()
+    ready, event = server.plane.write_event()
     nbytes = span.nbytes(stager.page_bytes)
     piece = OutgoingPiece(span, None, ready, nbytes=nbytes, targets=peer_pools, event=event)
     sender.send_piece(piece, then=MetadataRecord(first_token=1))

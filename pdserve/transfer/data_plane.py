@@ -61,7 +61,8 @@ class DataPlane:
         return None
 
     def room_attached(self, room, accepted: object) -> None:
-        """Sender: `room` is the peer's now, with what `accept_pages` returned."""
+        """Sender: `room` becomes the peer's, with what `accept_pages` returned (called just
+        before it is attached: the worker's thread may use it from then on)."""
 
     def release_if_settled(self, peer: Peer, room_id: int) -> None:
         """Sender: `peer` asked about a room that ended here; a plane whose sender writes the

@@ -149,8 +149,9 @@ class PrefillRooms:
             self._refuse_waiting(peer, msg.room, limit)
             return
         if room.peer is None and not room.done:  # else a duplicate, or a room that ended
-            self.attach(room, peer, msg, self.config.queue_timeout_s)
+            # NOTE: the plane first: the worker's thread may write once the room is attached
             self.plane.room_attached(room, accepted)
+            self.attach(room, peer, msg, self.config.queue_timeout_s)
 
     def end_room(self, room, *, notify: bool = False) -> None:
         super().end_room(room, notify=notify)

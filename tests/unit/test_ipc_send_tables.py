@@ -105,3 +105,19 @@ def test_stop_leaves_no_entry():
         started.client.stop()
         started.server.stop()
     assert (plane.decodes, plane.writes, plane.unreleased) == ({}, {}, {})
+
+
+def test_a_rooms_pages_are_known_before_the_worker_can_see_it_attached(pair, monkeypatch):
+    """The worker writes as soon as the room waits for its KV: `destination` must not find
+    the room attached but its page ids unknown (it would answer None: the room ended)."""
+    plane, seen = pair.server.plane, []
+    attached = plane.room_attached
+
+    def watched(room, accepted):
+        seen.append(room.poll())  # what the worker's thread could see at this moment
+        attached(room, accepted)
+
+    monkeypatch.setattr(plane, "room_attached", watched)
+    sender, _ = open_room(pair, Case(room=70, draft=True))
+    assert seen == [TransferState.BOOTSTRAPPING]
+    assert sender.destination(PageSpan(0, 1)) is not None
