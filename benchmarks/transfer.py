@@ -33,6 +33,7 @@ import collections
 import dataclasses
 import json
 import multiprocessing
+import queue
 import select
 import statistics
 import time
@@ -82,6 +83,11 @@ def device_for(backend: str, rank: int) -> torch.device:
     there are GPUs; CPU otherwise."""
     if backend != "nccl" and not (backend == "ipc" and torch.cuda.is_available()):
         return torch.device("cpu")
+    if torch.cuda.device_count() < 2:
+        raise SystemExit(
+            f"--backend {backend} moves KV from cuda:0 to cuda:1: this machine has "
+            f"{torch.cuda.device_count()} GPU (CUDA_VISIBLE_DEVICES= runs ipc on the CPU)"
+        )
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     return device
@@ -354,17 +360,35 @@ def paged(sizes, backend, shape: KVShape = LLAMA_8B, repeats: int = REPEATS) -> 
     )
     ports, timings = spawn.Queue(), spawn.Queue()
     prefill = spawn.Process(
-        target=prefill_main, args=(sizes, shape, repeats, config, ports, timings)
+        target=prefill_main, args=(sizes, shape, repeats, config, ports, timings), name="prefill"
     )
     prefill.start()
     decode = spawn.Process(
-        target=decode_main, args=(sizes, shape, repeats, config, ports.get(timeout=120), timings)
+        target=decode_main,
+        args=(sizes, shape, repeats, config, ports.get(timeout=120), timings),
+        name="decode",
     )
     decode.start()
-    rows = [timings.get(timeout=1200) for _ in range(4 * len(sizes) * repeats)]
+    rows = [_next_row(timings, (prefill, decode)) for _ in range(4 * len(sizes) * repeats)]
     prefill.join(timeout=60)
     decode.join(timeout=60)
     return rows
+
+
+def _next_row(timings, workers, deadline_s: float = 1200.0):
+    """The next timing row; a worker that died ends the run at once, not at the deadline."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return timings.get(timeout=1.0)
+        except queue.Empty:
+            dead = [w.name for w in workers if w.exitcode not in (None, 0)]
+            if dead:
+                for worker in workers:
+                    worker.terminate()  # NOTE: else exit waits for the survivor's deadlines
+                raise SystemExit(f"{', '.join(dead)} died (see its traceback above)") from None
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no timing row in {deadline_s:g} s") from None
 
 
 def _steps(rows, room: int) -> dict[str, float]:

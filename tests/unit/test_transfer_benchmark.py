@@ -6,6 +6,7 @@ measures."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_transfer_benchmark_runs_every_room_of_a_protocol_only_run(tmp_path, backend):
     output = tmp_path / "report.json"
     command = [sys.executable, "benchmarks/transfer.py", "--backend", backend, "--protocol-only"]
+    cpu_only = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # NOTE: ipc between GPUs needs two
     done = subprocess.run(
-        [*command, "--output", str(output)], cwd=ROOT, capture_output=True, text=True, timeout=180
+        [*command, "--output", str(output)],
+        cwd=ROOT,
+        env=cpu_only,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(output.read_text())
