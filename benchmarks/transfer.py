@@ -78,16 +78,25 @@ TINY = KVShape(16, 1, 1, 8, "one layer, one KV head of 8 (512-byte pages)")
 PROTOCOL_ROOMS, PROTOCOL_WARMUP = 40, 5
 
 
+def on_gpus(backend: str) -> bool:
+    """The run moves KV from cuda:0 to cuda:1; SystemExit if there are not two GPUs."""
+    if backend != "nccl" and not (backend == "ipc" and torch.cuda.is_available()):
+        return False
+    count = torch.cuda.device_count()
+    if count < 2:
+        hint = "; CUDA_VISIBLE_DEVICES= runs ipc on the CPU" if backend == "ipc" else ""
+        raise SystemExit(
+            f"--backend {backend} moves KV from cuda:0 to cuda:1: this machine has {count} "
+            f"GPUs{hint}"
+        )
+    return True
+
+
 def device_for(backend: str, rank: int) -> torch.device:
     """Prefill (rank 0) on cuda:0 and decode (rank 1) on cuda:1 for nccl, and for ipc where
     there are GPUs; CPU otherwise."""
-    if backend != "nccl" and not (backend == "ipc" and torch.cuda.is_available()):
+    if not on_gpus(backend):
         return torch.device("cpu")
-    if torch.cuda.device_count() < 2:
-        raise SystemExit(
-            f"--backend {backend} moves KV from cuda:0 to cuda:1: this machine has "
-            f"{torch.cuda.device_count()} GPU (CUDA_VISIBLE_DEVICES= runs ipc on the CPU)"
-        )
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     return device
@@ -466,6 +475,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=REPEATS, help="handoffs of each size")
     parser.add_argument("--output")
     args = parser.parse_args()
+    on_gpus(args.backend)  # NOTE: before any worker starts
     page_mib = LLAMA_8B.page_bytes / MIB
     if not args.protocol_only and any(size % page_mib for size in args.sizes_mib):
         # NOTE: a room is whole pages: a smaller size is a room of no page, which fails
