@@ -89,6 +89,12 @@ class DecodePeers:
         except peer_auth.NonceError as e:
             self.malformed(None, str(e))
             return
+        old = self.peers.get(identity)
+        if old is not None and old.registered:
+            # NOTE: decode greets again only when we did not know it (NotRegistered): this
+            # one starts over, and what it asked for under its registration is lost.
+            reason = "greeted again after it registered: its rooms are lost"
+            self.drop_peer(old, FailureKind.PEER_LOST, reason)
         if identity not in self.peers:
             refusal = self._make_room_for_a_peer(host)
             if refusal is not None:
@@ -96,7 +102,7 @@ class DecodePeers:
                 reason = f"prefill {self.prefill_id} refused the connection: {refusal}"
                 self._reply(identity, RegisterRejected(reason))
                 return
-        # NOTE: a connection greets again only before it registered: it has no rooms yet.
+        # NOTE: an entry left here had not registered: it holds no rooms.
         nonce = peer_auth.new_nonce()
         outbox = Outbox(self.config.peer_timeout_s)
         peer = DecodePeer(identity, outbox, decode_nonce=msg.nonce, prefill_nonce=nonce, host=host)

@@ -316,3 +316,23 @@ def test_a_prefill_worker_without_a_token_warns_once_at_start_up(caplog, token):
         assert len(warned) == 1
         assert f"bootstrap port 127.0.0.1:{server.port}" in warned[0]
         assert "--transfer-token" in warned[0]
+
+
+def test_a_registered_peer_that_greets_again_loses_its_rooms_at_once(zmq_context):
+    """Its rooms would otherwise stay with an entry nobody can reach until their deadline."""
+    pair = start_pair(CONFIG)
+    try:
+        (fake,) = busy_fakes(zmq_context, pair.server, [41])
+        sender = pair.server.sender(41)
+        fake.send(encode(Hello("raw-decode", new_nonce())))
+        decode(receive(fake)[0], HelloReply)  # a fresh handshake is under way
+        wait_until(lambda: sender.poll() is TransferState.FAILED, "the room to fail", 5)
+        assert sender.failure.kind is FailureKind.PEER_LOST
+        assert "greeted again after it registered" in sender.failure.message
+        assert len(pair.server.peers) == 1 and not pair.server.live_rooms(
+            next(iter(pair.server.peers.values()))
+        )
+        fake.close(0)
+    finally:
+        pair.client.stop()
+        pair.server.stop()
