@@ -167,8 +167,8 @@ class DecodePeers:
             if authenticated:
                 # NOTE: kept (until it expires) so its rooms fail with this reason, not a timeout.
                 peer.rejected = reason
-            else:
-                del self.peers[peer.key]
+            else:  # NOTE: one that had registered loses its rooms now, not at their deadline
+                self.drop_peer(peer, FailureKind.HANDSHAKE, reason if peer.registered else None)
             return
         peer.name, peer.registered = msg.decode_id, True
         peer.last_busy = time.monotonic()

@@ -12,16 +12,19 @@ from pdserve.protocol.failures import FailureKind
 from pdserve.transfer.kv_piece import PageSpan
 from pdserve.transfer.room_state import TransferState
 from tests.e2e.transfer_peers import Case, record
-from tests.unit.test_transfer_ipc import exited_pid, open_room, start_ipc_pair, write_piece
+from tests.unit.test_transfer_ipc import (
+    exited_pid,
+    open_room,
+    running_ipc_pair,
+    write_piece,
+)
 from tests.waiting import wait_until
 
 
 @pytest.fixture
 def pair():
-    started = start_ipc_pair()
-    yield started
-    started.client.stop()
-    started.server.stop()
+    with running_ipc_pair() as started:
+        yield started
 
 
 def room_entries(client) -> tuple[dict, set, dict]:
@@ -108,16 +111,12 @@ def test_a_forgotten_prefill_peer_leaves_no_entry(pair):
 
 
 def test_close_leaves_no_entry():
-    started = start_ipc_pair()
-    try:
+    with running_ipc_pair() as started:
         case = Case(room=60, draft=True)
         sender, _ = open_room(started, case)
         assert sender.destination(PageSpan(0, 1)) is not None  # a write in flight
         plane = started.client.plane
         assert plane.prefills and plane.writers
-    finally:
-        started.client.stop()
-        started.server.stop()
     assert (plane.prefills, plane.writers, plane.released) == ({}, {}, set())
 
 

@@ -336,3 +336,22 @@ def test_a_registered_peer_that_greets_again_loses_its_rooms_at_once(zmq_context
     finally:
         pair.client.stop()
         pair.server.stop()
+
+
+def test_a_registered_peer_whose_next_register_fails_its_proof_loses_its_rooms_at_once(
+    zmq_context,
+):
+    pair = start_pair(CONFIG)
+    try:
+        (fake,) = busy_fakes(zmq_context, pair.server, [42])
+        sender = pair.server.sender(42)
+        fake.send(encode(Register("raw-decode", layout(CASE), b"\0" * 32)))
+        decode(receive(fake)[0], RegisterRejected)
+        wait_until(lambda: sender.poll() is TransferState.FAILED, "the room to fail", 5)
+        assert sender.failure.kind is FailureKind.HANDSHAKE
+        assert "authentication failed" in sender.failure.message
+        assert not pair.server.peers
+        fake.close(0)
+    finally:
+        pair.client.stop()
+        pair.server.stop()

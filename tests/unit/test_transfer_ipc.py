@@ -5,6 +5,7 @@ or its process is gone; the handshake's and the transfer request's refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -74,12 +75,20 @@ def start_ipc_pair(decode_pages: int = 30) -> IpcPair:
     return IpcPair(server, client, source, target)
 
 
+@contextlib.contextmanager
+def running_ipc_pair(decode_pages: int = 30):
+    started = start_ipc_pair(decode_pages)
+    try:
+        yield started
+    finally:
+        started.client.stop()
+        started.server.stop()
+
+
 @pytest.fixture
 def pair():
-    started = start_ipc_pair()
-    yield started
-    started.client.stop()
-    started.server.stop()
+    with running_ipc_pair() as started:
+        yield started
 
 
 def open_room(pair: IpcPair, case: Case):

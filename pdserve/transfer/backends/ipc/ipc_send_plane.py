@@ -142,9 +142,7 @@ class IpcSendPlane(IpcPlane):
         endpoint = self.endpoint
         for known in list(self.decodes.values()):
             peer = known.peer
-            if endpoint.peers.get(peer.key) is not peer:
-                self.forget(peer)  # NOTE: its entry was replaced (a new Hello) or it went
-            elif known.watch.gone():
+            if known.watch.gone():
                 reason = "exited (its process is gone)" if endpoint.live_rooms(peer) else None
                 endpoint.drop_peer(peer, FailureKind.PEER_LOST, reason)
 
