@@ -1,7 +1,7 @@
 """What one tensor-parallel all-reduce costs between two GPUs, inside a CUDA graph as decode
 replays it: NCCL beside the one-shot all-reduce over symmetric memory
-(`pdserve.engine.symmetric_all_reduce`, which `TensorParallel.all_reduce` takes for what fits
-its buffer) and torch's own one-shot operator on the same buffer, for activations of
+(`pdserve.engine.parallel.symmetric_all_reduce`, which `TensorParallel.all_reduce` takes for
+what fits its buffer) and torch's own one-shot operator on the same buffer, for activations of
 `tokens x hidden` bf16; then each followed by the residual add and RMSNorm a layer runs
 after it, against pdserve's kernel that does all three in one
 (`TensorParallel.sum_and_norm`).
@@ -113,8 +113,8 @@ def time_prefill_sizes(row, local, expect, group, big, args) -> None:
 
 def rank_main(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     from pdserve.engine.kernels.norm import rms_norm
-    from pdserve.engine.symmetric_all_reduce import FLAG_BYTES, SymmetricAllReduce
-    from pdserve.engine.tensor_parallel import open_group
+    from pdserve.engine.parallel.process_groups import open_group
+    from pdserve.engine.parallel.symmetric_all_reduce import FLAG_BYTES, SymmetricAllReduce
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)

@@ -59,10 +59,10 @@ from torch.nn.attention import sdpa_kernel
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
-from pdserve.engine.attention.context import AttentionContext
-from pdserve.engine.attention.torch_ref import _SDPA_BACKENDS, _decode_batch, _prefill_one
 from pdserve.engine.kernels import decode_attention, extend_attention
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.runtime.attention.context import AttentionContext
+from pdserve.engine.runtime.attention.torch_ref import _SDPA_BACKENDS, _decode_batch, _prefill_one
+from pdserve.engine.runtime.kv_pool import KVPool
 
 GIB = 1 << 30
 # Errors that make a block-size variant unrunnable on this GPU, reported instead of raised.

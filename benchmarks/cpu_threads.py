@@ -1,6 +1,6 @@
 """A 64-token greedy generation on CPU, offline (`LLM`) and through a colocated `pdserve
 serve` (one chat request), with other processes keeping the machine's cores busy: how much
-an engine's torch threads suffer from sharing their cores (`pdserve.engine.cpu_threads`).
+an engine's torch threads suffer from sharing their cores (`pdserve.engine.runtime.cpu_threads`).
 
 `--load N` starts N busy-looping processes for the run (bounded: they exit with it, and after
 `--load-seconds` at the latest). Compare two code versions by running this once with each on
@@ -23,7 +23,7 @@ import time
 import httpx
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.llm import LLM
 from pdserve.server.local_process import LocalServer
 

@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.engine.tiny_model import make_tiny_model
 from pdserve.server.local_process import LocalServer, engine_pid_of
+from pdserve.synthetic.tiny_model import make_tiny_model
 
 
 def cpu_seconds(pid: int) -> float:

@@ -23,7 +23,7 @@ def model_directory(args: argparse.Namespace, scratch: str | Path) -> str:
     """`--model-path` as given, or the `--preset` written with random weights under `scratch`."""
     if args.model_path is not None:
         return args.model_path
-    from pdserve.engine.random_model import make_random_model
+    from pdserve.synthetic.random_model import make_random_model
 
     return str(make_random_model(Path(scratch) / args.preset, args.preset))
 
@@ -52,8 +52,8 @@ def load_transformers_model(model_path: str, dtype: str):
     `generate` runs every sequence to its requested length."""
     from transformers import AutoModelForCausalLM
 
-    from pdserve.engine.loader import resolve_device, resolve_dtype
-    from pdserve.engine.model_config import ModelConfig
+    from pdserve.engine.checkpoint.model_config import ModelConfig
+    from pdserve.engine.runtime.loader import resolve_device, resolve_dtype
 
     device = resolve_device("auto")
     torch_dtype = resolve_dtype(dtype, device, ModelConfig.from_pretrained(model_path))

@@ -84,7 +84,7 @@ def summarize(engine: str, batch: int, timings: list[BatchTiming], **extra) -> d
 def cuda_graph_options(args: argparse.Namespace) -> dict:
     """The CUDA graph settings for EngineConfig, only those it has (an engine without CUDA
     graphs runs every step eagerly, so leaving them out there changes nothing)."""
-    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.core.config import EngineConfig
 
     fields = {field.name for field in dataclasses.fields(EngineConfig)}
     options = {}

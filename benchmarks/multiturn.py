@@ -222,7 +222,7 @@ def main() -> None:
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="pdserve-multiturn-"))
     if args.smoke:
-        from pdserve.engine.tiny_model import default_model_dir
+        from pdserve.synthetic.tiny_model import default_model_dir
 
         model = str(default_model_dir())
         args.device, args.conversations, args.turns = "cpu", 4, 3
@@ -231,7 +231,7 @@ def main() -> None:
     elif args.model_path:
         model = args.model_path
     else:
-        from pdserve.engine.random_model import make_random_model
+        from pdserve.synthetic.random_model import make_random_model
 
         model = str(make_random_model(scratch / "model", args.preset))
     logs = scratch / "logs"

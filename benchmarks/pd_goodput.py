@@ -244,10 +244,10 @@ def model_directory(args: argparse.Namespace, scratch: str) -> str:
     if args.model_path is not None:
         return args.model_path
     if args.preset is None:
-        from pdserve.engine.tiny_model import default_model_dir
+        from pdserve.synthetic.tiny_model import default_model_dir
 
         return str(default_model_dir())
-    from pdserve.engine.random_model import make_random_model
+    from pdserve.synthetic.random_model import make_random_model
 
     directory = Path(args.model_cache or scratch) / args.preset
     complete = directory / ".pd_goodput_complete"  # NOTE: written last: no partial model

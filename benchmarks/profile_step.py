@@ -55,7 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.unfused_elementwise:
-        from pdserve.engine.attention.triton_backend import TritonBackend
+        from pdserve.engine.runtime.attention.triton_backend import TritonBackend
 
         TritonBackend.fused_elementwise = False
 
@@ -144,7 +144,7 @@ def speculative_settings(args, model: str, scratch: str):
         return None
     draft = args.draft
     if draft is None:
-        from pdserve.engine.model_files import resolve_model_dir
+        from pdserve.engine.checkpoint.model_files import resolve_model_dir
         from pdserve.speculative.checkpoints import make_tiny_eagle_draft
 
         target = resolve_model_dir(model)

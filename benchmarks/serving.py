@@ -186,7 +186,7 @@ def model_and_workload(args, scratch: Path):
     workload for its vocabulary."""
     model_path = args.model_path
     if model_path is None:
-        from pdserve.engine.random_model import make_random_model
+        from pdserve.synthetic.random_model import make_random_model
 
         model_path = str(make_random_model(scratch / args.preset, args.preset))
     vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]

@@ -190,7 +190,7 @@ def _agreeing(result: dict, plain: dict) -> float:
 
 
 def _tiny_target(path: Path, spec: str) -> Path:
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.synthetic.tiny_model import make_tiny_model
 
     hidden, layers, std, scale = spec.split("x")
     heads = max(4, int(hidden) // 64)
@@ -213,7 +213,7 @@ def _prompt_sets(args, tokenizer) -> dict[str, list[list[int]]]:
         generator = torch.Generator().manual_seed(12345)
         prompts = torch.randint(3, 1000, (args.num_prompts, 16), generator=generator)
         return {"random": prompts.tolist()}
-    from pdserve.speculative.train_eagle import read_prompts_file
+    from pdserve.speculative.training.train_eagle import read_prompts_file
 
     sets = {}
     for name in args.prompts:
@@ -224,7 +224,7 @@ def _prompt_sets(args, tokenizer) -> dict[str, list[list[int]]]:
 
 
 def _train_draft(model_path: str, args, report: dict) -> str:
-    from pdserve.speculative.train_eagle import TrainConfig, train_eagle
+    from pdserve.speculative.training.train_eagle import TrainConfig, train_eagle
 
     prompts_file = None
     if args.real:
@@ -297,9 +297,9 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from pdserve.engine.model_files import resolve_model_dir
-    from pdserve.engine.random_model import make_random_model
+    from pdserve.engine.checkpoint.model_files import resolve_model_dir
     from pdserve.protocol.spec_settings import SpecSettings
+    from pdserve.synthetic.random_model import make_random_model
 
     args.work = Path(args.work_dir or tempfile.mkdtemp(prefix="pdserve-spec-"))
     args.work.mkdir(parents=True, exist_ok=True)

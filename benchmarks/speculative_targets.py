@@ -25,9 +25,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from pdserve import LLM
-    from pdserve.engine.tiny_model import make_tiny_model
     from pdserve.speculative.ngram import propose_ngram
-    from pdserve.speculative.train_eagle import TrainConfig, _generate, train_eagle
+    from pdserve.speculative.training.train_eagle import TrainConfig, _generate, train_eagle
+    from pdserve.synthetic.tiny_model import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="pdserve-targets-"))
     rows = []

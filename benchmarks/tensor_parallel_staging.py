@@ -26,7 +26,7 @@ import torch
 
 from pdserve import LLM
 from pdserve.disagg.handoff_common import engine_transfer_layout
-from pdserve.engine.tiny_model import make_tiny_model
+from pdserve.synthetic.tiny_model import make_tiny_model
 
 
 def sync(device: str) -> None:

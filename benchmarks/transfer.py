@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.runtime.kv_pool import KVPool
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
 from pdserve.transfer.buffer_pool import BufferPool

@@ -18,7 +18,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from pdserve.engine.sampling_params import SamplingParams
+        from pdserve.engine.core.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "__version__":

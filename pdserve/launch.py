@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.cpu_threads import default_cpu_threads
+from pdserve.engine.core.config import EngineConfig
+from pdserve.engine.runtime.cpu_threads import default_cpu_threads
 from pdserve.protocol.flags import option, secret_env, to_argv
 from pdserve.protocol.http_settings import WORKER_ONLY, HttpSettings
 from pdserve.protocol.restart_budget import RestartBudget

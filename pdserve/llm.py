@@ -12,12 +12,12 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.detokenizer import RequestDetokenizer
+from pdserve.engine.checkpoint.model_files import refuse_remote_code, resolve_model_dir
+from pdserve.engine.core.config import EngineConfig
+from pdserve.engine.core.outputs import RequestOutput
+from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
-from pdserve.engine.model_files import refuse_remote_code, resolve_model_dir
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.text.detokenizer import RequestDetokenizer
 from pdserve.speculative.speculator import build_speculator
 
 Prompt = str | Sequence[int]
@@ -39,7 +39,7 @@ class LLM:
         if trust_remote_code:
             refuse_remote_code()
         if model_path is None:
-            from pdserve.engine.tiny_model import default_model_dir
+            from pdserve.synthetic.tiny_model import default_model_dir
 
             model_dir = default_model_dir()
         else:

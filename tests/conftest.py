@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory):
     """Callable arch -> directory of a seeded tiny model, built once per session."""
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.synthetic.tiny_model import make_tiny_model
 
     cache: dict[str, str] = {}
 
@@ -115,6 +115,6 @@ def smollm2_gguf():
 def smollm2_dir(smollm2_gguf):
     """The GGUF file converted to a model directory, as `--model-path x.gguf` converts it
     (once, into pdserve's cache, where launched workers find it too)."""
-    from pdserve.engine.model_files import resolve_model_dir
+    from pdserve.engine.checkpoint.model_files import resolve_model_dir
 
     return resolve_model_dir(str(smollm2_gguf))

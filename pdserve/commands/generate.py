@@ -30,7 +30,7 @@ def register(subparsers, formatter) -> None:
 
 
 def configure(args: argparse.Namespace) -> Callable[[], int]:
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.core.sampling_params import SamplingParams
 
     params = SamplingParams(
         max_new_tokens=args.max_tokens,
@@ -46,7 +46,7 @@ def configure(args: argparse.Namespace) -> Callable[[], int]:
 
 
 def _generate(config, prompts: list[str], params, as_json: bool) -> int:
-    from pdserve.engine.errors import InvalidRequestError
+    from pdserve.engine.core.errors import InvalidRequestError
     from pdserve.llm import LLM
 
     llm = LLM.from_config(config)

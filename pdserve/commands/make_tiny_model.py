@@ -39,7 +39,7 @@ def configure(args: argparse.Namespace) -> Callable[[], int]:
 
 
 def _make(out_dir: str, arch: str, sizes: dict[str, int], seed: int) -> int:
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.synthetic.tiny_model import make_tiny_model
 
     print(make_tiny_model(out_dir, arch, **sizes, seed=seed))
     return 0

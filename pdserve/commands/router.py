@@ -139,7 +139,7 @@ def configure(args: argparse.Namespace) -> Callable[[], int]:
             raise ValueError(f"--port {http.port} on {http.host}: {e.strerror}") from None
         return functools.partial(_serve_processes, config, http, args.log_level, sockets)
     app = _built(config)
-    return functools.partial(serve_http, app, http, args.log_level, access_log=False)
+    return functools.partial(serve_http, app, http, args.log_level)
 
 
 def _built(config: RouterConfig):
@@ -163,6 +163,6 @@ def _serve_processes(config: RouterConfig, http, log_level: str, sockets) -> int
     with summed_across_processes() as process_ended:
 
         def serve(sock) -> int:
-            return serve_http(_built(one), http, log_level, access_log=False, sockets=[sock])
+            return serve_http(_built(one), http, log_level, sockets=[sock])
 
         return Supervisor(sockets, serve, http.shutdown_timeout, process_ended).run()

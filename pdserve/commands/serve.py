@@ -21,7 +21,7 @@ from pdserve.commands.common import (
     model_path_from,
     serve_http,
 )
-from pdserve.engine.chat_template import load_chat_template
+from pdserve.engine.text.chat_template import load_chat_template
 from pdserve.protocol.flags import add_flags, declared, settings_from_args
 from pdserve.protocol.spec_settings import SpecSettings
 from pdserve.transfer.backends import make_backend
@@ -72,7 +72,7 @@ def configure(args: argparse.Namespace, kind: str) -> Callable[[], int]:
     if engine.node_rank > 0:
         # NOTE: another node of a worker that spans nodes: it runs ranks, node 0 serves (and,
         # in a prefill or decode worker, moves the KV).
-        from pdserve.engine.node_ranks import run_node_ranks
+        from pdserve.engine.ranks.node_ranks import run_node_ranks
 
         return functools.partial(run_node_ranks, engine)
     check_cuda_visible(engine.device)

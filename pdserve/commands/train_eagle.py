@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable
 
 from pdserve.protocol.flags import add_flags, settings_from_args
-from pdserve.speculative.train_config import TrainConfig
+from pdserve.speculative.training.train_config import TrainConfig
 
 
 def register(subparsers, formatter) -> None:
@@ -26,7 +26,7 @@ def configure(args: argparse.Namespace) -> Callable[[], int]:
 
 
 def _train(config: TrainConfig) -> int:
-    from pdserve.speculative.train_eagle import train_eagle
+    from pdserve.speculative.training.train_eagle import train_eagle
 
     report = train_eagle(config)
     if config.steps == 0:

@@ -29,8 +29,8 @@ from pdserve.disagg.connector_base import (
     ipc_pools,
     refusal_message,
 )
+from pdserve.engine.core.request import Request, RequestStatus
 from pdserve.engine.kv_connector import KVFailed, KVLanded, PagesSettled, TransferEvent
-from pdserve.engine.request import Request, RequestStatus
 from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.transfer.backends import make_backend
@@ -145,7 +145,9 @@ class DecodeConnector(DisaggConnector):
         if receiver is None or receiver.pages_settled:
             return False
         logger.warning(
-            "room %d: its pages stay reserved until prefill's writes into them are over",
+            "request %s (room %d): its pages stay reserved until prefill's writes into them "
+            "are over",
+            request.request_id,
             handoff.bootstrap.room,
         )
         self.held_back.append((request, receiver))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pdserve.decode.connector import DecodeConnector
 from pdserve.disagg.worker import connected, disaggregated_config
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.speculative.speculator import build_speculator
 from pdserve.transfer.config import TransferConfig

@@ -11,9 +11,9 @@ import torch
 
 from pdserve.disagg import rank_worker
 from pdserve.disagg.handoff_common import engine_transfer_layout
+from pdserve.engine.core.request import Request, RequestStatus
 from pdserve.engine.kv_connector import KVConnector
-from pdserve.engine.rank_group import RankDiedError
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.ranks.rank_group import RankDiedError
 from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage, log_level
 from pdserve.protocol.rank_messages import RankTransferStart

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pdserve.disagg.per_rank_kv import PerRankKV
 from pdserve.disagg.tensor_parallel_stager import TensorParallelStager
-from pdserve.engine.page_allocator import pages_needed
+from pdserve.engine.core.page_allocator import pages_needed
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout
 from pdserve.transfer.handshake import model_fingerprint

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.tensor_parallel_kv import page_index
+from pdserve.engine.ranks.tensor_parallel_kv import page_index
 from pdserve.transfer.kv_staging import KVStager
 
 if TYPE_CHECKING:
-    from pdserve.engine.kv_pool import KVPool
+    from pdserve.engine.runtime.kv_pool import KVPool
 
 
 def _local(pool: KVPool, held: range, first: int, count: int) -> int:

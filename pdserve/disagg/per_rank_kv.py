@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.disagg.head_pages import gather_head_pages, head_page_bytes, scatter_head_pages
-from pdserve.engine.tensor_parallel_kv import check_pages
+from pdserve.engine.ranks.tensor_parallel_kv import check_pages
 from pdserve.protocol.rank_messages import RankCommitSlices, RankSendSlices, flatten
 from pdserve.transfer.backends.dist.head_slices import LinkPart, PeerLinks, kv_heads_of, link_parts
 from pdserve.transfer.kv_staging import KVStager
 
 if TYPE_CHECKING:
-    from pdserve.engine.kv_pool import KVPool
-    from pdserve.engine.rank_group import RankGroup
+    from pdserve.engine.ranks.rank_group import RankGroup
+    from pdserve.engine.runtime.kv_pool import KVPool
 
 
 class PerRankKV:

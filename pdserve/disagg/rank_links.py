@@ -30,7 +30,7 @@ import torch
 import zmq
 
 from pdserve.disagg.head_pages import gather_head_pages, scatter_head_pages
-from pdserve.engine.tensor_parallel_kv import PageIdError
+from pdserve.engine.ranks.tensor_parallel_kv import PageIdError
 from pdserve.protocol.channel import Channel
 from pdserve.protocol.rank_messages import (
     RankCommitSlices,
@@ -49,7 +49,7 @@ from pdserve.transfer.backends.dist.head_slices import kv_heads_of
 from pdserve.transfer.buffer_pool import BufferPool
 
 if TYPE_CHECKING:
-    from pdserve.engine.rank_worker import RankWorker
+    from pdserve.engine.ranks.rank_worker import RankWorker
 
 logger = logging.getLogger(__name__)
 

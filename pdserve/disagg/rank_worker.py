@@ -1,13 +1,13 @@
-"""A disaggregated worker's tensor-parallel rank: `pdserve.engine.rank_worker` with the rank's
+"""A disaggregated worker's tensor-parallel rank: `pdserve.engine.ranks.rank_worker` with the rank's
 own KV links (`rank_links`). Rank 0 runs it: `python -m pdserve.disagg.rank_worker ...`, with
-`pdserve.engine.rank_worker`'s arguments."""
+`pdserve.engine.ranks.rank_worker`'s arguments."""
 
 from __future__ import annotations
 
 import sys
 
 from pdserve.disagg.rank_links import RankLinks
-from pdserve.engine import rank_worker
+from pdserve.engine.ranks import rank_worker
 
 
 def main(argv: list[str] | None = None) -> int:

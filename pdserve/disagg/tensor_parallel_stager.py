@@ -1,7 +1,7 @@
 """A tensor-parallel worker's rank 0 staging a handoff's KV over tcp (nccl and gloo move each
 rank's heads on links of its own: `per_rank_kv`): `KVStager`'s interface over the
 pages of every rank, in the layout of one rank with every KV head
-(`pdserve.engine.tensor_parallel_kv` says why and how), so that the transfer layer, the
+(`pdserve.engine.ranks.tensor_parallel_kv` says why and how), so that the transfer layer, the
 prefill and decode handoffs and the peer at any TP size see a TP 1 worker's pages."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.tensor_parallel_kv import gather_heads, scatter_heads
+from pdserve.engine.ranks.tensor_parallel_kv import gather_heads, scatter_heads
 from pdserve.transfer.kv_staging import KVStager
 
 if TYPE_CHECKING:
-    from pdserve.engine.kv_pool import KVPool
-    from pdserve.engine.rank_group import RankGroup
-    from pdserve.engine.tensor_parallel import TensorParallel
+    from pdserve.engine.parallel.tensor_parallel import TensorParallel
+    from pdserve.engine.ranks.rank_group import RankGroup
+    from pdserve.engine.runtime.kv_pool import KVPool
 
 
 class TensorParallelStager(KVStager):

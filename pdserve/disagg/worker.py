@@ -8,7 +8,7 @@ import dataclasses
 
 from pdserve.disagg import rank_worker
 from pdserve.disagg.connector_base import DisaggConnector
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.transfer.config import TransferConfig
 

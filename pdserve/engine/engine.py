@@ -21,13 +21,17 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from pdserve.engine.attention import make_attention_backend
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.cpu_threads import set_engine_threads
-from pdserve.engine.decode_graphs import build_decode_graphs, graph_batch_size
-from pdserve.engine.detokenizer import RequestDetokenizer
-from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
-from pdserve.engine.forward_batch import Capture, ForwardBatch, ForwardOutput
+from pdserve.engine.checkpoint.model_config import ModelConfig
+from pdserve.engine.checkpoint.model_files import resolve_model_dir
+from pdserve.engine.checkpoint.weights import read_tensor
+from pdserve.engine.core.config import EngineConfig
+from pdserve.engine.core.errors import InvalidRequestError, PromptTooLongError
+from pdserve.engine.core.outputs import RequestOutput
+from pdserve.engine.core.page_allocator import PageAllocator, pages_needed
+from pdserve.engine.core.prefix_cache import PrefixCache
+from pdserve.engine.core.request import FinishReason, Request, RequestStatus
+from pdserve.engine.core.sampling_params import InvalidSamplingParams, SamplingParams
+from pdserve.engine.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from pdserve.engine.kv_connector import (
     KVConnector,
     KVFailed,
@@ -36,24 +40,20 @@ from pdserve.engine.kv_connector import (
     KVSent,
     PagesSettled,
 )
-from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.loader import build_kv_pool, load_model, resolve_device, resolve_dtype
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.model_files import resolve_model_dir
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.overlap import InFlightStep, is_placeholder, placeholder
-from pdserve.engine.page_allocator import PageAllocator, pages_needed
-from pdserve.engine.page_table import DevicePageTable
-from pdserve.engine.prefix_cache import PrefixCache
-from pdserve.engine.rank_group import RankGroup
-from pdserve.engine.request import FinishReason, Request, RequestStatus
-from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
-from pdserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from pdserve.engine.parallel.tensor_parallel import ModelSplit
+from pdserve.engine.ranks.rank_group import RankGroup
+from pdserve.engine.runtime.attention import make_attention_backend
+from pdserve.engine.runtime.cpu_threads import set_engine_threads
+from pdserve.engine.runtime.decode_graphs import build_decode_graphs, graph_batch_size
+from pdserve.engine.runtime.forward_batch import Capture, ForwardBatch, ForwardOutput
+from pdserve.engine.runtime.kv_pool import KVPool
+from pdserve.engine.runtime.loader import build_kv_pool, load_model, resolve_device, resolve_dtype
+from pdserve.engine.runtime.model_runner import ModelRunner
+from pdserve.engine.runtime.overlap import InFlightStep, is_placeholder, placeholder
+from pdserve.engine.runtime.page_table import DevicePageTable
+from pdserve.engine.runtime.sampler import Sampler
 from pdserve.engine.speculator import Draft, Emitted, Proposals, Speculator
-from pdserve.engine.tensor_parallel import ModelSplit
-from pdserve.engine.weights import read_tensor
+from pdserve.engine.text.detokenizer import RequestDetokenizer
 from pdserve.protocol.engine_messages import Bootstrap
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 

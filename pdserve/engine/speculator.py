@@ -9,7 +9,7 @@ sample as usual, requests with one keep what `verify` accepts; `catch_up` then k
 accepted KV and brings the draft up to date with every token the target computed.
 
 Proposals drafted on the device may stay there until verification: their ids in `token_ids`
-are placeholders (`pdserve.engine.overlap.placeholder`) for `Proposals.device_tokens`, which
+are placeholders (`pdserve.engine.runtime.overlap.placeholder`) for `Proposals.device_tokens`, which
 the forward pass reads on the device. The host sees them first when `verify` copies them,
 with the target's choices, in one copy for the whole batch.
 """
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from pdserve.engine.forward_batch import Capture, ForwardOutput
-from pdserve.engine.page_table import DevicePageTable
-from pdserve.engine.request import Request
-from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.core.request import Request
+from pdserve.engine.core.scheduler import ScheduledBatch
+from pdserve.engine.runtime.forward_batch import Capture, ForwardOutput
+from pdserve.engine.runtime.page_table import DevicePageTable
 from pdserve.protocol.metadata_spec import MetadataSpec
 
 if TYPE_CHECKING:

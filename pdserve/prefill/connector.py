@@ -36,10 +36,10 @@ from pdserve.disagg.connector_base import (
     refusal_message,
 )
 from pdserve.disagg.per_rank_kv import PerRankKV
+from pdserve.engine.core.page_allocator import pages_needed
+from pdserve.engine.core.request import Request, RequestStatus
+from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.kv_connector import KVFailed, KVReady, KVSent, TransferEvent
-from pdserve.engine.page_allocator import pages_needed
-from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import Bootstrap, DisaggStats, FailRoom
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.transfer.backends import make_backend

@@ -4,7 +4,7 @@ ask for, and the prefill connector serving its KV on the bootstrap port."""
 from __future__ import annotations
 
 from pdserve.disagg.worker import connected, disaggregated_config
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.prefill.connector import PrefillConnector
 from pdserve.speculative.speculator import build_speculator

@@ -60,7 +60,7 @@ class Shutdown:
 class TokenOutput:
     """What one request produced in one step (`new_*`), plus its finish state.
 
-    Token ids only: the front end makes the text (engine/detokenizer.py), so the engine spends
+    Token ids only: the front end makes the text (engine/text/detokenizer.py), so the engine spends
     no time decoding for clients. Stop strings are the engine's decision (`finish_reason`,
     `stop_reason`); the front end's detokenizer, fed these ids, cuts the text at the same
     place."""

@@ -33,14 +33,14 @@ from __future__ import annotations
 import json
 import logging
 import re
-import secrets
 import time
 from dataclasses import dataclass, field
 
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve.router.errors import worker_outcome
+from pdserve.protocol.request_ids import RequestIdError, request_id_of
+from pdserve.router.errors import error_response, worker_outcome
 from pdserve.router.pairing import Pair
 from pdserve.router.workers import Worker
 
@@ -155,11 +155,6 @@ def header(raw: list[tuple[bytes, bytes]], name: bytes) -> str | None:
     return None
 
 
-def new_request_id() -> str:
-    """32 random hex digits (a uuid4's length; without its version bits, cheaper to make)."""
-    return secrets.token_hex(16)
-
-
 def last_completion_tokens(answer: bytes) -> int | None:
     """The last `"completion_tokens": N` in a worker's answer bytes, if any."""
     at = answer.rfind(_TOKENS_KEY)
@@ -181,7 +176,11 @@ class AccessLog:
         if scope["type"] != "http" or scope["path"] not in self.paths:
             await self.app(scope, receive, send)
             return
-        request_id = header(scope["headers"], b"x-request-id") or new_request_id()
+        try:
+            request_id = request_id_of(scope["headers"])
+        except RequestIdError as e:  # NOTE: before it reaches a log line or a worker
+            await error_response(400, str(e), "invalid_request_id")(scope, receive, send)
+            return
         record = AccessRecord(request_id, scope["method"], scope["path"], colocated=self.colocated)
         scope.setdefault("state", {})["access"] = record
 

@@ -28,7 +28,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve import __version__
 from pdserve.protocol.api_key import ApiKeyMiddleware
-from pdserve.router.access_log import AccessLog, AccessRecord, header, new_request_id
+from pdserve.protocol.request_ids import new_request_id
+from pdserve.router.access_log import AccessLog, AccessRecord, header
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Discovery
 from pdserve.router.errors import error_response, http_error_handler, internal_error_handler

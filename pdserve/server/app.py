@@ -18,10 +18,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from pdserve import __version__
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_files import resolve_model_dir
+from pdserve.engine.checkpoint.model_files import resolve_model_dir
+from pdserve.engine.core.config import EngineConfig
 from pdserve.protocol.api_key import ApiKeyMiddleware
 from pdserve.server import native_api, openai_api, tokenize_api
+from pdserve.server.access_log import RequestIdMiddleware
 from pdserve.server.engine_client import EngineClient, EngineClientConfig
 from pdserve.server.errors import (
     APIError,
@@ -97,6 +98,8 @@ def build_app(
     app.add_exception_handler(Exception, internal_error_handler)
 
     app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=OPEN_PATHS)
+    # NOTE: outermost, so that every answer (a 401 too) carries the request's id.
+    app.add_middleware(RequestIdMiddleware)
 
     @app.get("/health")
     async def health(request: Request) -> Response:

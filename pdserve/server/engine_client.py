@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.config import EngineConfig
 from pdserve.protocol.channel import Channel
 from pdserve.protocol.codec import ProtocolError
 from pdserve.protocol.engine_messages import (
@@ -222,6 +222,10 @@ class EngineClient:
     @property
     def num_in_flight(self) -> int:
         return len(self._queues)
+
+    def in_flight(self, request_id: str) -> bool:
+        """Whether a request with this id is running here (`generate` refuses a second)."""
+        return request_id in self._queues
 
     # ---- requests --------------------------------------------------------------------
 

@@ -27,14 +27,14 @@ from typing import get_args
 
 import zmq
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.config import EngineConfig
+from pdserve.engine.core.errors import InvalidRequestError
+from pdserve.engine.core.outputs import RequestOutput
+from pdserve.engine.core.request import RequestStatus
+from pdserve.engine.core.sampling_params import InvalidSamplingParams, SamplingParams
 from pdserve.engine.engine import Engine
-from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.kv_connector import WorkerFactory
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.rank_group import RankDiedError
-from pdserve.engine.request import RequestStatus
-from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from pdserve.engine.ranks.rank_group import RankDiedError
 from pdserve.protocol.channel import Channel
 from pdserve.protocol.codec import ProtocolError
 from pdserve.protocol.engine_messages import (
@@ -162,6 +162,8 @@ class EngineLoop:
             produced.extend(self._step())
         outputs.extend(_to_wire(o) for o in produced)
         outputs = self.stream_interval.pass_on(outputs, live=self.engine.requests)
+        if logger.isEnabledFor(logging.DEBUG):
+            _log_ends(outputs)
         if not (stepped or outputs):
             return None
         return StepOutputs(outputs, self._stats())
@@ -255,6 +257,13 @@ class EngineLoop:
         try:
             params = SamplingParams(**msg.sampling)
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.bootstrap)
+            room = f", room {msg.bootstrap.room}" if msg.bootstrap is not None else ""
+            logger.debug(
+                "request %s: added, %d prompt tokens%s",
+                msg.request_id,
+                len(msg.prompt_token_ids),
+                room,
+            )
             return []
         except (InvalidRequestError, InvalidSamplingParams, TypeError) as e:
             return [_failed(msg, Failure(FailureKind.INVALID, FailureStage.ENGINE, str(e)))]
@@ -286,6 +295,20 @@ class EngineLoop:
             # The front end stopped reading for SEND_TIMEOUT_MS: it is gone or wedged.
             logger.error("front end not receiving; shutting the engine down")
             self.running = False
+
+
+def _log_ends(outputs: list[TokenOutput]) -> None:
+    """A debug line for each request that ended, named by its id (one grep finds its life)."""
+    for output in outputs:
+        if output.finished:
+            end = output.finish_reason if output.failure is None else output.failure.label
+            logger.debug(
+                "request %s: ended (%s), %d prompt + %d output tokens",
+                output.request_id,
+                end,
+                output.num_prompt_tokens,
+                output.num_output_tokens,
+            )
 
 
 def _receive(poller: zmq.Poller, inbox: Channel, timeout_ms: int, doorbell=None) -> list[Message]:

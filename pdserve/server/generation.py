@@ -3,7 +3,7 @@ or several engine requests, their text, and metrics. API modules only translate 
 responses.
 
 Text is made here, not in the engine: the engine process reports token ids, and each request
-has a `RequestDetokenizer` in this process (engine/detokenizer.py), so detokenizing for clients
+has a `RequestDetokenizer` in this process (engine/text/detokenizer.py), so detokenizing for clients
 takes no time from the engine's steps.
 """
 
@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.detokenizer import RequestDetokenizer, TokenTexts
-from pdserve.engine.sampling_params import INT64_MIN, InvalidSamplingParams, SamplingParams
+from pdserve.engine.core.sampling_params import INT64_MIN, InvalidSamplingParams, SamplingParams
+from pdserve.engine.text.detokenizer import RequestDetokenizer, TokenTexts
 from pdserve.protocol.engine_messages import Bootstrap, TokenOutput
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.server.engine_client import DuplicateRequestId, EngineClient, EngineUnavailable
@@ -34,8 +35,6 @@ API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 # of the context cannot fit it. Real text averages 3-5 characters per token; only runs of
 # repeated characters reach 16 or more.
 MAX_PROMPT_CHARS_PER_TOKEN = 16
-# A request id travels in every message about its request.
-MAX_REQUEST_ID_CHARS = 256
 
 
 @dataclass
@@ -59,6 +58,12 @@ class ServerState:
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def job_ids(base: str, count: int) -> list[str]:
+    """Engine request ids for the `count` jobs of one HTTP request: `base` for one, `base-0`,
+    `base-1`, ... for more (`run_one` makes one unique where it is already in flight)."""
+    return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
 
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -264,14 +269,22 @@ async def run_one(
     prompt_ids: list[int],
     sampling: dict[str, Any],
     bootstrap: Bootstrap | None = None,
+    *,
+    exact_id: bool = False,
 ) -> AsyncIterator[tuple[TokenOutput, str]]:
     """Stream one engine request's outputs, each with the text its new tokens add (never
-    part of a stop string), recording latency and token metrics."""
+    part of a stop string), recording latency and token metrics. An id already in flight
+    here (a client reusing its `X-Request-Id`, two parts of a router's fan-out) gets a random
+    suffix, so that it stays unique and still starts with the request's id; with `exact_id`
+    (the client named the engine request: SGLang's `rid`) it is refused instead."""
     metrics = state.metrics
     # NOTE: `sampling` passed `sampling_settings`; the engine builds the same SamplingParams.
     detokenizer = RequestDetokenizer(state.tokenizer, prompt_ids, SamplingParams(**sampling))
     arrival = last = time.monotonic()
     first, finished = True, False
+    # NOTE: no await from here to `generate` taking the id: no other request can take it.
+    if not exact_id and state.client.in_flight(request_id):
+        request_id = f"{request_id}-{secrets.token_hex(4)}"
     if bootstrap is not None:
         state.rooms[bootstrap.room] = request_id
     try:
@@ -339,19 +352,22 @@ async def run_many(
     state: ServerState,
     jobs: list[tuple[str, list[int], dict[str, Any]]],
     bootstrap: Bootstrap | None = None,
+    *,
+    exact_ids: bool = False,
 ) -> AsyncIterator[tuple[int, TokenOutput, str]]:
     """Run several engine requests at once; yield (job index, output, new text) as they
     come. Leaving early cancels (and so aborts) every job still running. A disaggregated
-    request (with `bootstrap`) is always a single job (see `bootstrap_of`)."""
+    request (with `bootstrap`) is always a single job (see `bootstrap_of`). `exact_ids`:
+    see `run_one`."""
     if len(jobs) == 1:
-        async for output, new_text in run_one(state, *jobs[0], bootstrap):
+        async for output, new_text in run_one(state, *jobs[0], bootstrap, exact_id=exact_ids):
             yield 0, output, new_text
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, job) -> None:
         try:
-            async for output, new_text in run_one(state, *job):
+            async for output, new_text in run_one(state, *job, exact_id=exact_ids):
                 queue.put_nowait((index, (output, new_text)))
         except APIError as e:
             queue.put_nowait((index, e))

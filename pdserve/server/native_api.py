@@ -16,9 +16,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 import pdserve
+from pdserve.protocol.request_ids import MAX_REQUEST_ID_CHARS
+from pdserve.server.access_log import scope_request_id
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.generation import (
-    MAX_REQUEST_ID_CHARS,
     MAX_ROOM,
     ServerState,
     abort_room,
@@ -28,6 +29,7 @@ from pdserve.server.generation import (
     check_prompt,
     check_text_size,
     fails_room_on_error,
+    job_ids,
     new_request_id,
     run_many,
     sampling_settings,
@@ -124,18 +126,23 @@ async def generate(body: GenerateBody, request: Request):
     else:
         prompts = [body.input_ids] if single else [list(p) for p in body.input_ids]
         check_job_count(state, len(prompts), param="input_ids")
-    jobs = []
-    for i, prompt_ids in enumerate(prompts):
+    for prompt_ids in prompts:
         check_prompt(state, prompt_ids, sampling["max_new_tokens"])
-        rid = body.rid if body.rid and single else f"{body.rid or new_request_id('gen')}-{i}"
-        jobs.append((rid, prompt_ids, sampling))
+    if body.rid:  # NOTE: SGLang's own id: kept as the client gave it (a duplicate is refused)
+        ids = [body.rid] if single else [f"{body.rid}-{i}" for i in range(len(prompts))]
+    else:
+        ids = job_ids(scope_request_id(request.scope), len(prompts))
+    jobs = [(rid, prompt_ids, sampling) for rid, prompt_ids in zip(ids, prompts, strict=True)]
     boot = bootstrap_of(
         state, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, len(jobs)
     )
     check_capacity(state, len(jobs))
     if body.stream:
-        return WatchfulStreamingResponse(_stream(state, jobs, boot), media_type="text/event-stream")
-    results = await whole_unless_client_left(request, _collect(state, jobs, boot))
+        exact = bool(body.rid)
+        return WatchfulStreamingResponse(
+            _stream(state, jobs, boot, exact), media_type="text/event-stream"
+        )
+    results = await whole_unless_client_left(request, _collect(state, jobs, boot, bool(body.rid)))
     if isinstance(results, Response):
         return results
     return JSONResponse(results[0] if single else results)
@@ -207,19 +214,19 @@ def _update(state: dict, output, new_text: str) -> None:
         state["error"] = output.error
 
 
-async def _collect(server: ServerState, jobs, bootstrap) -> list[dict]:
+async def _collect(server: ServerState, jobs, bootstrap, exact_ids: bool) -> list[dict]:
     arrival = time.monotonic()
     states = _new_states(jobs)
-    async for index, output, new_text in run_many(server, jobs, bootstrap):
+    async for index, output, new_text in run_many(server, jobs, bootstrap, exact_ids=exact_ids):
         _update(states[index], output, new_text)
     return [_result(job, s, arrival) for job, s in zip(jobs, states, strict=True)]
 
 
-async def _stream(server: ServerState, jobs, bootstrap):
+async def _stream(server: ServerState, jobs, bootstrap, exact_ids: bool):
     arrival = time.monotonic()
     states = _new_states(jobs)
     try:
-        async for index, output, new_text in run_many(server, jobs, bootstrap):
+        async for index, output, new_text in run_many(server, jobs, bootstrap, exact_ids=exact_ids):
             _update(states[index], output, new_text)
             result = _result(jobs[index], states[index], arrival)
             result["index"] = index

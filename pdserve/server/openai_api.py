@@ -16,9 +16,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.engine.chat_template import chat_prompt_ids
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.text.chat_template import chat_prompt_ids
 from pdserve.protocol.engine_messages import TokenOutput
+from pdserve.server.access_log import scope_request_id
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.generation import (
     ServerState,
@@ -29,7 +30,7 @@ from pdserve.server.generation import (
     check_prompt,
     check_text_size,
     fails_room_on_error,
-    new_request_id,
+    job_ids,
     run_many,
     sampling_settings,
     seeds_for,
@@ -78,17 +79,20 @@ async def completions(body: CompletionRequest, request: Request):
     # NOTE: tokenization runs in a worker thread so a long prompt never stalls other streams.
     prompts = await asyncio.to_thread(_completion_prompts, state, body.prompt)
     sampling_common = _common_sampling(body, logprobs=body.logprobs)
-    jobs = []
+    settings = []
     for prompt_ids in prompts:
         max_tokens = check_prompt(state, prompt_ids, body.max_tokens)
         sampling = sampling_settings(state, max_new_tokens=max_tokens, **sampling_common)
-        for choice_sampling in seeds_for(sampling, body.n):
-            jobs.append((new_request_id("cmpl"), prompt_ids, choice_sampling))
+        settings.extend((prompt_ids, s) for s in seeds_for(sampling, body.n))
+    view = _View(
+        "cmpl", "text_completion", state, body.logprobs is not None, chat=False, request=request
+    )
+    ids = job_ids(view.id, len(settings))
+    jobs = [(i, prompt_ids, s) for i, (prompt_ids, s) in zip(ids, settings, strict=True)]
     boot = bootstrap_of(
         state, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, len(jobs)
     )
     check_capacity(state, len(jobs))
-    view = _View("cmpl", "text_completion", state, body.logprobs is not None, chat=False)
     return await _respond(request, state, jobs, view, body, boot)
 
 
@@ -124,12 +128,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     sampling = sampling_settings(
         state, max_new_tokens=max_tokens, **_common_sampling(body, logprobs)
     )
-    jobs = [(new_request_id("chatcmpl"), prompt_ids, s) for s in seeds_for(sampling, body.n)]
+    view = _View("chatcmpl", "chat.completion", state, body.logprobs, chat=True, request=request)
+    choices = seeds_for(sampling, body.n)
+    ids = job_ids(view.id, len(choices))
+    jobs = [(i, prompt_ids, s) for i, s in zip(ids, choices, strict=True)]
     boot = bootstrap_of(
         state, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, len(jobs)
     )
     check_capacity(state, len(jobs))
-    view = _View("chatcmpl", "chat.completion", state, body.logprobs, chat=True)
     return await _respond(request, state, jobs, view, body, boot)
 
 
@@ -235,8 +241,11 @@ def chat_prompt(
 class _View:
     """How one endpoint names and shapes its responses."""
 
-    def __init__(self, prefix: str, obj: str, state: ServerState, logprobs: bool, chat: bool):
-        self.id = new_request_id(prefix)
+    def __init__(
+        self, prefix: str, obj: str, state: ServerState, logprobs: bool, chat: bool, request
+    ):
+        # NOTE: the request's id (`X-Request-Id`, see server/access_log.py), as vLLM names it.
+        self.id = f"{prefix}-{scope_request_id(request.scope)}"
         self.object = obj
         self.created = int(time.time())
         self.model = state.served_model_name

@@ -25,8 +25,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from pdserve.engine.forward_batch import Capture
-from pdserve.engine.model_files import resolve_model_dir
+from pdserve.engine.checkpoint.model_files import resolve_model_dir
+from pdserve.engine.runtime.forward_batch import Capture
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.spec_settings import SpecSettings, SpeculativeConfigError
 from pdserve.speculative.state import DraftBatch, DraftState, ExtendItem

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from pdserve.engine.attention import TorchReferenceBackend
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.models.eagle import EagleConfig, EagleDraftModel
+from pdserve.engine.checkpoint.model_config import ModelConfig
+from pdserve.engine.runtime.attention import TorchReferenceBackend
+from pdserve.engine.runtime.models.eagle import EagleConfig, EagleDraftModel
 
 
 def eagle_draft_config(

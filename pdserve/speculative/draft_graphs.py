@@ -5,8 +5,8 @@ few dozen small kernels per step, launched from Python far slower than the GPU r
 One graph per batch-size bucket records all S - 1 steps (forward, logits, argmax, the map to
 target ids), so a proposal is one replay and one copy of the drafted tokens to the host.
 
-Static inputs, as in the target's decode graphs (`pdserve.engine.decode_graphs`): each step's
-positions, cache slots and KV lengths and each request's page-table row travel in one pinned
+Static inputs, as in the target's decode graphs (`pdserve.engine.runtime.decode_graphs`): each
+step's positions, cache slots and KV lengths and each request's page-table row travel in one pinned
 buffer and one copy; the first drafted token and (EAGLE) the draft's hidden state are copied
 into device buffers. Padding requests store nothing (slot -1) and read nothing (KV length 0).
 Without CUDA the same static inputs run eagerly (tests under the Triton interpreter).
@@ -18,10 +18,10 @@ import logging
 
 import torch
 
-from pdserve.engine.attention import AttentionContext
-from pdserve.engine.decode_graphs import BucketGraphs, decode_context
-from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.page_table import DevicePageTable
+from pdserve.engine.runtime.attention import AttentionContext
+from pdserve.engine.runtime.decode_graphs import BucketGraphs, decode_context
+from pdserve.engine.runtime.kv_pool import KVPool
+from pdserve.engine.runtime.page_table import DevicePageTable
 
 logger = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ import heapq
 
 import torch
 
-from pdserve.engine.attention import AttentionContext
-from pdserve.engine.decode_graphs import DecodeGraphRunner
-from pdserve.engine.forward_batch import ForwardBatch, device_ints
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.runtime.attention import AttentionContext
+from pdserve.engine.runtime.decode_graphs import DecodeGraphRunner
+from pdserve.engine.runtime.forward_batch import ForwardBatch, device_ints
+from pdserve.engine.runtime.kv_pool import KVPool
 from pdserve.speculative.algorithm import SpeculativeAlgorithm
 from pdserve.speculative.draft_graphs import ChainDraftGraphs
 from pdserve.speculative.state import DraftState, ExtendItem

@@ -11,10 +11,10 @@ from typing import ClassVar
 
 import torch
 
-from pdserve.engine.forward_batch import Capture
-from pdserve.engine.loader import default_dtype
-from pdserve.engine.models.eagle import EagleConfig, EagleDraftModel
-from pdserve.engine.weights import iterate_weights
+from pdserve.engine.checkpoint.weights import iterate_weights
+from pdserve.engine.runtime.forward_batch import Capture
+from pdserve.engine.runtime.loader import default_dtype
+from pdserve.engine.runtime.models.eagle import EagleConfig, EagleDraftModel
 from pdserve.speculative.algorithm import Capabilities, draft_states_from_records
 from pdserve.speculative.draft_model import DraftModelAlgorithm, DraftNet
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.forward_batch import Capture, ForwardOutput, device_ints
-from pdserve.engine.overlap import placeholder
-from pdserve.engine.request import Request
-from pdserve.engine.sampler import filtered_probs, generator_at
-from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.core.request import Request
+from pdserve.engine.core.scheduler import ScheduledBatch
+from pdserve.engine.runtime.forward_batch import Capture, ForwardOutput, device_ints
+from pdserve.engine.runtime.overlap import placeholder
+from pdserve.engine.runtime.sampler import filtered_probs, generator_at
 from pdserve.engine.speculator import Draft, DraftHandoff, Emitted, Proposals
 from pdserve.protocol.spec_settings import SpecSettings
 from pdserve.speculative import registry

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pdserve.engine.loader import load_model
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.checkpoint.model_config import ModelConfig
+from pdserve.engine.runtime.loader import load_model
 from pdserve.speculative.algorithm import Capabilities, draft_states_from_records
 from pdserve.speculative.draft_model import DraftModelAlgorithm, DraftNet
 from pdserve.speculative.state import ExtendItem

@@ -72,6 +72,7 @@ class PendingCluster:
     prefill: list[LocalServer]
     decode: list[LocalServer]
     router_args: tuple[str, ...]
+    logs: _Logs = field(default_factory=lambda: _Logs(None))
 
     def ready(self) -> Cluster:
         cluster = self.cluster
@@ -83,7 +84,8 @@ class PendingCluster:
                 route += ["--prefill", server.url, str(port)]
             for server in cluster.decode:
                 route += ["--decode", server.url]
-            cluster.router = _healthy(LocalServer(route), cluster.model_path)
+            router = LocalServer(route, **self.logs.of("router"))
+            cluster.router = _healthy(router, cluster.model_path)
         except BaseException:
             for local in [*self.prefill, *self.decode]:
                 local.stop()
@@ -105,18 +107,34 @@ def begin_cluster(
     prefill_args: tuple[str, ...] = (),
     decode_args: tuple[str, ...] = (),
     router_args: tuple[str, ...] = (),
+    log_dir: str | None = None,
 ) -> PendingCluster:
+    """log_dir: every process logs at debug level to `log_dir/<name>.log` (prefill-0,
+    decode-0, router) instead of to this process's output."""
     cluster = Cluster(model_path)
+    logs = _Logs(log_dir)
     common = ["--model-path", model_path, "--device", "cpu", "--transfer-backend", backend]
     prefill, decode = [], []
-    for _ in range(num_prefill):
+    for i in range(num_prefill):
         port = free_port()
         cluster.bootstrap_ports.append(port)
         args = ["prefill", *common, "--bootstrap-port", str(port), *worker_args, *prefill_args]
-        prefill.append(LocalServer(args))
-    for _ in range(num_decode):
-        decode.append(LocalServer(["decode", *common, *worker_args, *decode_args]))
-    return PendingCluster(cluster, prefill, decode, router_args)
+        prefill.append(LocalServer(args, **logs.of(f"prefill-{i}")))
+    for i in range(num_decode):
+        args = ["decode", *common, *worker_args, *decode_args]
+        decode.append(LocalServer(args, **logs.of(f"decode-{i}")))
+    return PendingCluster(cluster, prefill, decode, router_args, logs)
+
+
+@dataclass
+class _Logs:
+    log_dir: str | None
+
+    def of(self, name: str) -> dict:
+        """LocalServer's logging arguments for the process called `name`."""
+        if self.log_dir is None:
+            return {}
+        return {"log_level": "debug", "log_path": f"{self.log_dir}/{name}.log"}
 
 
 def start_cluster(model_path: str, **options) -> Cluster:

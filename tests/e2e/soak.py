@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model_path = args.model_path
     if model_path is None:
-        from pdserve.engine.tiny_model import default_model_dir
+        from pdserve.synthetic.tiny_model import default_model_dir
 
         model_path = str(default_model_dir())
     report = run_soak(model_path, args.requests, concurrency=args.concurrency)

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.detokenizer import decode_text
+from pdserve.engine.text.detokenizer import decode_text
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.config import EngineConfig
 from pdserve.server.local_process import LocalServer, free_port
 from tests.conftest import random_prompts
 from tests.e2e.conftest import START_DEADLINE_S

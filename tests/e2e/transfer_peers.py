@@ -10,7 +10,7 @@ import traceback
 
 import torch
 
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.runtime.kv_pool import KVPool
 from pdserve.protocol.failures import FailureKind
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.transfer_messages import KVLayout, SpecLayout

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.decode_graphs import DecodeGraphRunner, batch_buckets
+from pdserve.engine.runtime.decode_graphs import DecodeGraphRunner, batch_buckets
 from tests.unit.test_decode_graphs import MAX_BS, run
 
 pytestmark = pytest.mark.gpu

@@ -105,8 +105,8 @@ def test_sampling_queues_behind_the_gpu_without_waiting_for_it():
     for the GPU. Called while the GPU sleeps, `sample` returns before the sleep ends. (One
     untimed round first: a kernel's first launch in a process loads its module, which may
     wait for the GPU: once per process, not per step.)"""
-    from pdserve.engine.request import Request
-    from pdserve.engine.sampler import Sampler
+    from pdserve.engine.core.request import Request
+    from pdserve.engine.runtime.sampler import Sampler
 
     device = torch.device("cuda")
     sampler = Sampler((1,))

@@ -23,8 +23,8 @@ GRAPH_CALLS = 65
 
 
 def _open(rank: int, port: int):
-    from pdserve.engine.symmetric_all_reduce import SymmetricAllReduce
-    from pdserve.engine.tensor_parallel import open_group
+    from pdserve.engine.parallel.process_groups import open_group
+    from pdserve.engine.parallel.symmetric_all_reduce import SymmetricAllReduce
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)

@@ -17,7 +17,7 @@ PAGES, SRC_PAGES, DST_PAGES = 40, [3, 9, 1, 30], [0, 17, 5, 39]
 
 
 def _pool(num_pages: int, seed: int | None):
-    from pdserve.engine.kv_pool import KVPool
+    from pdserve.engine.runtime.kv_pool import KVPool
 
     pool = KVPool(
         num_layers=4,

@@ -11,7 +11,7 @@ import pytest
 
 from pdserve import LLM
 from pdserve.decode.connector import DecodeConnector
-from pdserve.engine.request import RequestStatus
+from pdserve.engine.core.request import RequestStatus
 from pdserve.prefill.connector import PrefillConnector
 from tests.conftest import random_prompts
 from tests.unit.test_handoffs import CONFIG, GREEDY, boot, drive, finished, generate, phase, tokens
@@ -60,7 +60,7 @@ def test_gather_and_scatter_queue_behind_the_gpu_without_waiting_for_it():
     process loads its module, which may wait for the GPU: once per process, not per call.)"""
     import torch
 
-    from pdserve.engine.kv_pool import KVPool
+    from pdserve.engine.runtime.kv_pool import KVPool
     from pdserve.transfer.kv_staging import KVStager
 
     shape = dict(num_layers=2, page_size=4, num_kv_heads=2, head_dim=8, device=torch.device("cuda"))

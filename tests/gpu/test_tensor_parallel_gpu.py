@@ -15,18 +15,19 @@ import torch
 import torch.distributed as dist
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.attention import make_attention_backend
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.decode_graphs import build_decode_graphs
-from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.loader import load_model
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.page_table import DevicePageTable
-from pdserve.engine.rank_worker import MirroredRequest
-from pdserve.engine.tensor_parallel import ModelSplit, TensorParallel, open_group
-from pdserve.engine.tiny_model import make_tiny_model
+from pdserve.engine.checkpoint.model_config import ModelConfig
+from pdserve.engine.core.config import EngineConfig
+from pdserve.engine.parallel.process_groups import open_group
+from pdserve.engine.parallel.tensor_parallel import ModelSplit, TensorParallel
+from pdserve.engine.ranks.rank_worker import MirroredRequest
+from pdserve.engine.runtime.attention import make_attention_backend
+from pdserve.engine.runtime.decode_graphs import build_decode_graphs
+from pdserve.engine.runtime.forward_batch import ForwardBatch
+from pdserve.engine.runtime.kv_pool import KVPool
+from pdserve.engine.runtime.loader import load_model
+from pdserve.engine.runtime.model_runner import ModelRunner
+from pdserve.engine.runtime.page_table import DevicePageTable
+from pdserve.synthetic.tiny_model import make_tiny_model
 from tests.conftest import random_prompts
 from tests.e2e.conftest import rank_pids, start_server
 from tests.waiting import wait_until

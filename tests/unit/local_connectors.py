@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.core.page_allocator import pages_needed
+from pdserve.engine.core.request import RequestStatus
 from pdserve.engine.kv_connector import KVConnector, KVLanded, KVReady, KVSent
-from pdserve.engine.page_allocator import pages_needed
-from pdserve.engine.request import RequestStatus
 from pdserve.prefill.connector import first_token_only
 from pdserve.protocol.engine_messages import Bootstrap
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage

@@ -12,7 +12,7 @@ import pytest
 from starlette.middleware.base import BaseHTTPMiddleware
 
 from pdserve.colocated.worker import build_worker
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.config import EngineConfig
 from pdserve.protocol.api_key import ApiKeyMiddleware
 from pdserve.router.app import build_router_app
 from pdserve.server.app import build_app

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.attention import AttentionContext
-from pdserve.engine.host_ints import host_ints
+from pdserve.engine.runtime.attention import AttentionContext
+from pdserve.engine.runtime.host_ints import host_ints
 
 
 def test_a_mixed_batch_gets_its_slots_positions_and_page_table():

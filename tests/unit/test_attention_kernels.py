@@ -20,7 +20,7 @@ from pdserve.engine.kernels.decode_attention import (
 )
 from pdserve.engine.kernels.extend_attention import paged_extend_attention
 from pdserve.engine.kernels.rope_store import rope_and_store
-from pdserve.engine.models.layers import RotaryEmbedding
+from pdserve.engine.runtime.models.layers import RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Small float32 caches of 4-token pages, 2 KV heads of 32 dims.

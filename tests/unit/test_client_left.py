@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.config import EngineConfig
 from pdserve.server.app import build_app
 from pdserve.server.generation import ServerState
 from pdserve.server.metrics import ServerMetrics
@@ -39,6 +39,9 @@ class HangingEngine:
             self.closed.append(request_id)
 
     def cancel(self, request_id: str, reason: str) -> bool:
+        return False
+
+    def in_flight(self, request_id: str) -> bool:
         return False
 
 

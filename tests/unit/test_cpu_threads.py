@@ -1,5 +1,5 @@
 """Engine processes on CPU take the cores less one, split between the engine processes that
-share them (`pdserve.engine.cpu_threads`): applied by the engine, handed on by launch."""
+share them (`pdserve.engine.runtime.cpu_threads`): applied by the engine, handed on by launch."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from pdserve.engine import cpu_threads
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.runtime import cpu_threads
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 

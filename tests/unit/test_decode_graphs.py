@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.decode_graphs import batch_buckets
+from pdserve.engine.checkpoint.model_config import ModelConfig
+from pdserve.engine.core.config import EngineConfig
+from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
-from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.runtime.decode_graphs import batch_buckets
+from pdserve.engine.runtime.kv_pool import KVPool
 from tests.conftest import random_prompts
 
 pytest.importorskip("triton")

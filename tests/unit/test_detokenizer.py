@@ -10,7 +10,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from pdserve.engine.detokenizer import (
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.text.detokenizer import (
     PROMPT_CONTEXT_TOKENS,
     REPLACEMENT_CHAR,
     DetokenizerFinished,
@@ -20,7 +21,6 @@ from pdserve.engine.detokenizer import (
     TokenTexts,
     decode_text,
 )
-from pdserve.engine.sampling_params import SamplingParams
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",

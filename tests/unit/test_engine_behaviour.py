@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.detokenizer import decode_text
-from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
-from pdserve.engine.loader import KVCacheTooSmallError
-from pdserve.engine.model_config import UnsupportedModelError
+from pdserve.engine.checkpoint.model_config import UnsupportedModelError
+from pdserve.engine.core.errors import InvalidRequestError, PromptTooLongError
+from pdserve.engine.runtime.loader import KVCacheTooSmallError
+from pdserve.engine.text.detokenizer import decode_text
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +195,7 @@ def test_unsupported_architecture_lists_supported(tmp_path):
 
 
 def test_sharded_checkpoint_loads(tmp_path, tiny_model_dirs):
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.synthetic.tiny_model import make_tiny_model
 
     sharded = make_tiny_model(tmp_path / "sharded", "qwen2", shard_size="100KB")
     assert (sharded / "model.safetensors.index.json").is_file()

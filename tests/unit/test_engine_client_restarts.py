@@ -14,7 +14,7 @@ import torch
 import zmq
 
 from pdserve.colocated.worker import build_worker
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.config import EngineConfig
 from pdserve.protocol.channel import Channel
 from pdserve.server.engine_client import (
     SEND_TIMEOUT_MS,

@@ -85,7 +85,7 @@ def test_preemption_under_memory_pressure_gives_same_tokens(qwen3_case):
 
 
 def test_mistral_sliding_window_equals_transformers(tmp_path, hf_greedy):
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.synthetic.tiny_model import make_tiny_model
 
     model_dir = str(make_tiny_model(tmp_path / "mistral-sw", "mistral", sliding_window=12))
     llm = LLM(model_dir, device="cpu")

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.core.request import RequestStatus
 from pdserve.engine.kv_connector import KVReady
-from pdserve.engine.request import RequestStatus
 from pdserve.prefill.connector import first_token_only
 from pdserve.protocol.engine_messages import (
     AbortRequest,

@@ -28,6 +28,26 @@ def test_every_kind_has_an_outcome_and_only_client_faults_are_4xx():
         assert not (outcome.retryable and outcome.status < 500)
 
 
+# What each failure kind answers, written out: status and "retry on a new pair" are the HTTP
+# API's (clients and the router act on them), so a change must be made here on purpose.
+GOLDEN_OUTCOMES = {
+    "invalid": (400, False),
+    "no_pages": (503, True),
+    "timeout": (503, True),
+    "peer_lost": (503, True),
+    "handshake": (503, True),
+    "aborted": (503, True),
+    "transfer": (503, True),
+    "unavailable": (503, True),
+    "internal": (500, False),
+}
+
+
+def test_every_kinds_outcome_is_the_golden_one():
+    outcomes = {kind.value: (o.status, o.retryable) for kind, o in OUTCOMES.items()}
+    assert outcomes == GOLDEN_OUTCOMES
+
+
 def test_a_failure_round_trips_with_its_types():
     failure = Failure(FailureKind.PEER_LOST, FailureStage.TRANSFER, "prefill silent for 4.1 s")
     decoded = decode(encode(failure))

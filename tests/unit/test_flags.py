@@ -10,13 +10,13 @@ import dataclasses
 import pytest
 
 from pdserve.cli import build_parser, main
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.config import EngineConfig
 from pdserve.launch import LaunchConfig
 from pdserve.protocol.flags import add_flags, declared, option, settings_from_args, to_argv
 from pdserve.protocol.http_settings import HttpSettings
 from pdserve.protocol.spec_settings import SpecSettings
 from pdserve.router.config import RouterConfig
-from pdserve.speculative.train_config import TrainConfig
+from pdserve.speculative.training.train_config import TrainConfig
 from pdserve.transfer.config import TransferConfig
 
 WORKERS = {"prefill": (("http://p:1", 7000),), "decode": ("http://d:2",)}
@@ -244,7 +244,7 @@ def test_an_unknown_flag_gets_a_did_you_mean(capsys):
 
 
 def test_chat_template_is_a_file_or_the_template_itself(tmp_path):
-    from pdserve.engine.chat_template import ChatTemplateError, load_chat_template
+    from pdserve.engine.text.chat_template import ChatTemplateError, load_chat_template
 
     inline = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     file = tmp_path / "t.jinja"

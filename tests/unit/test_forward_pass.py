@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pdserve import LLM
-from pdserve.engine.forward_batch import Capture, ForwardBatch
-from pdserve.engine.page_allocator import pages_needed
+from pdserve.engine.core.page_allocator import pages_needed
+from pdserve.engine.runtime.forward_batch import Capture, ForwardBatch
 
 PAGE = 4
 # A tree after the root r: nodes 0 and 1 are r's children, node 2 is node 1's child.

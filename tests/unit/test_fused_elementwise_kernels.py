@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.attention import AttentionContext, TorchReferenceBackend
+from pdserve.engine.checkpoint.model_config import ModelConfig
+from pdserve.engine.checkpoint.weights import iterate_weights
 from pdserve.engine.kernels.activation import silu_and_mul
 from pdserve.engine.kernels.norm import rms_norm
-from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.models import model_class
-from pdserve.engine.models.eagle import EagleConfig, EagleDraftModel
-from pdserve.engine.weights import iterate_weights
+from pdserve.engine.runtime.attention import AttentionContext, TorchReferenceBackend
+from pdserve.engine.runtime.kv_pool import KVPool
+from pdserve.engine.runtime.models import model_class
+from pdserve.engine.runtime.models.eagle import EagleConfig, EagleDraftModel
 from pdserve.speculative.checkpoints import eagle_draft_config
 
 # The interpreter on CPU (tests/conftest.py), the compiled kernels on a GPU.

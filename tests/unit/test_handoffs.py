@@ -13,8 +13,8 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.decode.connector import DecodeConnector
+from pdserve.engine.core.request import RequestStatus
 from pdserve.engine.kv_connector import KVConnector
-from pdserve.engine.request import RequestStatus
 from pdserve.prefill.connector import PrefillConnector
 from pdserve.protocol.engine_messages import (
     AbortRequest,

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from pdserve.engine.tensor_parallel import ModelSplit
+from pdserve.engine.parallel.tensor_parallel import ModelSplit
 from pdserve.transfer.backends.dist.head_slices import (
     HeadSplitError,
     head_slices,

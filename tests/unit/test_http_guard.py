@@ -76,7 +76,7 @@ stream_gap_s = 0.1
 @contextlib.contextmanager
 def serving(keep_alive_s: float | None = None, **limits):
     settings = HttpSettings(port=0, **limits)
-    config = uvicorn_config(app, settings, "warning", access_log=False)
+    config = uvicorn_config(app, settings, "warning")
     if keep_alive_s is not None:
         config.timeout_keep_alive = keep_alive_s
     sock = socket.socket()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.runtime.kv_pool import KVPool
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.transfer.kv_staging import KVStager, StagingError
 from pdserve.transfer.metadata import MetadataMismatch, MetadataRecord

@@ -1,6 +1,6 @@
 import pytest
 
-from pdserve.engine.model_config import ModelConfig, UnsupportedModelError
+from pdserve.engine.checkpoint.model_config import ModelConfig, UnsupportedModelError
 from pdserve.protocol.metadata_spec import spec_hidden_size_of
 
 BASE = {

@@ -16,10 +16,11 @@ import pytest
 from huggingface_hub import constants
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine import gguf_import
-from pdserve.engine.gguf_import import GGUFError
-from pdserve.engine.model_config import UnsupportedModelError
-from pdserve.engine.model_files import ModelNotFoundError, resolve_model_dir
+from pdserve.engine.checkpoint import gguf_import
+from pdserve.engine.checkpoint.errors import ModelNotFoundError
+from pdserve.engine.checkpoint.gguf_import import GGUFError
+from pdserve.engine.checkpoint.model_config import UnsupportedModelError
+from pdserve.engine.checkpoint.model_files import resolve_model_dir
 from pdserve.server.local_process import free_port
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from pdserve.engine.symmetric_all_reduce import BUFFER_BYTES, SymmetricAllReduce
+from pdserve.engine.parallel.symmetric_all_reduce import BUFFER_BYTES, SymmetricAllReduce
 
 pytest.importorskip("triton")
 if torch.cuda.is_available():

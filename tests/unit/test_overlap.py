@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.config import EngineConfig
+from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.engine.engine import Engine
-from pdserve.engine.overlap import is_placeholder
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.runtime.overlap import is_placeholder
 from tests.conftest import random_prompts
 from tests.unit.test_decode_graphs import run
 

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from pdserve.engine.page_allocator import PageAllocator, PageAllocatorError, pages_needed
+from pdserve.engine.core.page_allocator import PageAllocator, PageAllocatorError, pages_needed
 
 
 def test_allocate_and_free_round_trip():

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.page_allocator import PageAllocator
-from pdserve.engine.page_table import DevicePageTable, PageTableFullError
-from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.core.page_allocator import PageAllocator
+from pdserve.engine.core.request import Request, RequestStatus
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.runtime.page_table import DevicePageTable, PageTableFullError
 
 
 def scheduler(page_size: int = 1) -> Scheduler:

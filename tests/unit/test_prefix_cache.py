@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from pdserve.engine.page_allocator import PageAllocator, pages_needed
-from pdserve.engine.prefix_cache import PrefixCache
+from pdserve.engine.core.page_allocator import PageAllocator, pages_needed
+from pdserve.engine.core.prefix_cache import PrefixCache
 
 PAGE = 4
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve.cli import build_parser
-from pdserve.engine.model_config import UnsupportedModelError
+from pdserve.engine.checkpoint.model_config import UnsupportedModelError
 from pdserve.llm import LLM
 
 

@@ -14,7 +14,7 @@ import zmq
 
 from pdserve.disagg import rank_links as rank_links_module
 from pdserve.disagg.rank_links import RankLinkError, RankLinks
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.runtime.kv_pool import KVPool
 from pdserve.protocol.channel import Channel
 from pdserve.protocol.rank_messages import (
     RankCommitSlices,

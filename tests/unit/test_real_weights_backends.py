@@ -32,7 +32,7 @@ def prompts(two_layers) -> list[list[int]]:
 
 
 def test_the_cut_keeps_the_real_shapes(two_layers):
-    from pdserve.engine.model_config import ModelConfig
+    from pdserve.engine.checkpoint.model_config import ModelConfig
 
     config = ModelConfig.from_pretrained(two_layers)
     assert (config.num_layers, config.num_heads, config.num_kv_heads) == (2, 9, 3)

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from pdserve.engine.core.request import Request
+from pdserve.engine.core.sampling_params import InvalidSamplingParams, SamplingParams
+from pdserve.engine.runtime.sampler import Sampler
 
 VOCAB = 32
 EOS = 1
@@ -166,7 +166,7 @@ def test_invalid_sampling_params_name_the_parameter(field, value):
 def test_a_draw_is_what_multinomial_draws_from_the_same_generator_state():
     """`draw` skips `torch.multinomial`'s validity check (a host sync on a GPU) and keeps its
     draws: a seed gives the tokens it gave before, rows and single rows alike."""
-    from pdserve.engine.sampler import draw
+    from pdserve.engine.runtime.sampler import draw
 
     probs = torch.rand(8, VOCAB, generator=torch.Generator().manual_seed(1)).softmax(dim=-1)
     probs[:, :4] = 0  # tokens no row may draw

@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler, filtered_probs
-from pdserve.engine.sampling_params import (
+from pdserve.engine.core.request import Request
+from pdserve.engine.core.sampling_params import (
     INT64_MAX,
     INT64_MIN,
     InvalidSamplingParams,
     SamplingParams,
 )
+from pdserve.engine.runtime.sampler import Sampler, filtered_probs
 
 VOCAB = 64
 EOS = 1

@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from pdserve.engine.page_allocator import PageAllocator
-from pdserve.engine.request import FinishReason, Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.core.page_allocator import PageAllocator
+from pdserve.engine.core.request import FinishReason, Request, RequestStatus
+from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.engine.core.scheduler import Scheduler, SchedulerConfig
 
 
 def make_scheduler(num_pages=32, page_size=4, max_running=8, budget=16, split=True):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.detokenizer import decode_text
-from pdserve.engine.page_allocator import pages_needed
+from pdserve.engine.core.page_allocator import pages_needed
+from pdserve.engine.text.detokenizer import decode_text
 from pdserve.protocol.metadata_spec import MetadataSpec
 from pdserve.protocol.spec_settings import SpecSettings
 from pdserve.speculative import registry
@@ -177,7 +177,7 @@ def test_seeded_tokens_do_not_depend_on_where_a_batchs_chunks_end(tiny_model_dir
 def test_standalone_draft_of_another_width_including_empty_batches(tiny_model_dirs, tmp_path):
     """Target hidden size 64, draft 32: no hidden state crosses, nothing is sized from the
     target; empty batches pass through every hook."""
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.synthetic.tiny_model import make_tiny_model
 
     target = tiny_model_dirs("llama")
     draft = make_tiny_model(tmp_path / "draft", "llama", hidden_size=32, num_heads=2, seed=3)
@@ -246,7 +246,7 @@ def test_a_plugin_that_proposes_too_much_is_stopped_with_a_clear_error(tiny_mode
 
 
 def test_speculative_settings_without_a_speculator_are_refused(tiny_model_dirs):
-    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.core.config import EngineConfig
     from pdserve.engine.engine import Engine
 
     settings = SpecSettings("NGRAM", **CHAIN)
@@ -317,8 +317,8 @@ def test_a_d2t_map_outside_the_target_vocabulary_is_refused_at_load(tiny_model_d
 
 
 def test_eagle3_reads_num_aux_and_norm_keys(tiny_model_dirs, tmp_path):
-    from pdserve.engine.model_config import ModelConfig
-    from pdserve.engine.models.eagle import EagleConfig
+    from pdserve.engine.checkpoint.model_config import ModelConfig
+    from pdserve.engine.runtime.models.eagle import EagleConfig
     from pdserve.speculative.checkpoints import eagle_draft_config
 
     target = ModelConfig.from_pretrained(tiny_model_dirs("llama"))

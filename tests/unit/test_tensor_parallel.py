@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.forward_batch import Capture, ForwardBatch
-from pdserve.engine.rank_group import RankDiedError
-from pdserve.engine.tensor_parallel import ModelSplit, TensorParallelError
-from pdserve.engine.tiny_model import make_tiny_model
+from pdserve.engine.parallel.tensor_parallel import ModelSplit, TensorParallelError
+from pdserve.engine.ranks.rank_group import RankDiedError
+from pdserve.engine.runtime.forward_batch import Capture, ForwardBatch
 from pdserve.protocol.spec_settings import SpecSettings
+from pdserve.synthetic.tiny_model import make_tiny_model
 from tests.conftest import ARCHS, random_prompts
 from tests.waiting import wait_until
 
@@ -346,7 +346,7 @@ def _rank_children() -> list[int]:
 
 
 def test_a_start_that_fails_after_the_ranks_started_leaves_none_running(tiny_model_dirs):
-    from pdserve.engine.loader import KVCacheTooSmallError
+    from pdserve.engine.runtime.loader import KVCacheTooSmallError
 
     with pytest.raises(KVCacheTooSmallError, match="less than one sequence"):
         LLM(tiny_model_dirs("llama"), tp_size=2, kv_cache_memory=4096, **OPTIONS)

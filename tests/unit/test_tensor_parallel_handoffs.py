@@ -17,9 +17,9 @@ from pdserve import LLM, SamplingParams
 from pdserve.decode.connector import DecodeConnector
 from pdserve.disagg import rank_worker
 from pdserve.disagg.tensor_parallel_stager import TensorParallelStager
-from pdserve.engine.tiny_model import make_tiny_model
 from pdserve.prefill.connector import PrefillConnector
 from pdserve.protocol.spec_settings import SpecSettings
+from pdserve.synthetic.tiny_model import make_tiny_model
 from pdserve.transfer.backends.dist.head_slices import head_slices
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.kv_staging import StagingError

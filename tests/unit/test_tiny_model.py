@@ -13,13 +13,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from pdserve.engine.random_model import (
+from pdserve.synthetic.random_model import (
     RANDOM_MODEL_PRESETS,
     _random_tensor,
     make_random_model,
     random_model_tensor_shapes,
 )
-from pdserve.engine.tiny_model import (
+from pdserve.synthetic.tiny_model import (
     SUPPORTED_ARCHS,
     build_tokenizer,
     default_model_dir,
@@ -359,6 +359,36 @@ def test_random_model_writes_index_and_tokenizer(random_qwen_dir: Path) -> None:
         tokenizer.bos_token_id,
         tokenizer.eos_token_id,
     )
+
+
+def _transformers_tensors(config) -> dict[str, tuple[int, ...]]:
+    """The checkpoint transformers itself expects for `config`: its model's `state_dict()`
+    names and shapes (built on the meta device, no memory), less a tied LM head, which
+    checkpoints leave out."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tensors = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        del tensors["lm_head.weight"]
+    return tensors
+
+
+@pytest.mark.parametrize("preset", sorted(RANDOM_MODEL_PRESETS))
+def test_random_model_tensors_are_the_ones_transformers_expects(preset: str) -> None:
+    raw = RANDOM_MODEL_PRESETS[preset]
+    config = AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "architectures"})
+    assert random_model_tensor_shapes(raw) == _transformers_tensors(config)
+
+
+def test_each_arch_writes_the_tensors_transformers_expects(arch_dir) -> None:
+    _, model_dir = arch_dir
+    expected = _transformers_tensors(AutoConfig.from_pretrained(model_dir))
+    written = {}
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(path, framework="pt") as handle:
+            names = handle.keys()
+            written.update({name: tuple(handle.get_slice(name).get_shape()) for name in names})
+    assert written == expected
 
 
 def test_random_tensor_depends_only_on_seed_and_name() -> None:

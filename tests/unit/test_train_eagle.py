@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.attention import AttentionContext
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.runtime.attention import AttentionContext
+from pdserve.engine.runtime.kv_pool import KVPool
 from pdserve.protocol.spec_settings import SpecSettings
 from pdserve.speculative.checkpoints import build_draft_model, eagle_draft_config
-from pdserve.speculative.train_eagle import _capture, ttt_logits
+from pdserve.speculative.training.train_eagle import _capture, ttt_logits
 from tests.conftest import random_prompts
 
 
@@ -81,7 +81,7 @@ def test_train_eagle_writes_a_draft_the_engine_serves(tiny_model_dirs, tmp_path)
 
 
 def test_bad_training_settings_are_refused():
-    from pdserve.speculative.train_eagle import TrainConfig
+    from pdserve.speculative.training.train_eagle import TrainConfig
 
     with pytest.raises(ValueError, match="ttt-steps"):
         TrainConfig("m", "o", ttt_steps=0)
@@ -94,8 +94,8 @@ def test_bad_training_settings_are_refused():
 def test_sampled_answers_and_a_sequences_file_that_a_later_run_trains_from(
     tiny_model_dirs, tmp_path, monkeypatch
 ):
-    from pdserve.speculative import train_eagle as module
-    from pdserve.speculative.train_eagle import TrainConfig, load_sequences, train_eagle
+    from pdserve.speculative.training import train_eagle as module
+    from pdserve.speculative.training.train_eagle import TrainConfig, load_sequences, train_eagle
 
     target = tiny_model_dirs("llama")
     stored = tmp_path / "sequences.safetensors"
@@ -136,7 +136,7 @@ def test_sampled_answers_and_a_sequences_file_that_a_later_run_trains_from(
 
 
 def test_a_sequences_file_that_does_not_fit_the_target_is_refused(tiny_model_dirs, tmp_path):
-    from pdserve.speculative.train_eagle import (
+    from pdserve.speculative.training.train_eagle import (
         Sequences,
         TrainConfig,
         save_sequences,

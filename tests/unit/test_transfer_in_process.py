@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.runtime.kv_pool import KVPool
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.protocol.transfer_messages import KVChunk, KVPiece, RoomDone, TransferRequest
 from pdserve.transfer.config import TransferConfig

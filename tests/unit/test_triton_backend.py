@@ -10,19 +10,19 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.attention import AttentionContext, TorchReferenceBackend
-from pdserve.engine.attention.select import (
+from pdserve.engine.runtime.attention import AttentionContext, TorchReferenceBackend
+from pdserve.engine.runtime.attention.select import (
     AttentionBackendUnavailableError,
     make_attention_backend,
 )
-from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.models.layers import RotaryEmbedding
+from pdserve.engine.runtime.kv_pool import KVPool
+from pdserve.engine.runtime.models.layers import RotaryEmbedding
 from pdserve.protocol.spec_settings import SpecSettings
 from tests.conftest import ARCHS, random_prompts
 
 pytest.importorskip("triton")
 
-from pdserve.engine.attention.triton_backend import TritonBackend
+from pdserve.engine.runtime.attention.triton_backend import TritonBackend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # float32 on either device: greedy paths of two bf16 implementations may part at near-ties.

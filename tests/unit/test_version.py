@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 import pdserve
 from pdserve.colocated.worker import build_worker
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.config import EngineConfig
 from pdserve.router.app import build_router_app
 from pdserve.server.app import build_app
 from pdserve.server.role import WorkerRole

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pdserve.colocated.worker import build_worker
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.config import EngineConfig
 from pdserve.protocol.api_errors import error_type
 from pdserve.protocol.engine_messages import TokenOutput
 from pdserve.protocol.failures import OUTCOMES, Failure, FailureKind, FailureStage
@@ -83,6 +83,9 @@ class FailingEngine:
         )
 
     def cancel(self, request_id: str, reason: str) -> bool:
+        return False
+
+    def in_flight(self, request_id: str) -> bool:
         return False
 
 

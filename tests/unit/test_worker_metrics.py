@@ -4,7 +4,7 @@ not cost anyone their tokens."""
 from __future__ import annotations
 
 from pdserve.colocated.worker import build_worker
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.config import EngineConfig
 from pdserve.protocol.engine_messages import DisaggStats, EngineStats
 from pdserve.server.engine_client import EngineClient
 from pdserve.server.metrics import ServerMetrics

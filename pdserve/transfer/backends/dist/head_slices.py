@@ -2,7 +2,7 @@
 (docs/architecture.md §5, per-rank-pair links).
 
 A worker at TP `n` splits the model's `num_kv_heads` KV heads as the engine does
-(`pdserve.engine.tensor_parallel.ModelSplit`): rank r holds `num_kv_heads / n` heads from
+(`pdserve.engine.parallel.tensor_parallel.ModelSplit`): rank r holds `num_kv_heads / n` heads from
 `r * num_kv_heads // n`, or, with fewer heads than ranks, one head replicated on
 `n / num_kv_heads` ranks. Each decode rank gets each head it holds exactly once, from one
 prefill rank that holds it; where several prefill ranks hold a replicated head, decode ranks

@@ -1,0 +1,1 @@
+"""Training an EAGLE draft head against a target model (`pdserve train-eagle`)."""
