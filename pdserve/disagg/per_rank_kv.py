@@ -1,6 +1,6 @@
-"""A worker's KV pages as per-rank-pair links move them (torch.distributed backends; docs/
-architecture.md §5): each rank sends or receives only the KV heads it holds, straight to or
-from the peer worker's ranks that hold them (`head_slices` plans which), so
+"""A worker's KV pages as per-rank-pair links move them (torch.distributed backends;
+docs/architecture/data-plane.md): each rank sends or receives only the KV heads it holds,
+straight to or from the peer worker's ranks that hold them (`head_slices` plans which), so
 no rank gathers another's heads and the KV crosses neither worker's own group.
 
 Rank 0 does its own parts here and tells the other ranks to do theirs (`rank_links`), in order

@@ -1,4 +1,4 @@
-"""A tensor-parallel rank's own KV links to a peer worker's ranks (docs/architecture.md §5):
+"""A tensor-parallel rank's own KV links to a peer worker's ranks (docs/architecture/data-plane.md):
 the part of a disaggregated handoff that runs on a rank other than 0.
 
 Rank 0 keeps the control plane: rooms, ledgers, deadlines, the metadata record. It tells this

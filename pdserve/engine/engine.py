@@ -29,7 +29,7 @@ from pdserve.engine.core.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.core.outputs import RequestOutput
 from pdserve.engine.core.page_allocator import PageAllocator, pages_needed
 from pdserve.engine.core.prefix_cache import PrefixCache
-from pdserve.engine.core.request import FinishReason, Request, RequestStatus
+from pdserve.engine.core.request import Request, RequestStatus
 from pdserve.engine.core.sampling_params import InvalidSamplingParams, SamplingParams
 from pdserve.engine.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from pdserve.engine.kv_connector import (
@@ -54,7 +54,7 @@ from pdserve.engine.runtime.page_table import DevicePageTable
 from pdserve.engine.runtime.sampler import Sampler
 from pdserve.engine.speculator import Draft, Emitted, Proposals, Speculator
 from pdserve.engine.text.detokenizer import RequestDetokenizer
-from pdserve.protocol.engine_messages import Bootstrap
+from pdserve.protocol.engine_messages import Bootstrap, FinishReason
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 
 logger = logging.getLogger(__name__)
@@ -365,14 +365,14 @@ class Engine:
         prompt_ids = [int(t) for t in prompt] if not isinstance(prompt, str) else []
         failure = connector.screen(bootstrap)
         if failure is not None:
-            self._refused.append(failed_output(request_id, prompt_ids, failure))
+            self._refused.append(RequestOutput.failed(request_id, prompt_ids, failure))
             return
         try:
             token_ids = self.validate_prompt(prompt)
             request = self._new_request(request_id, token_ids, connector.sampling_params(params))
         except InvalidRequestError as e:
             failure = connector.rejected(request_id, bootstrap, e)
-            self._refused.append(failed_output(request_id, prompt_ids, failure))
+            self._refused.append(RequestOutput.failed(request_id, prompt_ids, failure))
             return
         request.status = connector.initial_status
         request.hold_pages = connector.keeps_pages
@@ -381,7 +381,7 @@ class Engine:
         failure = connector.add(request, bootstrap)
         if failure is not None:
             self._forget(request_id)
-            self._refused.append(failed_output(request_id, token_ids, failure))
+            self._refused.append(RequestOutput.failed(request_id, token_ids, failure))
             return
         self.scheduler.add(request)
 
@@ -432,7 +432,7 @@ class Engine:
         self._forget(request.request_id)
         request.detokenizer = None
         request.failure = failure
-        return failed_output(request.request_id, request.prompt_token_ids, failure)
+        return RequestOutput.failed(request.request_id, request.prompt_token_ids, failure)
 
     def _join(self, landed: list[tuple[Request, Any]]) -> list[RequestOutput]:
         """Decode: requests whose KV landed join the running batch with prefill's first
@@ -785,7 +785,7 @@ class Engine:
             token_ids=request.output_token_ids,
             new_token_ids=new_tokens,
             finished=request.finished,
-            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             failure=request.failure,
             logprobs=request.logprobs if want_logprobs else None,
@@ -800,19 +800,6 @@ class Engine:
             spec_emitted_tokens=request.spec_emitted_tokens,
             num_cached_tokens=request.num_cached_tokens,
         )
-
-
-def failed_output(request_id: str, prompt_ids: list[int], failure: Failure) -> RequestOutput:
-    """The output of a request that failed before producing anything it reports."""
-    return RequestOutput(
-        request_id=request_id,
-        prompt_token_ids=prompt_ids,
-        token_ids=[],
-        new_token_ids=[],
-        finished=True,
-        finish_reason="abort",
-        failure=failure,
-    )
 
 
 def _join_failure(problem: str) -> Failure:

@@ -1,5 +1,5 @@
 """What the engine asks of speculative decoding: one `Speculator`, passed to `Engine` (None:
-plain decoding). Speculation is composed, not inherited (docs/architecture.md §1): the engine
+plain decoding). Speculation is composed, not inherited (docs/architecture/layout.md): the engine
 knows this interface only, and `pdserve.speculative` implements it (`build_speculator`).
 
 A step with a speculator: `propose` drafts for the requests ready to (fully computed, one

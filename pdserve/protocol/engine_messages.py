@@ -8,6 +8,7 @@ once per step, what every request produced. Sampling settings travel as a plain 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import field
 from typing import Any
 
@@ -56,6 +57,15 @@ class Shutdown:
     reason: str = ""
 
 
+class FinishReason(enum.StrEnum):
+    """Why a request ended, as OpenAI's `finish_reason` names it (the wire carries the value
+    and the codec refuses any other)."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens or the context length
+    ABORT = "abort"  # aborted by the caller or failed
+
+
 @message("token_output")
 class TokenOutput:
     """What one request produced in one step (`new_*`), plus its finish state.
@@ -70,7 +80,7 @@ class TokenOutput:
     finished: bool
     num_prompt_tokens: int
     num_output_tokens: int
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     failure: Failure | None = None
     # One entry per new token: its logprob, and (token id, logprob) pairs of the top-N.
@@ -81,6 +91,19 @@ class TokenOutput:
     spec_emitted_tokens: int = 0
     # Prompt tokens this worker took from its prefix cache instead of computing them.
     num_cached_tokens: int = 0
+
+    @classmethod
+    def failed(cls, request_id: str, failure: Failure, num_prompt_tokens: int = 0) -> TokenOutput:
+        """The last output of a request that failed before it produced anything."""
+        return cls(
+            request_id=request_id,
+            new_token_ids=[],
+            finished=True,
+            num_prompt_tokens=num_prompt_tokens,
+            num_output_tokens=0,
+            finish_reason=FinishReason.ABORT,
+            failure=failure,
+        )
 
     @property
     def error(self) -> str | None:

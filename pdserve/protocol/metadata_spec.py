@@ -1,4 +1,5 @@
-"""Sizes of the per-request metadata record that travels with the KV (docs/architecture.md §6).
+"""Sizes of the per-request metadata record that travels with the KV
+(docs/architecture/metadata.md).
 
 Computed from configs alone, so a rank that never loads the draft model can size its buffers.
 The hidden-state row is the draft's recurrent width, `spec_hidden_size` of the *draft* config
@@ -14,7 +15,8 @@ from pdserve.protocol.spec_settings import MAX_TOPK
 
 
 def spec_hidden_size_of(hf_config: dict[str, Any]) -> int:
-    """Width of the hidden-state row that speculative decoding carries (docs/architecture.md §6).
+    """Width of the hidden-state row that speculative decoding carries
+    (docs/architecture/metadata.md).
 
     `hidden_size * hc_mult` for models with hyper-connections (`hc_mult > 1`), else
     `hidden_size`. Computed from the config alone, so a rank without the model loaded can size

@@ -1,5 +1,5 @@
 """A request with several prompts or choices (n > 1) across several rooms, and its answers
-merged back into one (docs/architecture.md §2). Torch-free.
+merged back into one (docs/architecture/request-flow.md). Torch-free.
 
 Disaggregated workers take one prompt and one choice per room, so the router splits: one body
 per (prompt, choice), in the order colocated `pdserve serve` numbers its choices (prompt by

@@ -1,6 +1,6 @@
 """One client request through the router: split into rooms, each opened on a route (a
 prefill/decode pair, or a colocated worker: `routes`), and answered, whole or streamed
-(`relay`). docs/architecture.md §2.
+(`relay`). docs/architecture/request-flow.md.
 
 Failure rules: a failure that a new route may fix is retried once on a new one, but only while
 nothing was sent to the client; a stream that breaks later ends with an SSE error event. Which

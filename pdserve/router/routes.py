@@ -2,7 +2,7 @@
 (`--worker-urls`). Each route picks its workers and opens a room on them; the proxy does the
 rest the same way for both (retries, deadlines, relaying, access lines). Torch-free.
 
-Disaggregated (docs/architecture.md §2): both legs get the same body plus the bootstrap
+Disaggregated (docs/architecture/request-flow.md): both legs get the same body plus the bootstrap
 fields and run concurrently; the client gets the decode leg's answer. The prefill leg is sent
 without streaming so that its status tells whether the KV handoff succeeded (it ends when the
 room does). When one leg fails the other is cancelled (closing its connection aborts it on

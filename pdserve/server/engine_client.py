@@ -385,7 +385,7 @@ class EngineClient:
 def _failed(request_id: str, reason: str) -> TokenOutput:
     """The last output of a request that ended outside the engine (it is worth a retry)."""
     failure = Failure(FailureKind.UNAVAILABLE, FailureStage.ENGINE, reason)
-    return TokenOutput(request_id, [], True, 0, 0, finish_reason="abort", failure=failure)
+    return TokenOutput.failed(request_id, failure)
 
 
 def _one_line(reason: str, limit: int = 200) -> str:

@@ -336,15 +336,7 @@ def short_reason(error: BaseException, limit: int = 200) -> str:
 
 
 def _failed(msg: GenerateRequest, failure: Failure) -> TokenOutput:
-    return TokenOutput(
-        request_id=msg.request_id,
-        new_token_ids=[],
-        finished=True,
-        num_prompt_tokens=len(msg.prompt_token_ids),
-        num_output_tokens=0,
-        finish_reason="abort",
-        failure=failure,
-    )
+    return TokenOutput.failed(msg.request_id, failure, len(msg.prompt_token_ids))
 
 
 def _to_wire(output: RequestOutput) -> TokenOutput:

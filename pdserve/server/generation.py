@@ -199,9 +199,10 @@ def refuse_room(
     kind: FailureKind = FailureKind.INVALID,
 ) -> None:
     """A worker that refuses a disaggregated request before its engine sees it still fails
-    the room, so the other side stops waiting at once (docs/architecture.md §3): a prefill
-    worker fails its own room, a decode worker tells the prefill worker at host:port. `kind`:
-    INVALID for a request at fault, else what ended it (a router giving up: ABORTED)."""
+    the room, so the other side stops waiting at once (docs/architecture/transfer-states.md):
+    a prefill worker fails its own room, a decode worker tells the prefill worker at
+    host:port. `kind`: INVALID for a request at fault, else what ended it (a router giving
+    up: ABORTED)."""
     if not state.role.disaggregated or not isinstance(room, int) or not 0 <= room <= MAX_ROOM:
         return
     if state.role.kind == "prefill":

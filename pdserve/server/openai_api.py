@@ -84,9 +84,8 @@ async def completions(body: CompletionRequest, request: Request):
         max_tokens = check_prompt(state, prompt_ids, body.max_tokens)
         sampling = sampling_settings(state, max_new_tokens=max_tokens, **sampling_common)
         settings.extend((prompt_ids, s) for s in seeds_for(sampling, body.n))
-    view = _View(
-        "cmpl", "text_completion", state, body.logprobs is not None, chat=False, request=request
-    )
+    request_id = scope_request_id(request.scope)
+    view = _View("cmpl", "text_completion", state, body.logprobs is not None, False, request_id)
     ids = job_ids(view.id, len(settings))
     jobs = [(i, prompt_ids, s) for i, (prompt_ids, s) in zip(ids, settings, strict=True)]
     boot = bootstrap_of(
@@ -128,7 +127,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     sampling = sampling_settings(
         state, max_new_tokens=max_tokens, **_common_sampling(body, logprobs)
     )
-    view = _View("chatcmpl", "chat.completion", state, body.logprobs, chat=True, request=request)
+    request_id = scope_request_id(request.scope)
+    view = _View("chatcmpl", "chat.completion", state, body.logprobs, True, request_id)
     choices = seeds_for(sampling, body.n)
     ids = job_ids(view.id, len(choices))
     jobs = [(i, prompt_ids, s) for i, s in zip(ids, choices, strict=True)]
@@ -242,10 +242,11 @@ class _View:
     """How one endpoint names and shapes its responses."""
 
     def __init__(
-        self, prefix: str, obj: str, state: ServerState, logprobs: bool, chat: bool, request
+        self, prefix: str, obj: str, state: ServerState, logprobs: bool, chat: bool, request_id: str
     ):
-        # NOTE: the request's id (`X-Request-Id`, see server/access_log.py), as vLLM names it.
-        self.id = f"{prefix}-{scope_request_id(request.scope)}"
+        """`request_id`: the request's (its `X-Request-Id`, server/access_log.py); the
+        response's id is `prefix-request_id`, as vLLM names it."""
+        self.id = f"{prefix}-{request_id}"
         self.object = obj
         self.created = int(time.time())
         self.model = state.served_model_name

@@ -1,5 +1,5 @@
-"""Speculative decoding (docs/architecture.md §6): a draft proposes tokens, the target verifies
-them in one forward pass, and lossless verification keeps the output exactly the target's
+"""Speculative decoding (docs/architecture/metadata.md): a draft proposes tokens, the target
+verifies them in one forward pass, and lossless verification keeps the output exactly the target's
 (greedy) or distributed exactly as the target's (sampling).
 
 - `algorithm.py`: what an algorithm is (capabilities, config-only sizing, the hooks);

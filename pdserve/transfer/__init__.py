@@ -1,4 +1,4 @@
-"""KV and metadata transfer from a prefill worker to a decode worker (docs/architecture.md §2-§6).
+"""KV and metadata transfer from a prefill worker to a decode worker (docs/architecture/).
 
 Bookkeeping (room states, deadlines, tombstones, handshake checks) is torch-free; tensors only
 appear in the backends that move KV pages.

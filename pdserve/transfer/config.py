@@ -1,5 +1,5 @@
 """Transfer settings shared by both sides; defaults are seconds, not minutes
-(docs/architecture.md §3)."""
+(docs/architecture/transfer-states.md)."""
 
 from __future__ import annotations
 

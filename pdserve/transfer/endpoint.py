@@ -1,7 +1,7 @@
-"""What both sides of a handoff share (docs/architecture.md §3): the IO thread that owns the
-ZMQ sockets, the rooms and their tombstones, the table of peer workers, and one tick that
-flushes send queues, drops peers that fall silent, sends heartbeats and fails rooms past
-their deadline.
+"""What both sides of a handoff share (docs/architecture/transfer-states.md): the IO thread
+that owns the ZMQ sockets, the rooms and their tombstones, the table of peer workers, and one
+tick that flushes send queues, drops peers that fall silent, sends heartbeats and fails rooms
+past their deadline.
 
 `PrefillTransferServer` and `DecodeTransferClient` are endpoints; each adds its half of the
 handshake, the messages it accepts and how a room starts. KV bytes move through the data

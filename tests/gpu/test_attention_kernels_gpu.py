@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.unit.engine.kernels.test_attention_kernels import run_decode, run_extend
 from tests.unit.kernel_cases import tolerance
-from tests.unit.test_attention_kernels import run_decode, run_extend
 
 pytestmark = pytest.mark.gpu
 

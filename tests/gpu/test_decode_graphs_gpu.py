@@ -1,13 +1,13 @@
 """Decode from captured CUDA graphs against eager decode, on the GPU: the waves of requests
-of tests/unit/test_decode_graphs.py (every bucket, padded batches, batches too large for a
-graph, a seeded request, preemption)."""
+of tests/unit/engine/runtime/test_decode_graphs.py (every bucket, padded batches, batches too
+large for a graph, a seeded request, preemption)."""
 
 from __future__ import annotations
 
 import pytest
 
 from pdserve.engine.runtime.decode_graphs import DecodeGraphRunner, batch_buckets
-from tests.unit.test_decode_graphs import MAX_BS, run
+from tests.unit.engine.runtime.test_decode_graphs import MAX_BS, run
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,16 @@ from pdserve.decode.connector import DecodeConnector
 from pdserve.engine.core.request import RequestStatus
 from pdserve.prefill.connector import PrefillConnector
 from tests.conftest import random_prompts
-from tests.unit.test_handoffs import CONFIG, GREEDY, boot, drive, finished, generate, phase, tokens
+from tests.unit.disagg.test_handoffs import (
+    CONFIG,
+    GREEDY,
+    boot,
+    drive,
+    finished,
+    generate,
+    phase,
+    tokens,
+)
 
 pytestmark = pytest.mark.gpu
 

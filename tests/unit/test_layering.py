@@ -1,4 +1,4 @@
-"""docs/architecture.md §1, enforced: which part of `pdserve` may import which, read from the
+"""docs/architecture/layout.md, enforced: which part of `pdserve` may import which, read from the
 source (every import statement, including those inside functions and under TYPE_CHECKING).
 
 A part ("unit") is a package directly under `pdserve/` or a top-level module (`cli`, `llm`,
@@ -103,13 +103,15 @@ def breaks() -> set[tuple[str, str]]:
 def test_every_unit_has_a_row():
     units = {unit_of(path.relative_to(PACKAGE)) for path in source_files()}
     units |= {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert units - set(LAYERS) == set(), "add the new package to LAYERS (and to §1)"
+    assert units - set(LAYERS) == set(), (
+        "add the new package to LAYERS (and to docs/architecture/layout.md)"
+    )
     assert set(LAYERS) - units == set(), "remove the deleted package from LAYERS"
 
 
 def test_imports_follow_the_layers():
     found = breaks()
-    assert found - KNOWN_BREAKS == set(), "imports against docs/architecture.md §1"
+    assert found - KNOWN_BREAKS == set(), "imports against docs/architecture/layout.md"
     assert KNOWN_BREAKS - found == set(), "fixed: remove these from KNOWN_BREAKS"
 
 
@@ -236,7 +238,9 @@ def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
 
 def test_every_engine_part_has_a_row():
     parts = {engine_part(module_name(path)) for path in ENGINE.rglob("*.py")}
-    assert parts == set(ENGINE_LAYERS), "add the new engine/ package to ENGINE_LAYERS (and §1)"
+    assert parts == set(ENGINE_LAYERS), (
+        "add the new engine/ package to ENGINE_LAYERS (and docs/architecture/layout.md)"
+    )
 
 
 def test_engine_parts_import_downwards_only():
@@ -247,7 +251,7 @@ def test_engine_parts_import_downwards_only():
             target = engine_part(module)
             if target != part and target not in ENGINE_LAYERS[part]:
                 against.add((path.relative_to(PACKAGE).as_posix(), module))
-    assert against == set(), "imports against ENGINE_LAYERS (docs/architecture.md §1)"
+    assert against == set(), "imports against ENGINE_LAYERS (docs/architecture/layout.md)"
 
 
 @pytest.mark.parametrize("part", sorted(ENGINE_TORCH_FREE))

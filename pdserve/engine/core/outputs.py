@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.protocol.engine_messages import FinishReason
 from pdserve.protocol.failures import Failure
 
 
@@ -12,8 +13,8 @@ class RequestOutput:
     """A request's state after a step: cumulative tokens, plus those new since the previous
     output (for streaming). The cumulative lists (`token_ids`, `logprobs`, `top_logprobs`)
     are the request's own and keep growing while it runs: copy them to keep a snapshot.
-    `finish_reason` is "stop", "length" or "abort" once `finished`; `stop_reason` is the stop
-    token id or stop string that matched, if any.
+    `finish_reason` is set once `finished`; `stop_reason` is the stop token id or stop string
+    that matched, if any.
 
     Token-level: `Engine.step()` leaves `text` None. Text is made from the ids by a
     `RequestDetokenizer` outside the engine (detokenizer.py): `LLM.generate` fills `text` of
@@ -24,7 +25,7 @@ class RequestOutput:
     token_ids: list[int]
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     # Why it failed, if it did: its kind decides the HTTP status and whether a router retries
     # (protocol/failures.py).
@@ -45,6 +46,19 @@ class RequestOutput:
     spec_emitted_tokens: int = 0
     # Prompt tokens whose KV came from the prefix cache (not computed for this request).
     num_cached_tokens: int = 0
+
+    @classmethod
+    def failed(cls, request_id: str, prompt_ids: list[int], failure: Failure) -> RequestOutput:
+        """The output of a request that failed before producing anything it reports."""
+        return cls(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            token_ids=[],
+            new_token_ids=[],
+            finished=True,
+            finish_reason=FinishReason.ABORT,
+            failure=failure,
+        )
 
     @property
     def error(self) -> str | None:

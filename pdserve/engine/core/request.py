@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.core.sampling_params import SamplingParams
+from pdserve.protocol.engine_messages import FinishReason
 from pdserve.protocol.failures import Failure
 
 
@@ -41,12 +42,6 @@ class RequestStatus(enum.Enum):
     def computes(self) -> bool:
         """In the scheduler's compute queues (waiting or running)."""
         return self in (RequestStatus.WAITING, RequestStatus.RUNNING)
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_new_tokens or the context length
-    ABORT = "abort"  # aborted by the caller or failed
 
 
 @dataclass(eq=False)

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.core.page_allocator import PageAllocator, pages_needed
 from pdserve.engine.core.prefix_cache import PrefixCache
-from pdserve.engine.core.request import FinishReason, Request, RequestStatus
+from pdserve.engine.core.request import Request, RequestStatus
+from pdserve.protocol.engine_messages import FinishReason
 
 
 @dataclass

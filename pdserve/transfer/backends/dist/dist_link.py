@@ -1,4 +1,4 @@
-"""Point-to-point tensor link between one prefill and one decode process (docs/architecture.md §5).
+"""Point-to-point tensor link between one prefill and one decode process (docs/architecture/data-plane.md).
 
 Each (prefill, decode) pair gets its own 2-rank torch.distributed process group, built from a
 store rather than through `init_process_group`, so one process can hold many pair groups at

@@ -1,5 +1,5 @@
 """KV bytes over torch.distributed (`nccl`, or `gloo` on CPU) instead of ZMQ frames; the
-control messages stay on the ZMQ connection (docs/architecture.md §5).
+control messages stay on the ZMQ connection (docs/architecture/data-plane.md).
 
 Point-to-point operations on a pair are matched in posting order, and the control connection
 fixes that order: the sender announces each piece (`KVPiece`) and posts its sends at once, in

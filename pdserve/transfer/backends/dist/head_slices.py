@@ -1,5 +1,5 @@
 """Which prefill rank sends which KV heads to which decode rank, for workers at any two TP sizes
-(docs/architecture.md §5, per-rank-pair links).
+(docs/architecture/data-plane.md, per-rank-pair links).
 
 A worker at TP `n` splits the model's `num_kv_heads` KV heads as the engine does
 (`pdserve.engine.parallel.tensor_parallel.ModelSplit`): rank r holds `num_kv_heads / n` heads from

@@ -1,4 +1,4 @@
-"""Rank 0's side of a tensor-parallel worker's per-rank-pair KV links (docs/architecture.md §5).
+"""Rank 0's side of a tensor-parallel worker's per-rank-pair KV links (docs/architecture/data-plane.md).
 
 The data planes run on rank 0's IO thread, but a rank takes its orders in order with the
 passes, from the engine thread (`RankGroup.send_to`). So the IO thread queues what a rank must
