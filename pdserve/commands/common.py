@@ -11,15 +11,15 @@ import os
 import socket
 import sys
 
-from pdserve.engine.checkpoint.model_files import refuse_remote_code, resolve_model_dir
-from pdserve.engine.core.config import EngineConfig
-from pdserve.protocol.flags import add_flags, given, settings_from_args
-from pdserve.protocol.http_guard import (
+from pdserve.edge.http_guard import (
     ConnectionLimits,
     connection_cap,
     protocol_factory,
     raise_open_file_limit,
 )
+from pdserve.engine.checkpoint.model_files import refuse_remote_code, resolve_model_dir
+from pdserve.engine.core.config import EngineConfig
+from pdserve.protocol.flags import add_flags, given, settings_from_args
 from pdserve.protocol.http_settings import HttpSettings
 from pdserve.protocol.spec_settings import SpecSettings, SpeculativeConfigError
 

@@ -14,16 +14,17 @@ The fields, in order:
   error's; the router's own, or a worker's found in the stream's last two chunks);
   `client-disconnected`, the client left (499 when nothing had been sent yet, else the
   status already sent); `internal-error`, a bug in the router (its traceback is logged);
-- `rooms=N` for a request split into several rooms (a prompt list, n > 1); the workers,
-  `prefill=URL decode=URL`, of the last pair each room used (several distinct ones
+- `rooms=N` for a request split into several parts (a prompt list, n > 1; the field keeps
+  its first name, which operators grep); the workers,
+  `prefill=URL decode=URL`, of the last pair each part used (several distinct ones
   comma-separated), `-` for a request refused before any pair was chosen; `worker=URL` in
-  colocated mode; `retries=N` when rooms were retried on a new pair (or worker);
+  colocated mode; `retries=N` when parts were retried on a new pair (or worker);
 - `ttft`: seconds from arrival to the first byte of a stream sent to the client; `-` for an
   answer that is not streamed (it goes out whole: `duration` says when);
-- `tokens`: output tokens, the sum over rooms of the `completion_tokens` (`usage`, or SGLang's
-  `meta_info`) that the last bytes of each room's answer carry: a byte search of a whole
+- `tokens`: output tokens, the sum over parts of the `completion_tokens` (`usage`, or SGLang's
+  `meta_info`) that the last bytes of each part's answer carry: a byte search of a whole
   answer, or of a stream's last two chunks (its usage chunk, or /generate's last event), so
-  that streams pay no JSON parsing for it; `-` when a room's did not show one (a stream
+  that streams pay no JSON parsing for it; `-` when a part's did not show one (a stream
   without `stream_options.include_usage`, a failure, a client that left);
 - `duration`: seconds from arrival to the end.
 """
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve.protocol.request_ids import RequestIdError, request_id_of
+from pdserve.edge.request_ids import RequestIdError, request_id_of
 from pdserve.router.errors import error_response, worker_outcome
 from pdserve.router.pairing import Pair
 from pdserve.router.workers import Worker
@@ -53,7 +54,7 @@ _ERROR_EVENT = b'data: {"error":'  # NOTE: how workers write one (json.dumps)
 
 @dataclass
 class AccessRecord:
-    """A request's access line in the making: the proxy notes its rooms, routes, retries and
+    """A request's access line in the making: the proxy notes its parts, routes, retries and
     answer bytes; `AccessLog` what was sent to the client, and writes the line."""
 
     request_id: str
@@ -61,8 +62,8 @@ class AccessRecord:
     path: str = ""
     started: float = field(default_factory=time.monotonic)
     colocated: bool = False  # the router's mode: how its workers are named
-    rooms: int = 1
-    routes: dict[int, Pair | Worker] = field(default_factory=dict)  # room -> the last route
+    parts: int = 1  # fanout's: one per prompt and choice
+    routes: dict[int, Pair | Worker] = field(default_factory=dict)  # part -> the last route
     retries: int = 0
     stream_error: str | None = None  # the status of the error event a started stream ended with
     status: int | None = None  # sent to the client
@@ -71,14 +72,14 @@ class AccessRecord:
     complete: bool = False  # the last byte was sent
     _tails: dict[int, tuple[bytes, bytes]] = field(default_factory=dict, repr=False)
 
-    def routed(self, room: int, route: Pair | Worker) -> None:
-        """Room `room` was sent to `route`: a prefill/decode pair, or a colocated worker."""
-        self.routes[room] = route
+    def routed(self, part: int, route: Pair | Worker) -> None:
+        """Part `part` was sent to `route`: a prefill/decode pair, or a colocated worker."""
+        self.routes[part] = route
 
-    def saw(self, room: int, data: bytes) -> None:
-        """Bytes that room `room`'s decode worker answered: a stream's chunk, or a whole
+    def saw(self, part: int, data: bytes) -> None:
+        """Bytes that part `part`'s decode worker answered: a stream's chunk, or a whole
         answer. Only the last two are kept, for `tokens`."""
-        self._tails[room] = (self._tails.get(room, (b"", b""))[1], data)
+        self._tails[part] = (self._tails.get(part, (b"", b""))[1], data)
 
     def sent(self, message: Message) -> None:
         """An ASGI message that went to the client."""
@@ -93,7 +94,7 @@ class AccessRecord:
 
     def tokens(self) -> int | None:
         counts = [last_completion_tokens(a + b) for a, b in self._tails.values()]
-        if len(counts) < self.rooms or None in counts:
+        if len(counts) < self.parts or None in counts:
             return None
         return sum(counts)
 
@@ -112,7 +113,7 @@ class AccessRecord:
         fields = [
             f"request {self.request_id} {self.method} {self.path} {status}",
             failure,
-            f"rooms={self.rooms}" if self.rooms > 1 else None,
+            f"rooms={self.parts}" if self.parts > 1 else None,
             self._workers(),
             f"retries={self.retries}" if self.retries else None,
             f"ttft={ttft}",
@@ -122,7 +123,7 @@ class AccessRecord:
         return " ".join(f for f in fields if f)
 
     def _worker_stream_error(self) -> str | None:
-        """The status of the error event a worker ended a room's stream with, if one did."""
+        """The status of the error event a worker ended a part's stream with, if one did."""
         if not self.streamed:
             return None
         for a, b in self._tails.values():
@@ -137,7 +138,7 @@ class AccessRecord:
         return None
 
     def _workers(self) -> str:
-        routes = [self.routes[room] for room in sorted(self.routes)]
+        routes = [self.routes[part] for part in sorted(self.routes)]
         if self.colocated:
             workers = dict.fromkeys(w.url for w in routes if isinstance(w, Worker))
             return f"worker={','.join(workers) or '-'}"

@@ -27,8 +27,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve import __version__
-from pdserve.protocol.api_key import ApiKeyMiddleware
-from pdserve.protocol.request_ids import new_request_id
+from pdserve.edge.api_key import ApiKeyMiddleware
+from pdserve.edge.request_ids import new_request_id
 from pdserve.router.access_log import AccessLog, AccessRecord, header
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Discovery

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from pdserve.edge.strict_json import MAX_BODY_BYTES as DEFAULT_MAX_BODY_BYTES
 from pdserve.protocol.flags import option
-from pdserve.protocol.strict_json import MAX_BODY_BYTES as DEFAULT_MAX_BODY_BYTES
 from pdserve.router.discovery import ServiceName
 from pdserve.router.policies import POLICIES
 

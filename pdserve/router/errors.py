@@ -8,8 +8,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from pdserve.protocol import api_errors
-from pdserve.protocol.api_errors import framework_error_body, internal_error_body
+from pdserve.edge import api_errors
+from pdserve.edge.api_errors import framework_error_body, internal_error_body
 from pdserve.protocol.failures import Outcome, outcome_of_code
 
 

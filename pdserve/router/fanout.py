@@ -1,17 +1,18 @@
-"""A request with several prompts or choices (n > 1) across several rooms, and its answers
+"""A request with several prompts or choices (n > 1) split into parts, and their answers
 merged back into one (docs/architecture/request-flow.md). Torch-free.
 
-Disaggregated workers take one prompt and one choice per room, so the router splits: one body
-per (prompt, choice), in the order colocated `pdserve serve` numbers its choices (prompt by
-prompt, choice by choice: index = prompt * n + choice). Choice i of a seeded request gets seed
-+ i (wrapped within int64), as colocated mode gives it, so the answers match.
+Disaggregated workers take one prompt and one choice per request (each its own room), so the
+router splits: one part, a body of its own, per (prompt, choice), in the order colocated
+`pdserve serve` numbers its choices (prompt by prompt, choice by choice: index = prompt * n +
+choice). Choice i of a seeded request gets seed + i (wrapped within int64), as colocated mode
+gives it, so the answers match.
 
 What the router cannot split it sends on as it is, for a worker to refuse with the reason:
 an `n` that is not an integer in [2, MAX_N], a prompt list of mixed or wrong types.
 
-Merging: one response with the first room's id, choices renumbered, usage summed (a prompt's
+Merging: one response with the first part's id, choices renumbered, usage summed (a prompt's
 tokens once, however many choices it has); /generate answers a list. Streams interleave the
-rooms' events as they come, each choice renumbered and all under one id; the usage chunk
+parts' events as they come, each choice renumbered and all under one id; the usage chunk
 (with `stream_options.include_usage`) and `[DONE]` come once, at the end.
 """
 
@@ -29,9 +30,9 @@ DONE = b"data: [DONE]\n\n"
 SSE_EVENT_END = b"\n\n"
 
 
-class TooManyRooms(ValueError):
-    """The request asks for more rooms (prompts x choices) than the router allows (400), or
-    its rooms' bodies would add up to more bytes than it allows (413)."""
+class TooManyParts(ValueError):
+    """The request asks for more parts (prompts x choices) than the router allows (400), or
+    its parts' bodies would add up to more bytes than it allows (413)."""
 
     def __init__(self, message: str, param: str | None, status: int = 400):
         super().__init__(message)
@@ -41,7 +42,7 @@ class TooManyRooms(ValueError):
 
 @dataclass(frozen=True)
 class Part:
-    """One room's body, and whether it is its prompt's first choice (usage counts a prompt's
+    """One part's body, and whether it is its prompt's first choice (usage counts a prompt's
     tokens once)."""
 
     body: dict[str, Any]
@@ -49,10 +50,10 @@ class Part:
 
 
 def split(endpoint: str, body: dict[str, Any], limit: int, max_bytes: int) -> list[Part]:
-    """The rooms of a request, in choice order; one part (the body as it is) for a single
-    prompt with n = 1, or for a body the router cannot split. Raises TooManyRooms past
-    `limit` rooms (before any room's body is built) or `max_bytes` of room bodies in all
-    (each room carries the body's other fields: 128 choices of a long prompt, or a prompt
+    """The parts of a request, in choice order; one part (the body as it is) for a single
+    prompt with n = 1, or for a body the router cannot split. Raises TooManyParts past
+    `limit` parts (before any part's body is built) or `max_bytes` of part bodies in all
+    (each part carries the body's other fields: 128 choices of a long prompt, or a prompt
     list beside a large field, would multiply what the router sends)."""
     key, prompts = _prompts(endpoint, body)
     n = body.get("n", 1)
@@ -60,7 +61,7 @@ def split(endpoint: str, body: dict[str, Any], limit: int, max_bytes: int) -> li
     if key is None and choices == 1:
         return [Part(body, True)]
     if len(prompts) * choices > limit:
-        raise TooManyRooms(
+        raise TooManyParts(
             f"{len(prompts)} prompts x {choices} choices is over this router's limit of "
             f"{limit} rooms per request (--max-rooms-per-request)",
             param="n" if choices > 1 else key,
@@ -81,7 +82,7 @@ def split(endpoint: str, body: dict[str, Any], limit: int, max_bytes: int) -> li
                 # NOTE: a prompt's choices differ only in their seed: measured once.
                 size += len(json.dumps(part)) * choices
                 if size > max_bytes:
-                    raise TooManyRooms(
+                    raise TooManyParts(
                         f"its {len(prompts) * choices} rooms would carry over {max_bytes} "
                         "bytes in all (twice the router's --max-body-size)",
                         param=None,
@@ -118,7 +119,7 @@ class BadAnswer(ValueError):
 
 
 def merge_bodies(endpoint: str, parts: list[Part], bodies: list[bytes]) -> bytes:
-    """The rooms' whole (non-streamed) answers as one."""
+    """The parts' whole (non-streamed) answers as one."""
     try:
         answers = [json.loads(b) for b in bodies]
         if endpoint == "/generate":
@@ -154,7 +155,7 @@ def _usage(parts: list[Part], usages: list[dict]) -> dict:
 
 
 class RoomFailed(Exception):
-    """A room's stream ended in an error event: the merged stream ends with it."""
+    """A part's stream ended in an error event: the merged stream ends with it."""
 
     def __init__(self, error: dict):
         super().__init__(str(error.get("message")))
@@ -164,12 +165,12 @@ class RoomFailed(Exception):
 
 @dataclass
 class StreamMerge:
-    """Rewrites the rooms' SSE streams into one: `feed` each room's bytes as they come, send
-    what it returns; after every room's `[DONE]`, send `end()`."""
+    """Rewrites the parts' SSE streams into one: `feed` each part's bytes as they come, send
+    what it returns; after every part's `[DONE]`, send `end()`."""
 
     endpoint: str
     parts: list[Part]
-    stream_id: str | None = None  # the merged stream's id: the first room's
+    stream_id: str | None = None  # the merged stream's id: the first part's
     _buffers: list[bytes] = field(default_factory=list)
     _usages: list[dict | None] = field(default_factory=list)
     _finished: set[int] = field(default_factory=set)
@@ -183,7 +184,7 @@ class StreamMerge:
         return len(self._finished) == len(self.parts)
 
     def finished(self, index: int) -> bool:
-        """Whether room `index` sent its `[DONE]`."""
+        """Whether part `index` sent its `[DONE]`."""
         return index in self._finished
 
     def feed(self, index: int, chunk: bytes) -> bytes:

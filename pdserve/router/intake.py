@@ -1,5 +1,5 @@
 """What the router takes from a client before any worker is involved (past the API key,
-protocol/api_key.py): a body of bounded size that is a JSON object, and the moment the client
+edge/api_key.py): a body of bounded size that is a JSON object, and the moment the client
 leaves. Torch-free.
 
 The body is read as it arrives and refused with 413 as soon as it passes the limit (at once
@@ -20,8 +20,8 @@ import asyncio
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
-from pdserve.protocol.asgi_watch import client_left
-from pdserve.protocol.strict_json import BodyTooLarge, InvalidJSON, parse_json, read_bounded
+from pdserve.edge.asgi_watch import client_left
+from pdserve.edge.strict_json import BodyTooLarge, InvalidJSON, parse_json, read_bounded
 from pdserve.router.errors import error_response
 
 

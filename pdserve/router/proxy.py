@@ -1,4 +1,5 @@
-"""One client request through the router: split into rooms, each opened on a route (a
+"""One client request through the router: split into parts (`fanout`: one per prompt and
+choice), each opened on a route (a
 prefill/decode pair, or a colocated worker: `routes`), and answered, whole or streamed
 (`relay`). docs/architecture/request-flow.md.
 
@@ -8,7 +9,7 @@ failures those are, a worker's error says by its `code`, a FailureKind whose ent
 protocol/failures.py's table gives the status and the retry; an error without one is retried
 when it is a 5xx (a worker unreachable or failed), and a 4xx (the request's, or, 429, a full
 worker's answer) is passed on as it is. A request that outlives `request_timeout_s` fails with
-504. A client that disconnects, at any point, ends every room (their legs are cancelled, which
+504. A client that disconnects, at any point, ends every part (their legs are cancelled, which
 aborts them on the workers). Torch-free.
 """
 
@@ -24,7 +25,7 @@ from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.router.access_log import AccessRecord
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import LegError, error_response
-from pdserve.router.fanout import BadAnswer, StreamMerge, TooManyRooms, merge_bodies
+from pdserve.router.fanout import BadAnswer, StreamMerge, TooManyParts, merge_bodies
 from pdserve.router.intake import ClientWatch
 from pdserve.router.legs import Answer
 from pdserve.router.metrics import RouterMetrics
@@ -62,41 +63,41 @@ class Proxy:
         stream = body.get("stream") is True
         try:
             parts = self.route.split(endpoint, body)
-        except TooManyRooms as e:
+        except TooManyParts as e:
             code = "too_many_rooms" if e.status == 400 else "body_too_large"
             response = error_response(e.status, str(e), code, _reply(headers), e.param)
             return self._done(endpoint, started, response)
         bodies = [part.body for part in parts]
-        access.rooms = len(bodies)
+        access.parts = len(bodies)
         try:
-            rooms = await self._open_all(endpoint, bodies, headers, stream, deadline, access)
+            answers = await self._open_all(endpoint, bodies, headers, stream, deadline, access)
         except asyncio.CancelledError:
             if not watch.caught():
                 raise
-            # NOTE: the client left before the first byte: every room's legs were cancelled,
+            # NOTE: the client left before the first byte: every part's legs were cancelled,
             # which aborts them on the workers.
             return self._done(endpoint, started, Response(status_code=499))
-        if isinstance(rooms, Response):
-            return self._done(endpoint, started, rooms)
+        if isinstance(answers, Response):
+            return self._done(endpoint, started, answers)
         if stream:
-            if len(rooms) == 1:
-                relay = self.relay.one(endpoint, rooms[0], deadline, started, access)
-                return EventStream(relay, _reply(headers), watch, rooms[0].finished)
+            if len(answers) == 1:
+                relay = self.relay.one(endpoint, answers[0], deadline, started, access)
+                return EventStream(relay, _reply(headers), watch, answers[0].finished)
             merge = StreamMerge(endpoint, parts)
-            relay = self.relay.merged(endpoint, rooms, merge, deadline, started, access)
+            relay = self.relay.merged(endpoint, answers, merge, deadline, started, access)
             return EventStream(relay, _reply(headers), watch)
         watch.stop()  # NOTE: the answers were read whole: nothing is left to cancel
-        await self.relay.close_all(rooms)
-        if len(rooms) == 1:
-            content = rooms[0].head
+        await self.relay.close_all(answers)
+        if len(answers) == 1:
+            content = answers[0].head
         else:
             try:
-                content = merge_bodies(endpoint, parts, [answer.head for answer in rooms])
+                content = merge_bodies(endpoint, parts, [answer.head for answer in answers])
             except BadAnswer as e:
                 response = error_response(502, str(e), "worker_failed", _reply(headers))
                 return self._done(endpoint, started, response)
-        for room, answer in enumerate(rooms):
-            access.saw(room, answer.head)
+        for part, answer in enumerate(answers):
+            access.saw(part, answer.head)
         response = Response(content, media_type="application/json", headers=_reply(headers))
         return self._done(endpoint, started, response)
 
@@ -109,41 +110,41 @@ class Proxy:
     async def _open_all(
         self, endpoint, bodies, headers, stream, deadline, access
     ) -> list[Answer] | Response:
-        """Open every room of a request at once: all their answers, or the first room's error
-        that no retry fixed (every other room is then closed or cancelled, which aborts it on
+        """Open every part of a request at once: all their answers, or the first part's error
+        that no retry fixed (every other part is then closed or cancelled, which aborts it on
         its workers)."""
         if len(bodies) == 1:  # NOTE: the common case, without a task of its own
             result = await self._attempts(endpoint, bodies[0], headers, stream, deadline, access, 0)
             return result if isinstance(result, Response) else [result]
-        rooms = [
+        opening = [
             asyncio.ensure_future(
-                self._attempts(endpoint, body, headers, stream, deadline, access, room)
+                self._attempts(endpoint, body, headers, stream, deadline, access, part)
             )
-            for room, body in enumerate(bodies)
+            for part, body in enumerate(bodies)
         ]
         opened = False
         try:
-            for next_room in asyncio.as_completed(rooms):
-                result = await next_room
+            for next_part in asyncio.as_completed(opening):
+                result = await next_part
                 if isinstance(result, Response):
                     return result
             opened = True
-            return [room.result() for room in rooms]
+            return [part.result() for part in opening]
         finally:
             if not opened:
-                await asyncio.shield(self._discard(rooms))
+                await asyncio.shield(self._discard(opening))
 
-    async def _discard(self, rooms: list[asyncio.Future]) -> None:
-        """Cancel the rooms still opening and close the ones that opened."""
-        for room in rooms:
-            room.cancel()
-        results = await asyncio.gather(*rooms, return_exceptions=True)
+    async def _discard(self, opening: list[asyncio.Future]) -> None:
+        """Cancel the parts still opening and close the ones that opened."""
+        for part in opening:
+            part.cancel()
+        results = await asyncio.gather(*opening, return_exceptions=True)
         await self.relay.close_all([r for r in results if isinstance(r, Answer)])
 
     async def _attempts(
-        self, endpoint, body, headers, stream, deadline, access: AccessRecord, room: int
+        self, endpoint, body, headers, stream, deadline, access: AccessRecord, part: int
     ) -> Answer | Response:
-        """Open room `room` on a route; retry once on a new route if that may help."""
+        """Open part `part` on a route; retry once on a new route if that may help."""
         avoid = None
         key = routing_key(body)
         for attempt in range(self.config.max_retries + 1):
@@ -154,7 +155,7 @@ class Proxy:
             except WorkersBusy as e:
                 busy = {**_reply(headers), "Retry-After": "1"}
                 return error_response(429, str(e), "rate_limit_exceeded", busy)
-            access.routed(room, route)
+            access.routed(part, route)
             try:
                 answer = await self.route.open(route, endpoint, body, headers, stream, deadline)
                 # NOTE: only now, so that refused requests leave the cache-aware index alone

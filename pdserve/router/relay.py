@@ -1,7 +1,7 @@
-"""Relaying answered rooms' streams to the client. Torch-free.
+"""Relaying answered parts' streams to the client. Torch-free.
 
-One room (one prompt, n = 1: nearly every request) is passed through byte for byte as the
-worker's chunks arrive. The router reads nothing in it: the room's first event was already
+One part (one prompt, n = 1: nearly every request) is passed through byte for byte as the
+worker's chunks arrive. The router reads nothing in it: the part's first event was already
 read to open it (an error there fails the attempt, which may still be retried since nothing
 was sent), and an error event the worker ends a started stream with goes to the client as it
 is (the access line finds it in the last chunks). What the router adds is its own ending: an
@@ -9,11 +9,11 @@ SSE error event and `[DONE]` when the worker's connection breaks or the request'
 passes, or when the router is shutting down and the stream still runs at the shutdown timeout
 (`end_streams`: each stream's deadline is brought forward to now).
 
-Several rooms (`fanout`) must be rewritten into one stream (choices renumbered, one id, usage
-summed), so their events are parsed (`fanout.StreamMerge`); one room failing ends the stream
-with its error and every other room is closed.
+Several parts (`fanout`) must be rewritten into one stream (choices renumbered, one id, usage
+summed), so their events are parsed (`fanout.StreamMerge`); one part failing ends the stream
+with its error and every other part is closed.
 
-Either way the rooms are closed when the stream ends, however it ends: a client that leaves
+Either way the parts are closed when the stream ends, however it ends: a client that leaves
 cancels the relay, and closing the legs' connections aborts them on the workers.
 """
 
@@ -45,7 +45,7 @@ class Relay:
 
     def end_streams(self, reason: str) -> None:
         """End every stream being relayed, and any that starts later, with a 503 error event
-        saying `reason` and `[DONE]` (its rooms are closed, which aborts them)."""
+        saying `reason` and `[DONE]` (its parts are closed, which aborts them)."""
         self.ending = reason
         now = asyncio.get_running_loop().time()
         for deadline in self._deadlines:
@@ -106,21 +106,21 @@ class Relay:
     async def merged(
         self,
         endpoint: str,
-        rooms: list[Answer],
+        answers: list[Answer],
         merge: StreamMerge,
         deadline: float,
         started: float,
         access: AccessRecord,
     ) -> AsyncIterator[bytes]:
-        """The rooms' streams as one (`fanout.StreamMerge`); when one room fails, the stream
-        ends with its error and every other room is closed (aborted on its workers)."""
+        """The parts' streams as one (`fanout.StreamMerge`); when one part fails, the stream
+        ends with its error and every other part is closed (aborted on its workers)."""
         status = "200"
         self.metrics.first_byte(endpoint, time.monotonic() - started)
-        # NOTE: bounded, so a slow client holds the rooms back instead of filling memory.
-        queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(rooms))
+        # NOTE: bounded, so a slow client holds the parts back instead of filling memory.
+        queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(answers))
 
         async def pump(index: int, answer: Answer) -> None:
-            """The room's bytes, then None when its stream ends (or the error it ended with)."""
+            """The part's bytes, then None when its stream ends (or the error it ended with)."""
             try:
                 await queue.put((index, answer.head))
                 async for chunk in answer.chunks:
@@ -129,7 +129,7 @@ class Relay:
             except httpx.HTTPError as e:
                 await queue.put((index, e))
 
-        pumps = [asyncio.ensure_future(pump(i, answer)) for i, answer in enumerate(rooms)]
+        pumps = [asyncio.ensure_future(pump(i, answer)) for i, answer in enumerate(answers)]
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0)) as timer:
                 with self._watched(timer):
@@ -137,7 +137,7 @@ class Relay:
                         index, item = await queue.get()
                         if isinstance(item, httpx.HTTPError):
                             status = "502"
-                            self.legs.unreachable(rooms[index].pool, rooms[index].worker, item)
+                            self.legs.unreachable(answers[index].pool, answers[index].worker, item)
                             reason = f"{type(item).__name__}: {item}".rstrip(": ")
                             message = f"a decode worker failed mid-stream ({reason})"
                             yield error_event(502, message, "worker_failed") + DONE
@@ -170,10 +170,10 @@ class Relay:
             for task in pumps:
                 task.cancel()
             self._ended(endpoint, status, started, access)
-            await asyncio.shield(self.close_all(rooms))
+            await asyncio.shield(self.close_all(answers))
 
-    async def close_all(self, rooms: list[Answer]) -> None:
-        await asyncio.gather(*(self.legs.close(answer) for answer in rooms))
+    async def close_all(self, answers: list[Answer]) -> None:
+        await asyncio.gather(*(self.legs.close(answer) for answer in answers))
 
     def _ended(self, endpoint: str, status: str, started: float, access: AccessRecord) -> None:
         access.stream_error = None if status == "200" else status
@@ -183,14 +183,14 @@ class Relay:
 class EventStream:
     """A server-sent event stream: `events`' bytes as they come. Plain ASGI, nothing per chunk
     but the write. The client leaving is not watched here: the request's `ClientWatch`
-    cancels the task that runs this, and closing `events` ends the rooms; `watch` is stopped
+    cancels the task that runs this, and closing `events` ends the parts; `watch` is stopped
     as the stream's end goes out.
 
     finished: whether the worker's answer behind `events` was read to its end (after which
     `events` gives nothing more). Once it was, the chunk `events` gave last goes out with the
     response's end, in one write (a short stream is often all there by the time the router
     has read its first event): one write and one pass through the server less; `events`
-    then ends (its rooms closed)."""
+    then ends (its parts closed)."""
 
     status_code = 200
 
@@ -214,7 +214,7 @@ class EventStream:
         events = self.events
         try:
             # NOTE: `events` starts before anything is sent: a generator closed before its
-            # start would skip its cleanup (the rooms' legs left open).
+            # start would skip its cleanup (the parts' legs left open).
             chunk = await anext(events, None)
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
             while chunk is not None and not self.finished():

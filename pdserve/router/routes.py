@@ -1,5 +1,6 @@
-"""Where a room goes: a prefill/decode pair (disaggregated mode), or one colocated worker
-(`--worker-urls`). Each route picks its workers and opens a room on them; the proxy does the
+"""Where a part of a request goes (`fanout`): a prefill/decode pair (disaggregated mode, one
+room per part), or one colocated worker (`--worker-urls`). Each route picks its workers and
+opens the part on them; the proxy does the
 rest the same way for both (retries, deadlines, relaying, access lines). Torch-free.
 
 Disaggregated (docs/architecture/request-flow.md): both legs get the same body plus the bootstrap
@@ -40,7 +41,7 @@ def _timed_out() -> LegError:
 
 
 class PairRoute:
-    """Disaggregated mode: each room on a prefill/decode pair."""
+    """Disaggregated mode: each part on a prefill/decode pair, in a room of its own."""
 
     def __init__(self, config: RouterConfig, legs: Legs, prefill: WorkerPool, decode: WorkerPool):
         self.config = config
@@ -51,7 +52,7 @@ class PairRoute:
         self.decode_policy = make_policy(config.decode_policy, cache_aware=_settings(config))
 
     def split(self, endpoint: str, body: dict) -> list[Part]:
-        """One room per (prompt, choice) (`fanout.split`); raises TooManyRooms."""
+        """One part per (prompt, choice) (`fanout.split`); raises TooManyParts."""
         limit = self.config.max_rooms_per_request
         return split(endpoint, body, limit, 2 * self.config.max_body_bytes)
 

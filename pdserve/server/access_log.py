@@ -11,7 +11,7 @@ few seconds each, at DEBUG); it replaces uvicorn's, which names no request:
 
     request 3f2a... POST /v1/completions 200 client=127.0.0.1:50514 duration=0.180s
 
-A header that cannot serve as an id (`protocol/request_ids.py`: empty, too long, or holding
+A header that cannot serve as an id (`edge/request_ids.py`: empty, too long, or holding
 anything but visible ASCII) is refused with 400 naming it, before the request runs.
 
 Plain ASGI, like `ApiKeyMiddleware` (its docstring says why).
@@ -23,9 +23,9 @@ import json
 import logging
 import time
 
-from pdserve.protocol.api_errors import error_body
-from pdserve.protocol.api_key import ASGIApp, Receive, Scope, Send
-from pdserve.protocol.request_ids import (
+from pdserve.edge.api_errors import error_body
+from pdserve.edge.api_key import ASGIApp, Receive, Scope, Send
+from pdserve.edge.request_ids import (
     HEADER,
     RequestIdError,
     new_request_id,

@@ -18,9 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from pdserve import __version__
+from pdserve.edge.api_key import ApiKeyMiddleware
 from pdserve.engine.checkpoint.model_files import resolve_model_dir
 from pdserve.engine.core.config import EngineConfig
-from pdserve.protocol.api_key import ApiKeyMiddleware
 from pdserve.server import native_api, openai_api, tokenize_api
 from pdserve.server.access_log import RequestIdMiddleware
 from pdserve.server.engine_client import EngineClient, EngineClientConfig

@@ -49,6 +49,7 @@ from pdserve.protocol.engine_messages import (
     TokenOutput,
 )
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
+from pdserve.server.hold_point import HoldPoint
 from pdserve.server.stream_interval import StreamInterval
 
 logger = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ class EngineLoop:
         self.batched_tokens = 0
         self.consecutive_failures = 0
         self.stream_interval = StreamInterval(self.engine.config.stream_interval)
+        self.hold = HoldPoint.from_env()  # NOTE: tests only (server/hold_point.py)
 
     def tick(self, messages: list[Message]) -> StepOutputs | None:
         """One turn: the messages, the transfers' progress, a step if there is work. Returns
@@ -160,6 +162,8 @@ class EngineLoop:
         stepped = self.engine.has_unfinished()
         if stepped:
             produced.extend(self._step())
+            if self.hold is not None:
+                self.hold.after_step(self.engine.requests.values())
         outputs.extend(_to_wire(o) for o in produced)
         outputs = self.stream_interval.pass_on(outputs, live=self.engine.requests)
         if logger.isEnabledFor(logging.DEBUG):

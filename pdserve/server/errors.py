@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.protocol.api_errors import error_body, framework_error_body, internal_error_body
+from pdserve.edge.api_errors import error_body, framework_error_body, internal_error_body
 from pdserve.protocol.failures import Failure
 
 

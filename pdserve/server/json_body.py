@@ -1,5 +1,5 @@
 """Worker routes whose JSON bodies are read with a size bound and parsed strictly
-(`pdserve.protocol.strict_json`): a body over `MAX_BODY_BYTES` is a 413 before the rest of it
+(`pdserve.edge.strict_json`): a body over `MAX_BODY_BYTES` is a 413 before the rest of it
 is read, and NaN, lone surrogates or deep nesting are a 400 through FastAPI's invalid-JSON path.
 """
 
@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from pdserve.protocol.strict_json import BodyTooLarge, InvalidJSON, parse_json, read_bounded
+from pdserve.edge.strict_json import BodyTooLarge, InvalidJSON, parse_json, read_bounded
 
 
 class StrictJSONRequest(Request):

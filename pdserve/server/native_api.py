@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 import pdserve
-from pdserve.protocol.request_ids import MAX_REQUEST_ID_CHARS
+from pdserve.edge.request_ids import MAX_REQUEST_ID_CHARS
 from pdserve.server.access_log import scope_request_id
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.generation import (

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pdserve.protocol.asgi_watch import until_done_or_client_left
+from pdserve.edge.asgi_watch import until_done_or_client_left
 
 logger = logging.getLogger(__name__)
 

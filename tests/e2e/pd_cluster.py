@@ -108,9 +108,11 @@ def begin_cluster(
     decode_args: tuple[str, ...] = (),
     router_args: tuple[str, ...] = (),
     log_dir: str | None = None,
+    prefill_env: dict[str, str] | None = None,
 ) -> PendingCluster:
     """log_dir: every process logs at debug level to `log_dir/<name>.log` (prefill-0,
-    decode-0, router) instead of to this process's output."""
+    decode-0, router) instead of to this process's output. prefill_env: extra environment
+    for the prefill workers (a test hold point: pdserve/server/hold_point.py)."""
     cluster = Cluster(model_path)
     logs = _Logs(log_dir)
     common = ["--model-path", model_path, "--device", "cpu", "--transfer-backend", backend]
@@ -119,7 +121,7 @@ def begin_cluster(
         port = free_port()
         cluster.bootstrap_ports.append(port)
         args = ["prefill", *common, "--bootstrap-port", str(port), *worker_args, *prefill_args]
-        prefill.append(LocalServer(args, **logs.of(f"prefill-{i}")))
+        prefill.append(LocalServer(args, env=prefill_env, **logs.of(f"prefill-{i}")))
     for i in range(num_decode):
         args = ["decode", *common, *worker_args, *decode_args]
         decode.append(LocalServer(args, **logs.of(f"decode-{i}")))

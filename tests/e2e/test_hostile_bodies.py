@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from pdserve.protocol.strict_json import MAX_BODY_BYTES
+from pdserve.edge.strict_json import MAX_BODY_BYTES
 from pdserve.server.generation import MAX_PROMPT_CHARS_PER_TOKEN
 from tests.waiting import wait_until
 

@@ -15,15 +15,17 @@ import time
 import httpx
 import pytest
 
+from pdserve.server.hold_point import ENV as HOLD_ENV
 from tests.e2e.pd_cluster import FAST_FAILURE, start_cluster
 from tests.e2e.sse import stream_post
 from tests.waiting import wait_until
 
-# SLOW_PROMPT takes one step per token to prefill with SLOW_PREFILL: a window of seconds in
-# which a test sees the prefill running and kills it (a busy CI machine's polls, ~40 ms apart,
-# once missed the whole prefill with 8 tokens a step, and once with 600 tokens at one a step).
-SLOW_PREFILL = ("--chunked-prefill-size", "1")
-SLOW_PROMPT = [7] * 1800
+# HELD_PROMPT takes several steps to prefill with HELD_PREFILL; the prefill worker's hold point
+# (pdserve/server/hold_point.py) stops its engine after the first, so a test kills it exactly
+# mid-prefill, before any KV was sent, however slow the machine (a long prompt computed a
+# token a step once gave a busy CI machine's polls too short a window).
+HELD_PREFILL = ("--chunked-prefill-size", "4")
+HELD_PROMPT = [7] * 40
 LONG_PROMPT = [7] * 600
 PREFILL_MAX_LEN = 700  # the shared cluster's prefill worker: shorter than decode's
 TOO_LONG_FOR_PREFILL = [9] * (PREFILL_MAX_LEN + 100)
@@ -106,25 +108,38 @@ def shared(tiny_model_dirs):
     cluster.stop()
 
 
-def long_request_while_prefilling(cluster, prefill):
-    """Send SLOW_PROMPT through the router in the background; returns its `join` once the
-    prefill worker (with SLOW_PREFILL) is computing it."""
+@pytest.fixture
+def held(tmp_path):
+    """Settings for a cluster whose prefill worker holds mid-prefill, and a wait for it."""
+
+    def wait_held(cluster) -> None:
+        wait_until((tmp_path / "held").exists, "the prefill worker to hold mid-prefill")
+        decode = cluster.decode[0]
+        wait_until(lambda: cluster.state(decode)["num_transferring"] == 1, "decode to wait for KV")
+
+    options = {
+        "prefill_args": HELD_PREFILL,
+        "prefill_env": {HOLD_ENV: f"prefill-started:{tmp_path}"},
+    }
+    return options, wait_held
+
+
+def long_request_while_prefilling(cluster, wait_held):
+    """Send HELD_PROMPT through the router in the background; returns its `join` once the
+    prefill worker holds mid-prefill."""
     url = cluster.router.url + "/generate"
-    join = _in_background(lambda: httpx.post(url, json=_generate_body(SLOW_PROMPT), timeout=90))
-    wait_until(
-        lambda: cluster.state(prefill)["num_prefilling"] == 1,
-        "the prefill to start",
-        describe=cluster.states,
-    )
+    join = _in_background(lambda: httpx.post(url, json=_generate_body(HELD_PROMPT), timeout=90))
+    wait_held(cluster)
     return join
 
 
 # NOTE: ipc too: decode's pages, which the dead prefill process wrote, come back once it is gone.
 @pytest.mark.parametrize("backend", ["tcp", "ipc"])
-def test_prefill_killed_mid_request(fresh, backend):
-    cluster = fresh(prefill_args=SLOW_PREFILL, backend=backend)
+def test_prefill_killed_mid_request(fresh, held, backend):
+    options, wait_held = held
+    cluster = fresh(backend=backend, **options)
     prefill, decode = cluster.prefill[0], cluster.decode[0]
-    join = long_request_while_prefilling(cluster, prefill)
+    join = long_request_while_prefilling(cluster, wait_held)
     _kill(prefill)
     response, seconds = join()
     assert response.status_code in (502, 503), response.text
@@ -136,19 +151,16 @@ def test_prefill_killed_mid_request(fresh, backend):
 
 
 @pytest.mark.parametrize("backend", ["tcp", "ipc"])
-def test_decode_alone_fails_its_room_when_prefill_dies(fresh, backend):
+def test_decode_alone_fails_its_room_when_prefill_dies(fresh, held, backend):
     """Without a router to cancel it (as under SGLang's router), the decode leg still fails
     fast: the dead prefill peer stops answering heartbeats."""
-    cluster = fresh(prefill_args=SLOW_PREFILL, backend=backend)
+    options, wait_held = held
+    cluster = fresh(backend=backend, **options)
     prefill, decode = cluster.prefill[0], cluster.decode[0]
-    body = _direct_body(_generate_body(SLOW_PROMPT), cluster, room=12345)
+    body = _direct_body(_generate_body(HELD_PROMPT), cluster, room=12345)
     join_decode = _in_background(lambda: decode.post("/generate", body))
     join_prefill = _in_background(lambda: prefill.post("/generate", body))
-    wait_until(
-        lambda: cluster.state(prefill)["num_prefilling"] == 1,
-        "the prefill to start",
-        describe=cluster.states,
-    )
+    wait_held(cluster)
     _kill(prefill)
     response, seconds = join_decode()
     assert response.status_code == 503, response.text

@@ -19,6 +19,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "pdserve"
 # unit -> the units it may import. The order is bottom to top.
 LAYERS: dict[str, set[str]] = {
     "protocol": set(),  # wire messages and settings: everyone's, torch-free
+    "edge": {"protocol"},  # the HTTP edge router and workers share: API key, JSON, errors, ids
     "transfer": {"protocol"},  # moves bytes between workers; knows no engine
     "engine": {"protocol"},  # the engine and the interfaces it drives (Speculator, KVConnector)
     "synthetic": {"engine"},  # random checkpoints built offline: the tiny model, --preset
@@ -29,8 +30,8 @@ LAYERS: dict[str, set[str]] = {
     "prefill": {"disagg", "engine", "speculative", "transfer", "protocol"},
     "decode": {"disagg", "engine", "speculative", "transfer", "protocol"},
     # The HTTP shell and the engine loop: it gets the role's factory, never names a role.
-    "server": {"engine", "protocol"},
-    "router": {"protocol"},  # a router pod needs no GPU image
+    "server": {"engine", "edge", "protocol"},
+    "router": {"edge", "protocol"},  # a router pod needs no GPU image
     "bench": set(),  # a client for any OpenAI-compatible server: nothing of pdserve, no torch
     # The top: offline LLM, local launcher, command line.
     "llm": {"engine", "speculative", "synthetic", "protocol"},
@@ -44,7 +45,7 @@ LAYERS["commands"] = set(LAYERS) - {"commands", "cli", "pdserve"}
 LAYERS["cli"] = set(LAYERS) - {"cli", "pdserve"}
 
 # Units whose import graph must not contain torch (not even deferred).
-TORCH_FREE = {"protocol", "router", "bench"}
+TORCH_FREE = {"protocol", "edge", "router", "bench"}
 
 # Imports that break the table today, each to be removed by the change that fixes it (the test
 # fails once one is gone, so this list cannot go stale).

@@ -16,6 +16,10 @@ from pdserve.bench.metrics import SLO, format_summary, summarize
 from pdserve.bench.runner import Load, run_load
 from pdserve.bench.workloads import Conversation, Turn
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 DONE = "[DONE]"
 
 

@@ -17,6 +17,10 @@ from pdserve.bench import command
 from pdserve.bench.client import BenchClient, NoModelList, served_models
 from pdserve.server.local_process import free_port
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -16,6 +16,9 @@ from pdserve.bench.processes import _expect, run_load_in_processes
 from pdserve.bench.runner import Load, arrival_offsets
 from pdserve.bench.workloads import Conversation, Turn
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
 
 def _event(data: dict | str) -> bytes:
     text = data if isinstance(data, str) else json.dumps(data)

@@ -13,6 +13,10 @@ from pathlib import Path
 
 import pytest
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 ROOT = Path(__file__).resolve().parents[3]
 
 

@@ -14,6 +14,10 @@ from pdserve.server.engine_process import _to_wire
 from tests.conftest import random_prompts
 from tests.unit.local_connectors import hand_off, pair
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
 

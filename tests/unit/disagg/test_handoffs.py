@@ -31,6 +31,10 @@ from pdserve.transfer.peer_allow import PeerAllowList, parse_allow_list
 from tests.conftest import random_prompts
 from tests.waiting import wait_until
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
 CONFIG = TransferConfig(
     bootstrap_port=0, progress_timeout_s=3, peer_timeout_s=2, heartbeat_interval_s=0.2

@@ -27,6 +27,10 @@ from pdserve.protocol.rank_messages import (
 )
 from pdserve.transfer.backends.dist.dist_store import DecodeStoreServer
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 HEADS = 4  # the model's; rank 1 of TP 2 holds heads 2 and 3
 PAIR = "pair/test/1-1"
 

@@ -17,6 +17,10 @@ from pdserve.protocol.spec_settings import SpecSettings
 from tests.conftest import random_prompts
 from tests.unit.disagg.test_handoffs import CONFIG, add, boot, drive, finished
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 CHAIN = {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}
 TREE = {"num_steps": 3, "eagle_topk": 2, "num_draft_tokens": 6}

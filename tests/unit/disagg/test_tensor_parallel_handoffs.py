@@ -26,6 +26,10 @@ from pdserve.transfer.kv_staging import StagingError
 from tests.conftest import random_prompts
 from tests.unit.disagg.test_handoffs import boot, drive, finished, generate, tokens
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
 # Small pages and chunks: a prompt spans pages and chunks.
 OPTIONS = {"device": "cpu", "page_size": 4, "chunked_prefill_size": 16}

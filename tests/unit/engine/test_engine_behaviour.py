@@ -14,6 +14,9 @@ from pdserve.engine.core.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.runtime.loader import KVCacheTooSmallError
 from pdserve.engine.text.detokenizer import decode_text
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dirs):

@@ -8,6 +8,10 @@ import pytest
 from pdserve import LLM, SamplingParams
 from tests.conftest import ARCHS, random_prompts
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 LENGTHS = (1, 7, 16, 33, 90)
 GREEDY_32 = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
 

@@ -10,6 +10,10 @@ import pytest
 from pdserve import LLM, SamplingParams
 from tests.conftest import random_prompts
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 PAGE = 4
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 

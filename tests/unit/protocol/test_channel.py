@@ -13,6 +13,10 @@ from pdserve.protocol.channel import Channel, Received
 from pdserve.protocol.codec import ProtocolError
 from pdserve.protocol.engine_messages import AbortRequest, Shutdown
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 ARRIVES_MS = 5000  # a message on loopback arrives well within this
 DROPPED_MS = 500  # how long an oversize message is given to (wrongly) arrive
 

@@ -19,6 +19,9 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import Role, Worker, WorkerPool
 from tests.waiting import wait_until
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
 
 def test_service_names_parse_and_name_what_is_wrong():
     assert ServiceName.parse("pdserve-decode:30000") == ServiceName("pdserve-decode", 30000)

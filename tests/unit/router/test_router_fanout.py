@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pdserve.router.app import build_router_app
-from pdserve.router.fanout import INT64_MAX, TooManyRooms, split
+from pdserve.router.fanout import INT64_MAX, TooManyParts, split
 from tests.unit.fake_workers import FakeWorkers, worker_error
 
 # ---- splitting ---------------------------------------------------------------------------
@@ -77,10 +77,10 @@ def test_a_seed_out_of_range_is_not_wrapped_into_a_valid_one():
 
 
 def test_more_rooms_than_the_limit_is_refused_naming_the_field():
-    with pytest.raises(TooManyRooms, match="3 prompts x 2 choices") as e:
+    with pytest.raises(TooManyParts, match="3 prompts x 2 choices") as e:
         split("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2}, limit=5, max_bytes=1 << 20)
     assert e.value.param == "n"
-    with pytest.raises(TooManyRooms) as e:
+    with pytest.raises(TooManyParts) as e:
         split("/generate", {"text": ["a", "b"]}, limit=1, max_bytes=1 << 20)
     assert e.value.param == "text"
 
@@ -248,11 +248,11 @@ def test_a_room_that_fails_mid_stream_ends_the_merged_stream_with_its_error():
 
 def test_rooms_that_would_multiply_a_large_body_are_refused_with_413():
     body = {"prompt": "x" * 1000, "n": 100}
-    with pytest.raises(TooManyRooms, match="over 50000 bytes") as e:
+    with pytest.raises(TooManyParts, match="over 50000 bytes") as e:
         split("/v1/completions", body, limit=256, max_bytes=50_000)
     assert e.value.status == 413
     junk = {"prompt": ["a", "b", "c"], "unused": "y" * 1000}
-    with pytest.raises(TooManyRooms):
+    with pytest.raises(TooManyParts):
         split("/v1/completions", junk, limit=256, max_bytes=2500)
     assert len(split("/v1/completions", junk, limit=256, max_bytes=4000)) == 3
 

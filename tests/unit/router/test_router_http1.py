@@ -13,6 +13,10 @@ import pytest
 
 from pdserve.router.http1 import Dechunker, Http1Pool
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
 

@@ -36,6 +36,10 @@ from tests.unit.fake_workers import (
 )
 from tests.waiting import wait_until
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 BODY = {"prompt": "hi", "max_tokens": 2}
 
 

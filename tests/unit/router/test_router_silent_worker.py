@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from fastapi.testclient import TestClient
 
 from pdserve.router.app import build_router_app
 from pdserve.router.config import RouterConfig
 from tests.unit.fake_workers import CompletingWorker, StoppableWorker
 from tests.waiting import wait_until
+
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
 
 BODY = {"prompt": "hi", "max_tokens": 2}
 REQUEST_TIMEOUT_S = 30.0

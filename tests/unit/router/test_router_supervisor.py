@@ -14,6 +14,10 @@ from pdserve.router import processes
 from pdserve.router.config import RouterConfig
 from pdserve.router.processes import Supervisor, bind_sockets
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 WORKERS = ("http://127.0.0.1:9",)
 
 

@@ -1,4 +1,4 @@
-"""Request ids at a worker's HTTP edge (`protocol/request_ids.py`, `server/access_log.py`): the
+"""Request ids at a worker's HTTP edge (`edge/request_ids.py`, `server/access_log.py`): the
 client's `X-Request-Id` or a new one, sent back on every answer and written in the access line;
 one that cannot name a request refused with 400 before the app runs."""
 
@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from pdserve.protocol.request_ids import (
+from pdserve.edge.request_ids import (
     MAX_REQUEST_ID_CHARS,
     RequestIdError,
     request_id_of,

@@ -24,6 +24,9 @@ from pdserve.server.engine_client import (
 )
 from pdserve.server.role import WorkerRole
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def make_client(monkeypatch, tiny_model_dirs):

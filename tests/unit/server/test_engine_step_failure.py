@@ -23,6 +23,10 @@ from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.server.engine_process import MAX_CONSECUTIVE_FAILURES, EngineLoop
 from tests.unit.local_connectors import NullConnector
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 DEVICE_LOST = "the engine failed while running this request: RuntimeError: device lost"
 
 

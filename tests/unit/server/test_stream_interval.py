@@ -14,6 +14,10 @@ from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.server.engine_process import EngineLoop
 from pdserve.server.stream_interval import StreamInterval
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 FAILURE = Failure(FailureKind.INTERNAL, FailureStage.ENGINE, "device lost")
 
 

@@ -11,8 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pdserve.colocated.worker import build_worker
+from pdserve.edge.api_errors import error_type
 from pdserve.engine.core.config import EngineConfig
-from pdserve.protocol.api_errors import error_type
 from pdserve.protocol.engine_messages import TokenOutput
 from pdserve.protocol.failures import OUTCOMES, Failure, FailureKind, FailureStage
 from pdserve.server.app import build_app

@@ -24,6 +24,10 @@ from pdserve.speculative.ngram import propose_ngram, propose_ngram_tree
 from pdserve.speculative.tree import ROOT, DraftTree
 from pdserve.speculative.verify import accept_greedy, accept_sampling
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 EAGLE_LIKE = Capabilities(has_draft_kv=True, carries_hidden=True, seeds_topk=True)
 
 

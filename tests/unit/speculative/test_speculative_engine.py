@@ -21,6 +21,10 @@ from pdserve.speculative.state import DraftBatch
 from pdserve.speculative.tree import DraftTree
 from tests.conftest import random_prompts
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
 LENGTHS = (1, 5, 17, 40)
 CHAIN = {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}

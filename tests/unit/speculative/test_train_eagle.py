@@ -19,6 +19,9 @@ from pdserve.speculative.checkpoints import build_draft_model, eagle_draft_confi
 from pdserve.speculative.training.train_eagle import _capture, ttt_logits
 from tests.conftest import random_prompts
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
 
 @torch.no_grad()
 def test_the_ttt_unroll_equals_chain_drafting_at_inference(tiny_model_dirs):

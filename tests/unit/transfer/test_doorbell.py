@@ -8,12 +8,16 @@ import threading
 import time
 from types import SimpleNamespace
 
+import pytest
 import zmq
 
 from pdserve.protocol.failures import FailureKind
 from pdserve.server.engine_process import _receive
 from pdserve.transfer.doorbell import Doorbell
 from pdserve.transfer.room_state import RoomState, TransferState, room_failure
+
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
 
 
 def rung(bell: Doorbell) -> bool:

@@ -19,6 +19,9 @@ from tests.unit.transfer.test_transfer_hardening import finished
 from tests.unit.transfer.test_transfer_in_process import CONFIG, Case, start_pair
 from tests.waiting import wait_until
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def zmq_context():

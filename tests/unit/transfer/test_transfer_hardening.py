@@ -34,6 +34,10 @@ from tests.e2e.transfer_peers import Case, layout, metadata_spec, pools, record
 from tests.unit.transfer.test_transfer_in_process import CONFIG, start_pair
 from tests.waiting import wait_until
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 CASE = Case(room=1)
 TOKEN = "tr4nsfer-s3cret-token"
 DONE = (TransferState.SUCCESS, TransferState.FAILED)

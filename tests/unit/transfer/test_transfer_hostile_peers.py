@@ -42,6 +42,9 @@ from tests.unit.transfer.test_transfer_hardening import (
 from tests.unit.transfer.test_transfer_in_process import CONFIG, Case, start_pair
 from tests.waiting import wait_until
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def zmq_context():

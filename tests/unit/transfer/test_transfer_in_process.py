@@ -20,6 +20,10 @@ from pdserve.transfer.room_state import TransferState
 from tests.e2e.transfer_peers import Case, layout, metadata_spec, pools, record
 from tests.waiting import wait_until
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 CONFIG = TransferConfig(
     bootstrap_port=0, progress_timeout_s=10, peer_timeout_s=2, heartbeat_interval_s=0.2
 )

@@ -19,6 +19,10 @@ from tests.e2e.transfer_peers import Case, layout, metadata_spec, pools, record
 from tests.unit.transfer.test_transfer_in_process import CONFIG, Pair
 from tests.waiting import wait_until
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 PAGE_BYTES = [100, 10]  # target pool, draft pool
 
 

@@ -23,6 +23,10 @@ from pdserve.engine.checkpoint.model_config import UnsupportedModelError
 from pdserve.engine.checkpoint.model_files import resolve_model_dir
 from pdserve.server.local_process import free_port
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 

@@ -15,6 +15,9 @@ from pdserve.cli import build_parser
 from pdserve.engine.checkpoint.model_config import UnsupportedModelError
 from pdserve.llm import LLM
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
 
 def _quantized_copy(tiny: str, where: Path, method: str, scales: bool) -> str:
     """The tiny checkpoint with a `quantization_config` naming `method`; `scales`: with a

@@ -11,6 +11,10 @@ import torch.multiprocessing as mp
 
 from pdserve.engine.parallel.symmetric_all_reduce import BUFFER_BYTES, SymmetricAllReduce
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 pytest.importorskip("triton")
 if torch.cuda.is_available():
     pytest.skip("the interpreter's CPU case; tests/gpu runs the kernel", allow_module_level=True)

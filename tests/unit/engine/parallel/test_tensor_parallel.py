@@ -24,6 +24,10 @@ from pdserve.synthetic.tiny_model import make_tiny_model
 from tests.conftest import ARCHS, random_prompts
 from tests.waiting import wait_until
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
 LENGTHS = (1, 6, 23, 41)
 # Small pages and chunks: prompts span pages and chunks mix with decode steps.

@@ -12,6 +12,10 @@ from pdserve.engine.core.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.runtime import cpu_threads
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
 

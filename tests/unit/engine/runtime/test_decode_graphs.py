@@ -19,6 +19,10 @@ from pdserve.engine.runtime.decode_graphs import batch_buckets
 from pdserve.engine.runtime.kv_pool import KVPool
 from tests.conftest import random_prompts
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 pytest.importorskip("triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,6 +11,10 @@ from pdserve import LLM
 from pdserve.engine.core.page_allocator import pages_needed
 from pdserve.engine.runtime.forward_batch import Capture, ForwardBatch
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 PAGE = 4
 # A tree after the root r: nodes 0 and 1 are r's children, node 2 is node 1's child.
 TREE_TOKENS, TREE_DEPTHS = [11, 12, 14], [1, 1, 2]

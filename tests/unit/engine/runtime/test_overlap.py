@@ -16,6 +16,10 @@ from pdserve.engine.runtime.overlap import is_placeholder
 from tests.conftest import random_prompts
 from tests.unit.engine.runtime.test_decode_graphs import run
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 pytest.importorskip("triton")
 
 

@@ -12,6 +12,10 @@ import pytest
 from pdserve import LLM, SamplingParams
 from tests.real_models import cut_layers
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 pytest.importorskip("triton")
 
 NUM_TOKENS = 4

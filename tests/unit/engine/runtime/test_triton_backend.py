@@ -24,6 +24,9 @@ pytest.importorskip("triton")
 
 from pdserve.engine.runtime.attention.triton_backend import TritonBackend
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # float32 on either device: greedy paths of two bf16 implementations may part at near-ties.
 # A small KV pool: on a GPU the default takes 85% of its memory, which an engine not yet

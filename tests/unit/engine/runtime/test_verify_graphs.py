@@ -20,6 +20,10 @@ from pdserve import LLM, SamplingParams
 from pdserve.protocol.spec_settings import SpecSettings
 from tests.conftest import random_prompts
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 pytest.importorskip("triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -21,6 +21,10 @@ from pdserve.transfer.backends.dist.dist_link import (
 )
 from pdserve.transfer.backends.dist.dist_store import DecodeStoreServer, client_store
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 SPAWN = multiprocessing.get_context("spawn")
 HOST = "127.0.0.1"
 WAIT_S = 30.0  # any join, queue read or event wait in this file; far above what a pass takes

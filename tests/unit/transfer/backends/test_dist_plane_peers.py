@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 import zmq
 
@@ -22,6 +23,10 @@ from pdserve.transfer.backends.dist.dist_receive_plane import DistReceivePlane
 from pdserve.transfer.backends.dist.head_slices import head_slices
 from pdserve.transfer.kv_piece import OutgoingPiece, PageSpan
 from pdserve.transfer.peer import Peer
+
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
 
 KV_HEADS = 4
 

@@ -47,6 +47,10 @@ from tests.unit.transfer.backends.test_transfer_ipc import (
 )
 from tests.waiting import wait_until
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 PIECE = KVPiece(7, 0, 0, 2, 0, 0, 1024)
 pair = test_transfer_ipc.pair  # the fixture: a prefill and a decode endpoint over ipc
 

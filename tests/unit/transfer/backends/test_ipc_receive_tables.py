@@ -20,6 +20,9 @@ from tests.unit.transfer.backends.test_transfer_ipc import (
 )
 from tests.waiting import wait_until
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def pair():

@@ -14,6 +14,9 @@ from tests.e2e.transfer_peers import Case, record
 from tests.unit.transfer.backends.test_transfer_ipc import open_room, running_ipc_pair, write_piece
 from tests.waiting import wait_until
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def pair():

@@ -40,6 +40,10 @@ from tests.e2e.transfer_peers import Case, layout, metadata_spec, pools, record
 from tests.unit.transfer.test_transfer_in_process import CONFIG
 from tests.waiting import wait_until
 
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
+
 IPC = dataclasses.replace(CONFIG, backend="ipc")
 DRAFT = Case(room=0, draft=True)
 

@@ -15,7 +15,7 @@ import json
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
-from pdserve.protocol.api_errors import error_body
+from pdserve.edge.api_errors import error_body
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

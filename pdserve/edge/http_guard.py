@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from pdserve.protocol.api_errors import error_body
+from pdserve.edge.api_errors import error_body
 from pdserve.protocol.log_limit import RateLimitedLog
 
 logger = logging.getLogger(__name__)

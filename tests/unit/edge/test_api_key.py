@@ -1,4 +1,4 @@
-"""The API key check both apps share (protocol/api_key.py): what it refuses and lets through,
+"""The API key check both apps share (edge/api_key.py): what it refuses and lets through,
 and that neither app wraps its responses in an `http` middleware function (starlette's
 BaseHTTPMiddleware), which routes every streamed chunk through memory streams of its own and
 made a worker's front end the bottleneck of a streaming benchmark (RESULTS.md, issue 21)."""
@@ -12,8 +12,8 @@ import pytest
 from starlette.middleware.base import BaseHTTPMiddleware
 
 from pdserve.colocated.worker import build_worker
+from pdserve.edge.api_key import ApiKeyMiddleware
 from pdserve.engine.core.config import EngineConfig
-from pdserve.protocol.api_key import ApiKeyMiddleware
 from pdserve.router.app import build_router_app
 from pdserve.server.app import build_app
 from pdserve.server.role import WorkerRole

@@ -1,4 +1,4 @@
-"""The bounds every pdserve HTTP process serves with (protocol/http_guard.py), against a real
+"""The bounds every pdserve HTTP process serves with (edge/http_guard.py), against a real
 uvicorn server built from the Config that commands/common.py builds for router and workers:
 slow headers and bodies (slowloris), header floods, and the connection cap."""
 
@@ -15,9 +15,13 @@ import pytest
 import uvicorn
 
 from pdserve.commands.common import uvicorn_config
-from pdserve.protocol.http_guard import FDS_PER_CONNECTION, connection_cap
+from pdserve.edge.http_guard import FDS_PER_CONNECTION, connection_cap
 from pdserve.protocol.http_settings import HttpSettings
 from tests.waiting import wait_until
+
+# Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
+pytestmark = pytest.mark.integration
+
 
 READ_DEADLINE_S = 10.0
 STREAM_CHUNKS = 6

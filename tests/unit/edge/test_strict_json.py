@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from pdserve.protocol.strict_json import (
+from pdserve.edge.strict_json import (
     MAX_JSON_DEPTH,
     BodyTooLarge,
     InvalidJSON,
