@@ -40,9 +40,9 @@ from harness import add_model_arguments, device_name, model_directory, sync
 from pdserve import LLM, SamplingParams
 from pdserve.decode.connector import DecodeConnector
 from pdserve.disagg import rank_worker
+from pdserve.engine_process.loop import EngineLoop
 from pdserve.prefill.connector import PrefillConnector
 from pdserve.protocol.engine_messages import Bootstrap, GenerateRequest
-from pdserve.server.engine_process import EngineLoop
 from pdserve.transfer.config import TransferConfig
 
 FIRST = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)

@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.engine.core.config import EngineConfig
+from pdserve.engine_process.loop import run_engine_process
 from pdserve.protocol.channel import Channel
 from pdserve.protocol.codec import ProtocolError
 from pdserve.protocol.engine_messages import (
@@ -43,7 +44,6 @@ from pdserve.protocol.engine_messages import (
 )
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
 from pdserve.protocol.restart_budget import RestartBudget
-from pdserve.server.engine_process import run_engine_process
 from pdserve.server.role import WorkerRole
 
 logger = logging.getLogger(__name__)

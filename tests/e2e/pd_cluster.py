@@ -112,7 +112,7 @@ def begin_cluster(
 ) -> PendingCluster:
     """log_dir: every process logs at debug level to `log_dir/<name>.log` (prefill-0,
     decode-0, router) instead of to this process's output. prefill_env: extra environment
-    for the prefill workers (a test hold point: pdserve/server/hold_point.py)."""
+    for the prefill workers (a test hold point: pdserve/engine_process/hold_point.py)."""
     cluster = Cluster(model_path)
     logs = _Logs(log_dir)
     common = ["--model-path", model_path, "--device", "cpu", "--transfer-backend", backend]

@@ -15,15 +15,15 @@ import time
 import httpx
 import pytest
 
-from pdserve.server.hold_point import ENV as HOLD_ENV
+from pdserve.engine_process.hold_point import ENV as HOLD_ENV
 from tests.e2e.pd_cluster import FAST_FAILURE, start_cluster
 from tests.e2e.sse import stream_post
 from tests.waiting import wait_until
 
 # HELD_PROMPT takes several steps to prefill with HELD_PREFILL; the prefill worker's hold point
-# (pdserve/server/hold_point.py) stops its engine after the first, so a test kills it exactly
-# mid-prefill, before any KV was sent, however slow the machine (a long prompt computed a
-# token a step once gave a busy CI machine's polls too short a window).
+# (pdserve/engine_process/hold_point.py) stops its engine after the first, so a test kills it
+# exactly mid-prefill, before any KV was sent, however slow the machine (a long prompt
+# computed a token a step once gave a busy CI machine's polls too short a window).
 HELD_PREFILL = ("--chunked-prefill-size", "4")
 HELD_PROMPT = [7] * 40
 LONG_PROMPT = [7] * 600

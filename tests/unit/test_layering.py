@@ -29,8 +29,10 @@ LAYERS: dict[str, set[str]] = {
     "colocated": {"engine", "speculative", "protocol"},
     "prefill": {"disagg", "engine", "speculative", "transfer", "protocol"},
     "decode": {"disagg", "engine", "speculative", "transfer", "protocol"},
-    # The HTTP shell and the engine loop: it gets the role's factory, never names a role.
-    "server": {"engine", "edge", "protocol"},
+    # A worker's engine process: builds the role's worker from its factory, runs the loop.
+    "engine_process": {"engine", "protocol"},
+    # The HTTP shell: it gets the role's factory, never names a role.
+    "server": {"engine_process", "engine", "edge", "protocol"},
     "router": {"edge", "protocol"},  # a router pod needs no GPU image
     "bench": set(),  # a client for any OpenAI-compatible server: nothing of pdserve, no torch
     # The top: offline LLM, local launcher, command line.

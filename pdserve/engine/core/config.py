@@ -44,7 +44,7 @@ class EngineConfig:
     `two_batch_min_tokens` tokens (a long prefill chunk) runs as two halves of its tokens,
     each half's all-reduces overlapping the other half's compute (`ModelRunner`).
     stream_interval: a worker's engine process sends a request's tokens once this many piled
-    up (`pdserve.server.stream_interval`); `LLM` ignores it.
+    up (`pdserve.engine_process.stream_interval`); `LLM` ignores it.
     """
 
     model_path: str

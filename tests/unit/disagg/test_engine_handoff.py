@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.server.engine_process import _to_wire
+from pdserve.engine_process.loop import _to_wire
 from tests.conftest import random_prompts
 from tests.unit.local_connectors import hand_off, pair
 

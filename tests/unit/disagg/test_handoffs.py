@@ -15,6 +15,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.decode.connector import DecodeConnector
 from pdserve.engine.core.request import RequestStatus
 from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine_process.loop import EngineLoop
 from pdserve.prefill.connector import PrefillConnector
 from pdserve.protocol.engine_messages import (
     AbortRequest,
@@ -24,7 +25,6 @@ from pdserve.protocol.engine_messages import (
     TokenOutput,
 )
 from pdserve.protocol.failures import FailureKind
-from pdserve.server.engine_process import EngineLoop
 from pdserve.transfer.backends.memory.piece_registry import REGISTRY
 from pdserve.transfer.config import TransferConfig
 from pdserve.transfer.peer_allow import PeerAllowList, parse_allow_list

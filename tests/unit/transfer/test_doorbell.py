@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
+from pdserve.engine_process.loop import _receive
 from pdserve.protocol.failures import FailureKind
-from pdserve.server.engine_process import _receive
 from pdserve.transfer.doorbell import Doorbell
 from pdserve.transfer.room_state import RoomState, TransferState, room_failure
 

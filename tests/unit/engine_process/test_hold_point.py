@@ -1,5 +1,5 @@
-"""The tests' hold point (`server/hold_point.py`): armed only by its variable, it stops the loop
-once, at a request part-way through its prompt, until released."""
+"""The tests' hold point (`engine_process/hold_point.py`): armed only by its variable, it stops
+the loop once, at a request part-way through its prompt, until released."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from pdserve.engine.core.request import Request, RequestStatus
 from pdserve.engine.core.sampling_params import SamplingParams
-from pdserve.server import hold_point
-from pdserve.server.hold_point import ENV, HoldPoint
+from pdserve.engine_process import hold_point
+from pdserve.engine_process.hold_point import ENV, HoldPoint
 from tests.waiting import wait_until
 
 

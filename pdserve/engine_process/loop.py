@@ -35,6 +35,8 @@ from pdserve.engine.core.sampling_params import InvalidSamplingParams, SamplingP
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_connector import WorkerFactory
 from pdserve.engine.ranks.rank_group import RankDiedError
+from pdserve.engine_process.hold_point import HoldPoint
+from pdserve.engine_process.stream_interval import StreamInterval
 from pdserve.protocol.channel import Channel
 from pdserve.protocol.codec import ProtocolError
 from pdserve.protocol.engine_messages import (
@@ -49,8 +51,6 @@ from pdserve.protocol.engine_messages import (
     TokenOutput,
 )
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
-from pdserve.server.hold_point import HoldPoint
-from pdserve.server.stream_interval import StreamInterval
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class EngineLoop:
         self.batched_tokens = 0
         self.consecutive_failures = 0
         self.stream_interval = StreamInterval(self.engine.config.stream_interval)
-        self.hold = HoldPoint.from_env()  # NOTE: tests only (server/hold_point.py)
+        self.hold = HoldPoint.from_env()  # NOTE: tests only (engine_process/hold_point.py)
 
     def tick(self, messages: list[Message]) -> StepOutputs | None:
         """One turn: the messages, the transfers' progress, a step if there is work. Returns

@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine_process.loop import EngineLoop
+from pdserve.engine_process.stream_interval import StreamInterval
 from pdserve.protocol.engine_messages import AbortRequest, GenerateRequest, TokenOutput
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
-from pdserve.server.engine_process import EngineLoop
-from pdserve.server.stream_interval import StreamInterval
 
 # Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
 pytestmark = pytest.mark.integration

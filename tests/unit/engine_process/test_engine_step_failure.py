@@ -11,6 +11,7 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.engine.core.request import RequestStatus
 from pdserve.engine.kv_connector import KVReady
+from pdserve.engine_process.loop import MAX_CONSECUTIVE_FAILURES, EngineLoop
 from pdserve.prefill.connector import first_token_only
 from pdserve.protocol.engine_messages import (
     AbortRequest,
@@ -20,7 +21,6 @@ from pdserve.protocol.engine_messages import (
     TokenOutput,
 )
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
-from pdserve.server.engine_process import MAX_CONSECUTIVE_FAILURES, EngineLoop
 from tests.unit.local_connectors import NullConnector
 
 # Starts engines, processes or sockets: run with `-m integration` (the unit subset skips it).
