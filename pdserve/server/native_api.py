@@ -23,18 +23,14 @@ from pdserve.server.generation import (
     MAX_ROOM,
     ServerState,
     abort_room,
-    bootstrap_of,
-    check_capacity,
     check_job_count,
-    check_prompt,
     check_text_size,
     fails_room_on_error,
-    job_ids,
     new_request_id,
     run_many,
-    sampling_settings,
 )
 from pdserve.server.json_body import StrictJSONRoute
+from pdserve.server.pipeline import Ask, prepare
 from pdserve.server.streaming import WatchfulStreamingResponse, whole_unless_client_left
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -114,35 +110,39 @@ async def generate(body: GenerateBody, request: Request):
             )
     # NOTE: like SGLang, other keys this server does not use are ignored.
     raw = {k: v for k, v in given.items() if k in _SAMPLING_KEYS}
-    raw.setdefault("max_new_tokens", 128)
+    max_new_tokens = raw.pop("max_new_tokens", 128)
     logprobs = body.top_logprobs_num if body.return_logprob else None
-    # Checked (types included) before any prompt is tokenized or measured against them.
-    sampling = sampling_settings(state, {}, **raw, logprobs=logprobs)
     if body.text is not None:
         texts = [body.text] if isinstance(body.text, str) else body.text
         check_job_count(state, len(texts), param="text")
         check_text_size(state, [len(t) for t in texts], param="text")
-        prompts = await asyncio.to_thread(lambda: [state.tokenizer.encode(t) for t in texts])
+
+        def tokenize() -> list[list[int]]:
+            return [state.tokenizer.encode(t) for t in texts]
     else:
         prompts = [body.input_ids] if single else [list(p) for p in body.input_ids]
         check_job_count(state, len(prompts), param="input_ids")
-    for prompt_ids in prompts:
-        check_prompt(state, prompt_ids, sampling["max_new_tokens"])
-    if body.rid:  # NOTE: SGLang's own id: kept as the client gave it (a duplicate is refused)
-        ids = [body.rid] if single else [f"{body.rid}-{i}" for i in range(len(prompts))]
-    else:
-        ids = job_ids(scope_request_id(request.scope), len(prompts))
-    jobs = [(rid, prompt_ids, sampling) for rid, prompt_ids in zip(ids, prompts, strict=True)]
-    boot = bootstrap_of(
-        state, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, len(jobs)
+
+        def tokenize() -> list[list[int]]:
+            return prompts
+
+    # NOTE: SGLang's own `rid`, when given, names the engine requests as the client gave it.
+    ask = Ask(
+        tokenize=tokenize,
+        sampling={**raw, "logprobs": logprobs},
+        max_new_tokens=max_new_tokens,
+        id_base=body.rid or scope_request_id(request.scope),
+        exact_ids=bool(body.rid),
+        bootstrap=(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room),
+        names={},
     )
-    check_capacity(state, len(jobs))
+    prepared = await prepare(state, ask)
+    jobs, boot, exact = prepared.jobs, prepared.bootstrap, prepared.exact_ids
     if body.stream:
-        exact = bool(body.rid)
         return WatchfulStreamingResponse(
             _stream(state, jobs, boot, exact), media_type="text/event-stream"
         )
-    results = await whole_unless_client_left(request, _collect(state, jobs, boot, bool(body.rid)))
+    results = await whole_unless_client_left(request, _collect(state, jobs, boot, exact))
     if isinstance(results, Response):
         return results
     return JSONResponse(results[0] if single else results)

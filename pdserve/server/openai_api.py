@@ -7,7 +7,6 @@ then `data: [DONE]`. An error after the stream started is sent as an SSE error e
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -23,17 +22,11 @@ from pdserve.server.access_log import scope_request_id
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.generation import (
     ServerState,
-    bootstrap_of,
-    check_capacity,
     check_job_count,
     check_model,
-    check_prompt,
     check_text_size,
     fails_room_on_error,
-    job_ids,
     run_many,
-    sampling_settings,
-    seeds_for,
 )
 from pdserve.server.json_body import StrictJSONRoute
 from pdserve.server.openai_protocol import (
@@ -42,6 +35,7 @@ from pdserve.server.openai_protocol import (
     CompletionRequest,
     check_supported,
 )
+from pdserve.server.pipeline import Ask, Prepared, prepare
 from pdserve.server.streaming import WatchfulStreamingResponse, whole_unless_client_left
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -76,23 +70,18 @@ async def completions(body: CompletionRequest, request: Request):
     check_model(state, body.model)
     check_supported(body)
     _check_completion_sizes(state, body.prompt, body.n)
-    # NOTE: tokenization runs in a worker thread so a long prompt never stalls other streams.
-    prompts = await asyncio.to_thread(_completion_prompts, state, body.prompt)
-    sampling_common = _common_sampling(body, logprobs=body.logprobs)
-    settings = []
-    for prompt_ids in prompts:
-        max_tokens = check_prompt(state, prompt_ids, body.max_tokens)
-        sampling = sampling_settings(state, max_new_tokens=max_tokens, **sampling_common)
-        settings.extend((prompt_ids, s) for s in seeds_for(sampling, body.n))
-    request_id = scope_request_id(request.scope)
-    view = _View("cmpl", "text_completion", state, body.logprobs is not None, False, request_id)
-    ids = job_ids(view.id, len(settings))
-    jobs = [(i, prompt_ids, s) for i, (prompt_ids, s) in zip(ids, settings, strict=True)]
-    boot = bootstrap_of(
-        state, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, len(jobs)
+    view = _View(
+        "cmpl", "text_completion", state, body.logprobs is not None, False, _request_id(request)
     )
-    check_capacity(state, len(jobs))
-    return await _respond(request, state, jobs, view, body, boot)
+    ask = Ask(
+        tokenize=lambda: _completion_prompts(state, body.prompt),
+        sampling=_common_sampling(body, logprobs=body.logprobs),
+        max_new_tokens=body.max_tokens,
+        id_base=view.id,
+        n=body.n,
+        bootstrap=(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room),
+    )
+    return await _respond(request, state, await prepare(state, ask), view, body)
 
 
 @router.post("/v1/chat/completions")
@@ -114,29 +103,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         )
     logprobs = (top or 0) if body.logprobs else None
     contents = chat_contents(state, body.messages)
-    prompt_ids = await asyncio.to_thread(
-        chat_prompt,
-        state,
-        body.messages,
-        contents,
-        body.add_generation_prompt,
-        body.chat_template_kwargs,
+    view = _View("chatcmpl", "chat.completion", state, body.logprobs, True, _request_id(request))
+    template_args = (body.messages, contents, body.add_generation_prompt, body.chat_template_kwargs)
+    ask = Ask(
+        tokenize=lambda: [chat_prompt(state, *template_args)],
+        sampling=_common_sampling(body, logprobs),
+        max_new_tokens=body.max_completion_tokens or body.max_tokens,
+        id_base=view.id,
+        n=body.n,
+        bootstrap=(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room),
     )
-    requested = body.max_completion_tokens or body.max_tokens
-    max_tokens = check_prompt(state, prompt_ids, requested)
-    sampling = sampling_settings(
-        state, max_new_tokens=max_tokens, **_common_sampling(body, logprobs)
-    )
-    request_id = scope_request_id(request.scope)
-    view = _View("chatcmpl", "chat.completion", state, body.logprobs, True, request_id)
-    choices = seeds_for(sampling, body.n)
-    ids = job_ids(view.id, len(choices))
-    jobs = [(i, prompt_ids, s) for i, s in zip(ids, choices, strict=True)]
-    boot = bootstrap_of(
-        state, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, len(jobs)
-    )
-    check_capacity(state, len(jobs))
-    return await _respond(request, state, jobs, view, body, boot)
+    return await _respond(request, state, await prepare(state, ask), view, body)
+
+
+def _request_id(request: Request) -> str:
+    return scope_request_id(request.scope)
 
 
 # ---- request translation ---------------------------------------------------------------
@@ -324,7 +305,8 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
     }
 
 
-async def _respond(request, state, jobs, view: _View, body, bootstrap):
+async def _respond(request, state, prepared: Prepared, view: _View, body):
+    jobs, bootstrap = prepared.jobs, prepared.bootstrap
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return WatchfulStreamingResponse(
