@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.edge.error_handlers import error_response
 from pdserve.edge.request_ids import RequestIdError, request_id_of
-from pdserve.router.errors import error_response, worker_outcome
+from pdserve.router.errors import worker_outcome
 from pdserve.router.pairing import Pair
 from pdserve.router.workers import Worker
 

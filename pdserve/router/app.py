@@ -28,11 +28,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve import __version__
 from pdserve.edge.api_key import ApiKeyMiddleware
+from pdserve.edge.error_handlers import error_response, http_error_handler, internal_error_handler
 from pdserve.edge.request_ids import new_request_id
 from pdserve.router.access_log import AccessLog, AccessRecord, header
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Discovery
-from pdserve.router.errors import error_response, http_error_handler, internal_error_handler
 from pdserve.router.health import HealthChecker
 from pdserve.router.http1 import Http1Pool
 from pdserve.router.intake import BadBody, ClientWatch, read_json_body
@@ -135,7 +135,7 @@ def build_router_app(
     )
     app = RouterApp(fast_path, title="pdserve router", lifespan=lifespan)
     app.add_exception_handler(HTTPException, http_error_handler)
-    app.add_exception_handler(Exception, internal_error_handler)
+    app.add_exception_handler(Exception, internal_error_handler("router"))
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=OPEN_PATHS)
     # NOTE: the outer one
     app.add_middleware(AccessLog, paths=set(GENERATION_PATHS), colocated=config.colocated)
@@ -235,7 +235,7 @@ class RouterApp(FastAPI):
             # NOTE: the access log's record knows whether the response started.
             record: AccessRecord | None = scope.get("state", {}).get("access")
             if record is None or record.status is None:
-                response = await internal_error_handler(Request(scope), error)
+                response = await internal_error_handler("router")(Request(scope), error)
                 await response(scope, receive, send)
             raise  # NOTE: the server logs the traceback, as under FastAPI's own stack
 

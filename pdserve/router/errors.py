@@ -1,45 +1,15 @@
-"""Errors the router returns, in OpenAI's shape (the workers use the same). Torch-free."""
+"""What the router makes of its workers' errors: the outcome an error names (status, retry), the
+error a failed leg raises, the SSE error event a broken stream ends with. Torch-free. The
+responses themselves are OpenAI's shape, built by `edge` as the workers build theirs."""
 
 from __future__ import annotations
 
 import json
 
 from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
 
-from pdserve.edge import api_errors
-from pdserve.edge.api_errors import framework_error_body, internal_error_body
+from pdserve.edge.api_errors import error_body
 from pdserve.protocol.failures import Outcome, outcome_of_code
-
-
-def error_body(
-    status: int, message: str, code: str | None = None, param: str | None = None
-) -> dict:
-    return api_errors.error_body(status, message, param=param, code=code)
-
-
-def error_response(
-    status: int, message: str, code: str | None = None, headers=None, param: str | None = None
-):
-    body = error_body(status, message, code, param)
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-async def http_error_handler(request: Request, exc: HTTPException) -> JSONResponse:
-    """Starlette's own errors (unknown path, wrong method) in OpenAI's shape, with their
-    headers (a 405's Allow)."""
-    headers = dict(exc.headers or {})
-    body = framework_error_body(
-        exc.status_code, str(exc.detail), request.method, request.url.path, headers.get("Allow")
-    )
-    return JSONResponse(body, status_code=exc.status_code, headers=headers)
-
-
-async def internal_error_handler(_request: Request, _exc: Exception) -> JSONResponse:
-    """A bug: 500 in OpenAI's shape (the traceback goes to the log, not to the client)."""
-    return JSONResponse(internal_error_body("router"), status_code=500)
-
 
 # The status a worker's error event stands for, by its type (streams carry no status).
 _EVENT_STATUS = {"invalid_request_error": 400, "rate_limit_error": 429}
@@ -62,7 +32,7 @@ def worker_outcome(error: object, status: int | None = None) -> Outcome:
 
 def error_event(status: int, message: str, code: str | None = None) -> bytes:
     """An error as a Server-Sent Event, for failures after a stream started."""
-    return f"data: {json.dumps(error_body(status, message, code))}\n\n".encode()
+    return f"data: {json.dumps(error_body(status, message, code=code))}\n\n".encode()
 
 
 class LegError(Exception):

@@ -21,8 +21,8 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
 from pdserve.edge.asgi_watch import client_left
+from pdserve.edge.error_handlers import error_response
 from pdserve.edge.strict_json import BodyTooLarge, InvalidJSON, parse_json, read_bounded
-from pdserve.router.errors import error_response
 
 
 class BadBody(Exception):

@@ -21,10 +21,11 @@ import time
 
 from fastapi.responses import Response
 
+from pdserve.edge.error_handlers import error_response
 from pdserve.protocol.log_limit import RateLimitedLog
 from pdserve.router.access_log import AccessRecord
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import LegError, error_response
+from pdserve.router.errors import LegError
 from pdserve.router.fanout import BadAnswer, StreamMerge, TooManyParts, merge_bodies
 from pdserve.router.intake import ClientWatch
 from pdserve.router.legs import Answer

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 
-from pdserve.router.errors import error_response
+from pdserve.edge.error_handlers import error_response
 from pdserve.router.relay import Relay
 
 

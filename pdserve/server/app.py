@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 from pdserve import __version__
 from pdserve.edge.api_key import ApiKeyMiddleware
+from pdserve.edge.error_handlers import http_error_handler, internal_error_handler
 from pdserve.engine.checkpoint.model_files import resolve_model_dir
 from pdserve.engine.core.config import EngineConfig
 from pdserve.server import native_api, openai_api, tokenize_api
@@ -27,8 +28,6 @@ from pdserve.server.engine_client import EngineClient, EngineClientConfig
 from pdserve.server.errors import (
     APIError,
     api_error_handler,
-    http_error_handler,
-    internal_error_handler,
     validation_error_handler,
 )
 from pdserve.server.generation import ServerState
@@ -95,7 +94,7 @@ def build_app(
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
-    app.add_exception_handler(Exception, internal_error_handler)
+    app.add_exception_handler(Exception, internal_error_handler("worker"))
 
     app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=OPEN_PATHS)
     # NOTE: outermost, so that every answer (a 401 too) carries the request's id.

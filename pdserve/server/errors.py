@@ -7,9 +7,8 @@ import json
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.edge.api_errors import error_body, framework_error_body, internal_error_body
+from pdserve.edge.api_errors import error_body
 from pdserve.protocol.failures import Failure
 
 
@@ -49,21 +48,6 @@ def failure_error(failure: Failure) -> APIError:
 
 async def api_error_handler(_request: Request, exc: APIError) -> JSONResponse:
     return exc.response()
-
-
-async def http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """Starlette's own errors (unknown path, wrong method, a body too large) in OpenAI's
-    shape, with their headers (a 405's Allow)."""
-    headers = dict(exc.headers or {})
-    body = framework_error_body(
-        exc.status_code, str(exc.detail), request.method, request.url.path, headers.get("Allow")
-    )
-    return JSONResponse(body, status_code=exc.status_code, headers=headers)
-
-
-async def internal_error_handler(_request: Request, _exc: Exception) -> JSONResponse:
-    """A bug: 500 in OpenAI's shape (the traceback goes to the log, not to the client)."""
-    return JSONResponse(internal_error_body("worker"), status_code=500)
 
 
 async def validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -14,9 +14,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from pdserve.edge.api_errors import error_body
 from pdserve.router.access_log import AccessLog, last_completion_tokens
 from pdserve.router.app import build_router_app
-from pdserve.router.errors import error_body
 from tests.unit.fake_workers import FakeWorkers, worker_error
 
 ACCESS = "pdserve.router.access"
@@ -60,7 +60,7 @@ async def _decode(body: dict) -> httpx.Response:
     usage = {**answer, "choices": []}
     del answer["usage"]
     if body["prompt"] == "dies":
-        error = error_body(503, "the engine failed", "engine_failed")
+        error = error_body(503, "the engine failed", code="engine_failed")
         return httpx.Response(200, content=_sse(answer, error))
     events = (answer, usage) if body.get("stream_options") else (answer,)
     return httpx.Response(200, content=_sse(*events, done=body["prompt"] != "cut"))
