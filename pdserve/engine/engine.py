@@ -19,19 +19,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
 
-from pdserve.engine.checkpoint.model_config import ModelConfig
-from pdserve.engine.checkpoint.model_files import resolve_model_dir
 from pdserve.engine.checkpoint.weights import read_tensor
 from pdserve.engine.core.config import EngineConfig
 from pdserve.engine.core.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.core.outputs import RequestOutput
-from pdserve.engine.core.page_allocator import PageAllocator, pages_needed
-from pdserve.engine.core.prefix_cache import PrefixCache
+from pdserve.engine.core.page_allocator import pages_needed
 from pdserve.engine.core.request import Request, RequestStatus
 from pdserve.engine.core.sampling_params import InvalidSamplingParams, SamplingParams
-from pdserve.engine.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from pdserve.engine.core.scheduler import ScheduledBatch
 from pdserve.engine.kv_connector import (
     KVConnector,
     KVFailed,
@@ -40,19 +36,10 @@ from pdserve.engine.kv_connector import (
     KVSent,
     PagesSettled,
 )
-from pdserve.engine.parallel.tensor_parallel import ModelSplit
-from pdserve.engine.ranks.rank_group import RankGroup
-from pdserve.engine.runtime.attention import make_attention_backend
-from pdserve.engine.runtime.cpu_threads import set_engine_threads
-from pdserve.engine.runtime.decode_graphs import build_decode_graphs, graph_batch_size
-from pdserve.engine.runtime.forward_batch import Capture, ForwardBatch, ForwardOutput
-from pdserve.engine.runtime.kv_pool import KVPool
-from pdserve.engine.runtime.loader import build_kv_pool, load_model, resolve_device, resolve_dtype
-from pdserve.engine.runtime.model_runner import ModelRunner
+from pdserve.engine.runtime.forward_batch import ForwardBatch, ForwardOutput
 from pdserve.engine.runtime.overlap import InFlightStep, is_placeholder, placeholder
-from pdserve.engine.runtime.page_table import DevicePageTable
-from pdserve.engine.runtime.sampler import Sampler
 from pdserve.engine.speculator import Draft, Emitted, Proposals, Speculator
+from pdserve.engine.startup import build_runtime, load_target
 from pdserve.engine.text.detokenizer import RequestDetokenizer
 from pdserve.protocol.engine_messages import Bootstrap, FinishReason
 from pdserve.protocol.failures import Failure, FailureKind, FailureStage
@@ -63,114 +50,33 @@ logger = logging.getLogger(__name__)
 class Engine:
     def __init__(self, config: EngineConfig, speculator: Speculator | None = None):
         """`speculator` drafts and verifies (None: plain decoding); build the one
-        `config.speculative` describes with `pdserve.speculative.build_speculator`."""
+        `config.speculative` describes with `pdserve.speculative.build_speculator`. Start-up
+        is `startup.py`'s, in three steps: the target, the draft beside it, the runtime."""
         if config.speculative is not None and speculator is None:
             raise ValueError(
                 "speculative settings need a speculator: "
                 "Engine(config, build_speculator(config.speculative)) (pdserve.speculative)"
             )
         self.config = config
-        # NOTE: a hub id or GGUF file becomes a local directory here (the CLI has usually
-        # resolved it already: then this is the directory itself).
-        self.model_dir = resolve_model_dir(config.model_path)
-        self.model_config = ModelConfig.from_pretrained(self.model_dir)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
-        if self.device.type == "cuda":
-            # NOTE: cuda:N for everything this thread launches without naming a device.
-            torch.cuda.set_device(self.device)
-        # NOTE: one thread on GPU (a full OpenMP pool only contended with the server's other
-        # processes: engine steps 2x slower on an H100 beside a busy HTTP front end); on CPU
-        # the cores less one, split between the TP ranks (`cpu_threads`).
-        set_engine_threads(self.device, config.cpu_threads, config.ranks_per_node)
-        torch.manual_seed(config.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        limit = self.model_config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or limit, limit)
-        self.attention_backend = make_attention_backend(config.attention_backend, self.device)
-        # Tensor parallelism: this process is rank 0; the other ranks start now and load their
-        # shares beside it (rank_group.py).
-        self.ranks: RankGroup | None = None
-        if config.tp_size > 1:
-            split = ModelSplit.of(self.model_config, config.tp_size)
-            self.ranks = RankGroup(config, self.model_dir, split, self.device, self.dtype)
+        target = load_target(config)
+        self.model_dir, self.model_config = target.model_dir, target.model_config
+        self.device, self.dtype, self.tokenizer = target.device, target.dtype, target.tokenizer
+        self.max_model_len = target.max_model_len
+        self.attention_backend = target.attention_backend
+        self.ranks, self.model = target.ranks, target.model
+        self.speculator = speculator
         try:
-            self._load(config, speculator)
+            if speculator is not None:
+                speculator.load(self)  # NOTE: draft models load before the KV pools are sized
+            runtime = build_runtime(config, target, speculator, self.kv_tokens_for_transfer)
         except BaseException:
             self.close()  # NOTE: the other ranks do not outlive a failed start
             raise
-
-    def _load(self, config: EngineConfig, speculator: Speculator | None) -> None:
-        """The rest of start-up: model, draft, KV pool, scheduler, graphs, runner."""
-        self.model = load_model(
-            self.model_dir,
-            self.model_config,
-            self.device,
-            self.dtype,
-            self.max_model_len,
-            self.attention_backend,
-            self.ranks.tp if self.ranks else None,
-        )
-        self.speculator = speculator
-        if speculator is not None:
-            speculator.load(self)  # NOTE: draft models load before the KV pools are sized
-        self.eos_token_ids = self._eos_token_ids()
-        self.sampler = Sampler(self.eos_token_ids)
-        lookahead = speculator.lookahead_slots() if speculator else 0
-        # The most pages a request can hold: max_model_len tokens and the speculative slots.
-        self.max_pages_per_request = pages_needed(self.max_model_len + lookahead, config.page_size)
-        # Target features every forward pass keeps for the draft.
-        self.capture = speculator.target_capture() if speculator else Capture.NONE
-        if self.ranks is not None:
-            self.ranks.send_plan(
-                self.capture,
-                speculator.verify_tokens() if speculator else 0,
-                self.max_pages_per_request,
-            )
-        self.kv_pool: KVPool = self._build_kv_pool()
-        self.allocator = PageAllocator(self.kv_pool.num_pages)
-        self.prefix_cache = self._build_prefix_cache()
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                page_size=config.page_size,
-                max_running_requests=config.max_running_requests,
-                prefill_token_budget=config.prefill_token_budget,
-                split_prompts=config.split_prompts,
-                lookahead=lookahead,
-            ),
-            self.allocator,
-            self.prefix_cache,
-            transfer_slots=self.kv_tokens_for_transfer,
-        )
-        self.page_table = DevicePageTable(
-            config.max_running_requests, self.max_pages_per_request, self.device
-        )
-        graph_args = (self.attention_backend, self.model, self.kv_pool, self.page_table)
-        decode_graphs = build_decode_graphs(config, *graph_args, self.device, capture=self.capture)
-        verify_graphs = None
-        if speculator is not None:
-            verify_graphs = build_decode_graphs(
-                config,
-                *graph_args,
-                self.device,
-                capture=self.capture,
-                tokens_per_seq=speculator.verify_tokens(),
-                share_pool_with=decode_graphs,
-            )
-            speculator.build_graphs(
-                self.page_table,
-                graph_batch_size(config, self.attention_backend) if decode_graphs else 0,
-            )
-        self.runner = ModelRunner(
-            self.model,
-            self.kv_pool,
-            self.sampler,
-            self.device,
-            decode_graphs,
-            verify_graphs,
-            self.ranks,
-            config.two_batch_overlap_tokens,
-        )
+        self.eos_token_ids, self.sampler = runtime.eos_token_ids, runtime.sampler
+        self.max_pages_per_request, self.capture = runtime.max_pages_per_request, runtime.capture
+        self.kv_pool, self.allocator = runtime.kv_pool, runtime.allocator
+        self.prefix_cache, self.scheduler = runtime.prefix_cache, runtime.scheduler
+        self.page_table, self.runner = runtime.page_table, runtime.runner
         self.requests: dict[str, Request] = {}
         # A prefill or decode worker's KV handoff (`connect`); None: colocated.
         self.connector: KVConnector | None = None
@@ -200,41 +106,6 @@ class Engine:
             self.max_model_len,
             "on" if self.prefix_cache is not None else "off",
         )
-
-    # ---- start-up -------------------------------------------------------------------------
-
-    def _build_kv_pool(self) -> KVPool:
-        """The target's pool, sized with the draft's pools beside it: they share its page ids,
-        so each page costs both."""
-        speculator = self.speculator
-        pool = build_kv_pool(
-            self.config,
-            self.model_config,
-            self.model,
-            self.device,
-            self.dtype,
-            self.max_model_len,
-            extra_page_bytes=speculator.draft_page_bytes() if speculator else 0,
-            graph_batch=graph_batch_size(self.config, self.attention_backend, self.device),
-            reserved_bytes=DevicePageTable.bytes_for(
-                self.config.max_running_requests, self.max_pages_per_request
-            ),
-            tp=self.ranks.tp if self.ranks else None,
-        )
-        if speculator is not None:
-            speculator.build_pools(pool.num_pages)
-        return pool
-
-    def _build_prefix_cache(self) -> PrefixCache | None:
-        if self.config.disable_prefix_caching:
-            return None
-        if self.speculator is not None and self.speculator.draft_page_bytes():
-            # NOTE: a draft's KV at a page's last slot depends on the next page's first token
-            # (EAGLE reads x_{i+1} at position i), so a page's draft KV is not a function of
-            # its own tokens and cannot be keyed by them. Drafts without KV (NGRAM) cache.
-            logger.info("prefix caching is off: the speculative draft keeps KV of its own")
-            return None
-        return PrefixCache(self.allocator, self.config.page_size)
 
     @property
     def kv_pages_in_use(self) -> int:
@@ -269,12 +140,6 @@ class Engine:
         if self.speculator is None:
             return num_prompt_tokens
         return self.speculator.kv_tokens_for_transfer(num_prompt_tokens)
-
-    def _eos_token_ids(self) -> tuple[int, ...]:
-        ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
 
     # ---- requests ---------------------------------------------------------------------
 

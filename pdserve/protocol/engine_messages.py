@@ -14,6 +14,7 @@ from typing import Any
 
 from pdserve.protocol.codec import message
 from pdserve.protocol.failures import Failure, FailureKind
+from pdserve.protocol.ids import RequestId, RoomId
 
 
 @message("bootstrap")
@@ -23,12 +24,12 @@ class Bootstrap:
 
     host: str
     port: int
-    room: int
+    room: RoomId
 
 
 @message("generate")
 class GenerateRequest:
-    request_id: str
+    request_id: RequestId
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
     bootstrap: Bootstrap | None = None
@@ -36,7 +37,7 @@ class GenerateRequest:
 
 @message("abort")
 class AbortRequest:
-    request_id: str
+    request_id: RequestId
 
 
 @message("fail_room")
@@ -45,7 +46,7 @@ class FailRoom:
     fail its room so the other side stops waiting at once. A decode worker tells the prefill
     worker at host:port."""
 
-    room: int
+    room: RoomId
     reason: str
     host: str = ""
     port: int = 0
@@ -75,7 +76,7 @@ class TokenOutput:
     `stop_reason`); the front end's detokenizer, fed these ids, cuts the text at the same
     place."""
 
-    request_id: str
+    request_id: RequestId
     new_token_ids: list[int]
     finished: bool
     num_prompt_tokens: int
@@ -93,7 +94,9 @@ class TokenOutput:
     num_cached_tokens: int = 0
 
     @classmethod
-    def failed(cls, request_id: str, failure: Failure, num_prompt_tokens: int = 0) -> TokenOutput:
+    def failed(
+        cls, request_id: RequestId, failure: Failure, num_prompt_tokens: int = 0
+    ) -> TokenOutput:
         """The last output of a request that failed before it produced anything."""
         return cls(
             request_id=request_id,

@@ -11,6 +11,7 @@ proposals) follow by a broadcast in the group, not here.
 from __future__ import annotations
 
 from pdserve.protocol.codec import message
+from pdserve.protocol.ids import PageIds, RoomId
 
 
 @message("rank_plan")
@@ -47,7 +48,7 @@ class RankForward:
 
     request_ids: list[str]
     pages_kept: list[int]
-    new_pages: list[int]
+    new_pages: PageIds
     new_page_counts: list[int]
     num_computed: list[int]
     token_ids: list[int]
@@ -99,7 +100,7 @@ class RankGatherKV:
     """A prefill worker sends these target pages: every rank gathers its KV heads of them
     (every layer, K and V) to rank 0, which lays them out as one rank holding every head."""
 
-    pages: list[int]
+    pages: PageIds
 
 
 @message("rank_scatter_kv")
@@ -107,7 +108,7 @@ class RankScatterKV:
     """A decode worker commits KV into these target pages: rank 0 hands every rank its KV
     heads of them, and each rank writes them into its pool."""
 
-    pages: list[int]
+    pages: PageIds
 
 
 # ---- per-rank-pair KV links (a disaggregated worker over nccl or gloo) --------------------
@@ -153,7 +154,7 @@ class RankSendSlices:
     numbers) of these target pages and send them to decode rank `dsts[i]` of peer `link`."""
 
     link: int
-    pages: list[int]
+    pages: PageIds
     dsts: list[int]
     first_heads: list[int]
     num_heads: list[int]
@@ -165,7 +166,7 @@ class RankReceiveSlices:
     lands is dropped) from prefill ranks `srcs[i]` of peer `link`, `nbytes[i]` each, holding
     heads [first_heads[i], + num_heads[i])."""
 
-    room: int
+    room: RoomId
     index: int
     scratch: bool
     link: int
@@ -181,9 +182,9 @@ class RankCommitSlices:
     (`pages` flat, `page_counts` per piece), then let the buffers go; each piece has `parts`
     parts on this rank."""
 
-    room: int
+    room: RoomId
     indices: list[int]
-    pages: list[int]
+    pages: PageIds
     page_counts: list[int]
     parts: int
 
@@ -192,7 +193,7 @@ class RankCommitSlices:
 class RankDropSlices:
     """Decode: `room` ended without a commit: drop what landed for it, and what lands later."""
 
-    room: int
+    room: RoomId
 
 
 @message("rank_transfer_report")
@@ -204,7 +205,7 @@ class RankTransferReport:
     rank: int
     link: int
     peer_rank: int
-    room: int
+    room: RoomId
     index: int
     nbytes: int
     error: str | None

@@ -15,6 +15,7 @@ import dataclasses
 
 from pdserve.protocol.codec import message
 from pdserve.protocol.failures import Failure
+from pdserve.protocol.ids import RoomId
 
 
 @message("spec_layout")
@@ -80,7 +81,7 @@ class NotRegistered:
     refused transfer request's room, or -1 for any other message."""
 
     instance: int
-    room: int = -1
+    room: RoomId = -1
 
 
 @message("register")
@@ -144,7 +145,7 @@ class TransferRequest:
     `num_cached_pages` target pages decode holds already (its prefix cache has the prompt's
     start): prefill sends none of them; at least the last page is always sent."""
 
-    room: int
+    room: RoomId
     num_pages: int
     num_draft_pages: int
     num_cached_pages: int = 0
@@ -164,7 +165,7 @@ class KVPiece:
     With `ipc` no bytes follow: prefill wrote them into decode's pages; on a GPU, `event` is
     a CUDA IPC event recorded after that write (decode's work on the pages waits for it)."""
 
-    room: int
+    room: RoomId
     index: int
     first_page: int
     num_pages: int
@@ -179,7 +180,7 @@ class KVChunk:
     """Prefill -> decode header; the chunk's bytes follow as the next frame (tcp backend):
     bytes [offset, offset + nbytes) of the room's piece `piece`."""
 
-    room: int
+    room: RoomId
     piece: int
     offset: int
     nbytes: int
@@ -190,7 +191,7 @@ class MetadataHeader:
     """Prefill -> decode: the request's first token and speculative seed state. The tensors
     (topk_index int64, topk_p float32, hidden_states) follow as the next frame, in that order."""
 
-    room: int
+    room: RoomId
     first_token: int
     cached_tokens: int
     first_logprob: float | None = None
@@ -205,7 +206,7 @@ class RoomDone:
     """Prefill -> decode: everything for the room was sent or posted: `num_pieces` pieces,
     `total_bytes` of KV (on torch.distributed the last bytes may land after this)."""
 
-    room: int
+    room: RoomId
     total_bytes: int
     num_pieces: int
 
@@ -214,7 +215,7 @@ class RoomDone:
 class RoomAck:
     """Decode -> prefill: the room arrived whole; prefill may free its pages."""
 
-    room: int
+    room: RoomId
 
 
 @message("room_released")
@@ -222,14 +223,14 @@ class RoomReleased:
     """Prefill -> decode (the `ipc` backend): the room ended here, every write into decode's
     pages for it has completed and none will start; decode may reuse its pages."""
 
-    room: int
+    room: RoomId
 
 
 @message("abort_room")
 class AbortRoom:
     """Either direction: stop this room now, for this failure."""
 
-    room: int
+    room: RoomId
     failure: Failure
 
 

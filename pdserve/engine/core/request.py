@@ -15,6 +15,7 @@ from typing import Any
 from pdserve.engine.core.sampling_params import SamplingParams
 from pdserve.protocol.engine_messages import FinishReason
 from pdserve.protocol.failures import Failure
+from pdserve.protocol.ids import PageIds, RequestId
 
 
 class RequestStatus(enum.Enum):
@@ -46,7 +47,7 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    request_id: str
+    request_id: RequestId
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     max_total_tokens: int
@@ -57,7 +58,7 @@ class Request:
     # Unlike `token_ids` it never holds an overlap placeholder.
     output_token_ids: list[int] = field(init=False, default_factory=list)
     num_computed_tokens: int = 0
-    pages: list[int] = field(default_factory=list)
+    pages: PageIds = field(default_factory=list)
     # Prefix caching: the cache's nodes of pages[:len(cached_pages)] (read, never written,
     # by this request) and how many prompt tokens the cache saved at its first admission.
     cached_pages: list[Any] = field(default_factory=list)
