@@ -66,7 +66,10 @@ class Prepared:
 
 
 async def prepare(state: ServerState, ask: Ask) -> Prepared:
-    sampling_settings(state, ask.names, max_new_tokens=ask.max_new_tokens, **ask.sampling)
+    # NOTE: without a max_new_tokens, the context's length stands in for the bound each
+    # prompt gets (so that min_new_tokens is checked against what it may really reach).
+    bound = state.max_model_len if ask.max_new_tokens is None else ask.max_new_tokens
+    sampling_settings(state, ask.names, max_new_tokens=bound, **ask.sampling)
     prompts = await asyncio.to_thread(ask.tokenize)
     settings: list[tuple[list[int], dict[str, Any]]] = []
     for prompt_ids in prompts:

@@ -137,8 +137,11 @@ def test_decode_abort_stops_the_sender():
 
 def test_prefill_killed_mid_transfer_fails_the_room_within_the_peer_deadline():
     cases = [Case(room=600)]
-    prefill, decode, _, results_d, _ = start_pair(cases, prefill_behaviour="partial")
-    time.sleep(1.0)  # the decode side has the first KV chunk by now
+    prefill, decode, _, results_d, _ = start_pair(
+        cases, prefill_behaviour="partial", report_first_piece=True
+    )
+    ((_, state, _, _),) = collect(results_d, 1)
+    assert state == "TRANSFERRING"  # decode holds the first piece: the prefill dies mid-room
     killed_at = time.monotonic()
     os.kill(prefill.pid, signal.SIGKILL)
     ((_, state, reason, _),) = collect(results_d, 1)

@@ -155,8 +155,11 @@ def run_decode(
     result_queue,
     layout_changes=None,
     abort_after_request=False,
+    report_first_piece=False,
 ):
-    """Receive every case's room into other page ids and check it bit for bit."""
+    """Receive every case's room into other page ids and check it bit for bit.
+    report_first_piece: put `(room, "TRANSFERRING", None, seconds)` on the queue once the
+    room's first piece came (a test acts mid-transfer then), before its final result."""
     from pdserve.transfer.decode_side import DecodeTransferClient
 
     try:
@@ -182,6 +185,13 @@ def run_decode(
                 receiver.abort(FailureKind.ABORTED, "client went away")
                 result_queue.put((case.room, "ABORTED", None))
                 continue
+            if report_first_piece:
+                wait_until(
+                    lambda r=receiver: r.poll() is not TransferState.BOOTSTRAPPING,
+                    "the room's first piece",
+                )
+                state = receiver.poll().name
+                result_queue.put((case.room, state, None, time.monotonic() - started))
             wait_until(
                 lambda r=receiver: r.poll() in (TransferState.SUCCESS, TransferState.FAILED),
                 "the room to finish",
