@@ -3,8 +3,9 @@ request is exactly there (kill a prefill worker mid-prefill, before any KV was s
 buying the time with a long prompt computed a token a step.
 
 `PDSERVE_HOLD_AT=POINT:DIRECTORY` in an engine process's environment (tests set it through
-`LocalServer(env=...)`; nothing else reads it) arms one hold. The first time the loop reaches
-POINT it writes `DIRECTORY/held` (the request's id inside) and stops there until
+`LocalServer(env=...)`; nothing else reads it) sets up one hold, armed once `DIRECTORY/armed`
+exists (so a test can send requests that pass first). The first time the loop reaches POINT
+armed, it writes `DIRECTORY/held` (the request's id inside) and stops there until
 `DIRECTORY/release` exists or `HOLD_DEADLINE_S` passed, then goes on as if nothing happened.
 Unset, the loop pays one attribute test per turn.
 
@@ -60,7 +61,8 @@ class HoldPoint:
         for request in requests:
             computing = request.status is RequestStatus.RUNNING
             if computing and 0 < request.num_computed_tokens < len(request.prompt_token_ids):
-                self._hold(request.request_id)
+                if (self.directory / "armed").exists():
+                    self._hold(request.request_id)
                 return
 
     def _hold(self, request_id: str) -> None:

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import pathlib
 from dataclasses import dataclass, field
 
+from pdserve.engine_process.hold_point import ENV as HOLD_ENV
 from pdserve.server.local_process import LocalServer, free_port
 from tests.e2e.conftest import START_DEADLINE_S, Server
 from tests.waiting import wait_until
@@ -141,3 +143,28 @@ class _Logs:
 
 def start_cluster(model_path: str, **options) -> Cluster:
     return begin_cluster(model_path, **options).ready()
+
+
+@dataclass
+class PrefillHold:
+    """A prefill worker's hold point (pdserve/engine_process/hold_point.py): once armed, its
+    engine stops after the first step that computed part of a prompt, until released, so a
+    test acts exactly mid-prefill (prefill with a chunk smaller than the prompt)."""
+
+    directory: pathlib.Path
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {HOLD_ENV: f"prefill-started:{self.directory}"}
+
+    def arm(self) -> None:
+        (self.directory / "armed").touch()
+
+    def wait(self, cluster: Cluster) -> None:
+        """Until the prefill worker holds, and its decode worker waits for the KV."""
+        wait_until((self.directory / "held").exists, "the prefill worker to hold mid-prefill")
+        decode = cluster.decode[0]
+        wait_until(lambda: cluster.state(decode)["num_transferring"] == 1, "decode to wait for KV")
+
+    def release(self) -> None:
+        (self.directory / "release").touch()

@@ -15,8 +15,7 @@ import time
 import httpx
 import pytest
 
-from pdserve.engine_process.hold_point import ENV as HOLD_ENV
-from tests.e2e.pd_cluster import FAST_FAILURE, start_cluster
+from tests.e2e.pd_cluster import FAST_FAILURE, PrefillHold, start_cluster
 from tests.e2e.sse import stream_post
 from tests.waiting import wait_until
 
@@ -110,36 +109,27 @@ def shared(tiny_model_dirs):
 
 @pytest.fixture
 def held(tmp_path):
-    """Settings for a cluster whose prefill worker holds mid-prefill, and a wait for it."""
-
-    def wait_held(cluster) -> None:
-        wait_until((tmp_path / "held").exists, "the prefill worker to hold mid-prefill")
-        decode = cluster.decode[0]
-        wait_until(lambda: cluster.state(decode)["num_transferring"] == 1, "decode to wait for KV")
-
-    options = {
-        "prefill_args": HELD_PREFILL,
-        "prefill_env": {HOLD_ENV: f"prefill-started:{tmp_path}"},
-    }
-    return options, wait_held
+    """A hold point for a cluster's prefill worker, armed."""
+    hold = PrefillHold(tmp_path)
+    hold.arm()
+    return hold
 
 
-def long_request_while_prefilling(cluster, wait_held):
+def long_request_while_prefilling(cluster, hold: PrefillHold):
     """Send HELD_PROMPT through the router in the background; returns its `join` once the
     prefill worker holds mid-prefill."""
     url = cluster.router.url + "/generate"
     join = _in_background(lambda: httpx.post(url, json=_generate_body(HELD_PROMPT), timeout=90))
-    wait_held(cluster)
+    hold.wait(cluster)
     return join
 
 
 # NOTE: ipc too: decode's pages, which the dead prefill process wrote, come back once it is gone.
 @pytest.mark.parametrize("backend", ["tcp", "ipc"])
 def test_prefill_killed_mid_request(fresh, held, backend):
-    options, wait_held = held
-    cluster = fresh(backend=backend, **options)
+    cluster = fresh(backend=backend, prefill_args=HELD_PREFILL, prefill_env=held.env)
     prefill, decode = cluster.prefill[0], cluster.decode[0]
-    join = long_request_while_prefilling(cluster, wait_held)
+    join = long_request_while_prefilling(cluster, held)
     _kill(prefill)
     response, seconds = join()
     assert response.status_code in (502, 503), response.text
@@ -154,13 +144,12 @@ def test_prefill_killed_mid_request(fresh, held, backend):
 def test_decode_alone_fails_its_room_when_prefill_dies(fresh, held, backend):
     """Without a router to cancel it (as under SGLang's router), the decode leg still fails
     fast: the dead prefill peer stops answering heartbeats."""
-    options, wait_held = held
-    cluster = fresh(backend=backend, **options)
+    cluster = fresh(backend=backend, prefill_args=HELD_PREFILL, prefill_env=held.env)
     prefill, decode = cluster.prefill[0], cluster.decode[0]
     body = _direct_body(_generate_body(HELD_PROMPT), cluster, room=12345)
     join_decode = _in_background(lambda: decode.post("/generate", body))
     join_prefill = _in_background(lambda: prefill.post("/generate", body))
-    wait_held(cluster)
+    held.wait(cluster)
     _kill(prefill)
     response, seconds = join_decode()
     assert response.status_code == 503, response.text

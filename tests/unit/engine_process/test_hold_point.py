@@ -36,14 +36,22 @@ def test_a_bad_setting_is_refused_naming_it(monkeypatch, spec, match):
 
 
 def test_it_passes_requests_that_are_not_mid_prefill(tmp_path):
+    (tmp_path / "armed").touch()
     hold = HoldPoint("prefill-started", str(tmp_path))
     hold.after_step([_request(0), _request(8), _request(4, RequestStatus.WAITING)])
+    assert not (tmp_path / "held").exists() and not hold.spent
+
+
+def test_it_holds_nothing_until_armed(tmp_path):
+    hold = HoldPoint("prefill-started", str(tmp_path))
+    hold.after_step([_request(4)])
     assert not (tmp_path / "held").exists() and not hold.spent
 
 
 def test_it_holds_once_mid_prefill_until_released(tmp_path, monkeypatch):
     monkeypatch.setattr(hold_point, "HOLD_DEADLINE_S", 30.0)
     hold = HoldPoint("prefill-started", str(tmp_path))
+    (tmp_path / "armed").touch()
     stepping = threading.Thread(target=hold.after_step, args=([_request(4)],))
     stepping.start()
     wait_until((tmp_path / "held").exists, "the hold to be reached")
