@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.edge.access_lines import write_line
 from pdserve.edge.error_handlers import error_response
 from pdserve.edge.request_ids import RequestIdError, request_id_of
 from pdserve.router.errors import worker_outcome
@@ -201,11 +202,4 @@ class AccessLog:
             raise
         finally:
             if logger.isEnabledFor(logging.INFO):
-                _write(record.line(failure))
-
-
-def _write(line: str) -> None:
-    """The access line, at INFO. NOTE: not `logger.info`, which first walks the stack for the
-    caller's file and line (about 40% of a line's cost, measured), which no access line
-    names: the record goes to the handlers as `info` would send it, less those."""
-    logger.handle(logger.makeRecord(logger.name, logging.INFO, __file__, 0, line, None, None))
+                write_line(logger, logging.INFO, record.line(failure))

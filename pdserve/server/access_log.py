@@ -19,12 +19,12 @@ Plain ASGI, like `ApiKeyMiddleware` (its docstring says why).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
-from pdserve.edge.api_errors import error_body
+from pdserve.edge.access_lines import write_line
 from pdserve.edge.api_key import ASGIApp, Receive, Scope, Send
+from pdserve.edge.error_handlers import error_response
 from pdserve.edge.request_ids import (
     HEADER,
     RequestIdError,
@@ -59,7 +59,7 @@ class RequestIdMiddleware:
         try:
             request_id = request_id_of(scope["headers"])
         except RequestIdError as e:
-            await _refuse(send, str(e))
+            await error_response(400, str(e), "invalid_request_id")(scope, receive, send)
             return
         scope.setdefault("state", {})["request_id"] = request_id
         status = 0  # until the response starts; 0 in the line: the client left before it
@@ -77,7 +77,8 @@ class RequestIdMiddleware:
         finally:
             level = logging.DEBUG if scope["path"] in PROBE_PATHS else logging.INFO
             if logger.isEnabledFor(level):
-                _write(level, _line(scope, request_id, status, time.monotonic() - started))
+                line = _line(scope, request_id, status, time.monotonic() - started)
+                write_line(logger, level, line)
 
 
 def _line(scope: Scope, request_id: str, status: int, seconds: float) -> str:
@@ -87,16 +88,3 @@ def _line(scope: Scope, request_id: str, status: int, seconds: float) -> str:
         f"request {request_id} {scope['method']} {scope['path']} {status} "
         f"client={peer} duration={seconds:.3f}s"
     )
-
-
-def _write(level: int, line: str) -> None:
-    """The access line, as the router writes its own: `logger.log` would first walk the stack
-    for a caller's file and line that the line never names."""
-    logger.handle(logger.makeRecord(logger.name, level, __file__, 0, line, None, None))
-
-
-async def _refuse(send: Send, message: str) -> None:
-    data = json.dumps(error_body(400, message, code="invalid_request_id")).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
-    await send({"type": "http.response.start", "status": 400, "headers": headers})
-    await send({"type": "http.response.body", "body": data})

@@ -13,7 +13,6 @@ import asyncio
 import functools
 import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,10 +53,6 @@ class ServerState:
 
     def __post_init__(self):
         self.token_texts = TokenTexts(self.tokenizer)
-
-
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def job_ids(base: str, count: int) -> list[str]:

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 import pdserve
-from pdserve.edge.request_ids import MAX_REQUEST_ID_CHARS
+from pdserve.edge.request_ids import MAX_REQUEST_ID_CHARS, new_request_id
 from pdserve.server.access_log import scope_request_id
 from pdserve.server.errors import APIError, bad_request
 from pdserve.server.generation import (
@@ -26,7 +26,6 @@ from pdserve.server.generation import (
     check_job_count,
     check_text_size,
     fails_room_on_error,
-    new_request_id,
     run_many,
 )
 from pdserve.server.json_body import StrictJSONRoute
@@ -328,7 +327,7 @@ async def health_generate(request: Request) -> Response:
         # NOTE: a prefill or decode worker cannot generate alone; its engine answering
         # (above) is the check.
         return Response(status_code=200)
-    job = (new_request_id("health"), [0], {"max_new_tokens": 1, "temperature": 0.0})
+    job = (f"health-{new_request_id()}", [0], {"max_new_tokens": 1, "temperature": 0.0})
 
     async def one_token() -> None:
         async for _ in run_many(state, [job]):
